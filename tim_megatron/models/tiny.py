@@ -1,0 +1,166 @@
+"""The built-in tiny Qwen3-MoE: a real HF checkpoint and tokenizer, made offline and deterministically.
+
+``ensure_tiny_checkpoint(dims, ...)`` writes ``config.json``, ``model.safetensors`` (checkpoint layout,
+per-expert tensors) and a character-level tokenizer into a cache folder keyed by every input, and returns
+the folder. The trainer, the rollout engine, the tests and the demo all load it like any HF model.
+
+The weights get a short supervised warm-up on the *format* of the built-in arithmetic task: after
+``a+b=`` comes a number and then the end-of-text token, with the number drawn at random rather than
+correct. The model therefore starts RL answering in the right shape, with a success rate of about one in
+the number of possible answers, and GRPO has something to improve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tim_megatron.recipe.schema import ModelDims, TaskConfig
+
+EOS = "<|endoftext|>"
+UNK = "<unk>"
+# Characters of the built-in task, of \boxed{} answers and of plain math prose; everything else is <unk>.
+CHARS = list("0123456789+-*/=^ ().,?:{}\\\n") + list("abcdefghijklmnopqrstuvwxyz")
+VOCAB = [EOS, UNK, *CHARS]
+TOKENIZER_VERSION = 1
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TIM_CACHE", Path.home() / ".cache" / "tim-megatron"))
+
+
+def build_tokenizer(vocab_size: int):
+    """A character-level fast tokenizer (HF ``PreTrainedTokenizerFast``) padded to ``vocab_size``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < len(VOCAB):
+        raise ValueError(
+            f"model.dims.vocab_size = {vocab_size}: the tiny tokenizer needs at least {len(VOCAB)} tokens"
+        )
+    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    for i in range(len(VOCAB), vocab_size):
+        vocab[f"<extra_{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
+
+
+def hf_config(dims: ModelDims):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=dims.vocab_size,
+        hidden_size=dims.hidden_size,
+        intermediate_size=dims.intermediate_size,
+        num_hidden_layers=dims.num_layers,
+        num_attention_heads=dims.num_attention_heads,
+        num_key_value_heads=dims.num_key_value_heads,
+        head_dim=dims.head_dim,
+        rms_norm_eps=dims.rms_norm_eps,
+        max_position_embeddings=dims.max_position_embeddings,
+        tie_word_embeddings=dims.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": dims.rope_theta},
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+        attention_bias=False,
+    )
+    if dims.is_moe:
+        return Qwen3MoeConfig(
+            **common,
+            num_experts=dims.num_experts,
+            num_experts_per_tok=dims.num_experts_per_tok,
+            moe_intermediate_size=dims.moe_intermediate_size,
+            norm_topk_prob=dims.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+        )
+    return Qwen3Config(**common)
+
+
+def _key(dims: ModelDims, seed: int, warmup_steps: int, task: TaskConfig) -> str:
+    blob = json.dumps(
+        {
+            "dims": dims.model_dump(),
+            "seed": seed,
+            "warmup": warmup_steps,
+            "task": task.model_dump(),
+            "tok": TOKENIZER_VERSION,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def ensure_tiny_checkpoint(
+    dims: ModelDims,
+    *,
+    seed: int = 0,
+    warmup_steps: int = 300,
+    task: TaskConfig | None = None,
+    root: Path | None = None,
+) -> Path:
+    """Return the folder of the tiny checkpoint for these settings, building it on first use."""
+    task = task or TaskConfig()
+    root = Path(root) if root is not None else cache_root() / "tiny"
+    target = root / _key(dims, seed, warmup_steps, task)
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        _build(tmp, dims=dims, seed=seed, warmup_steps=warmup_steps, task=task)
+        try:
+            os.replace(tmp, target)  # atomic: a concurrent builder loses the race harmlessly
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build(folder: Path, *, dims: ModelDims, seed: int, warmup_steps: int, task: TaskConfig) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(dims)
+    tokenizer = build_tokenizer(dims.vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if warmup_steps:
+            _warmup(model, tokenizer, steps=warmup_steps, seed=seed, task=task)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    meta = {
+        "built_by": "tim_megatron.models.tiny",
+        "seed": seed,
+        "warmup_steps": warmup_steps,
+        "task": task.model_dump(),
+    }
+    (folder / "tim_tiny.json").write_text(json.dumps(meta, indent=2))
+
+
+def _warmup(model, tokenizer, *, steps: int, seed: int, task: TaskConfig) -> None:
+    from tim_megatron.data.arithmetic import format_warmup_batch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        ids, labels = format_warmup_batch(tokenizer=tokenizer, task=task, batch_size=32, generator=g)
+        out = model(input_ids=ids, labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()

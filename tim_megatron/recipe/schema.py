@@ -1,0 +1,725 @@
+"""The typed recipe: every knob of a run, with a docstring under each field.
+
+A recipe is YAML that may inherit from parents (``base:``); ``tim_megatron.recipe.loader`` merges the
+files, applies dotted overrides and validates the result against :class:`Recipe`. Derived settings
+(dtypes implied by remedies, the data-parallel size) are resolved here, in one place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RecipeValueError(ValueError):
+    """A cross-field validation failure that names the dotted keys involved."""
+
+    def __init__(self, keys: list[str], message: str):
+        self.keys = keys
+        super().__init__(message)
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+class ModelDims(Section):
+    """Architecture numbers of a Qwen3(-MoE) model, as in its HF ``config.json``."""
+
+    hidden_size: int = Field(128, gt=0)
+    """Width of the residual stream (``hidden_size``)."""
+    num_layers: int = Field(2, gt=0)
+    """Number of transformer layers (``num_hidden_layers``)."""
+    num_attention_heads: int = Field(4, gt=0)
+    """Query heads (``num_attention_heads``)."""
+    num_key_value_heads: int = Field(2, gt=0)
+    """Key/value heads for grouped-query attention (``num_key_value_heads``)."""
+    head_dim: int = Field(32, gt=0)
+    """Per-head width (``head_dim``). vLLM's CPU attention rejects 16."""
+    vocab_size: int = Field(64, gt=0)
+    """Vocabulary size (``vocab_size``)."""
+    num_experts: int = Field(8, ge=0)
+    """Routed experts per MoE layer (``num_experts``); 0 means a dense Qwen3 model."""
+    num_experts_per_tok: int = Field(2, ge=0)
+    """Experts chosen per token (``num_experts_per_tok``, the router's top-k)."""
+    moe_intermediate_size: int = Field(64, ge=0)
+    """Hidden width of each expert's SwiGLU MLP (``moe_intermediate_size``)."""
+    intermediate_size: int = Field(256, gt=0)
+    """Hidden width of dense MLP layers (``intermediate_size``)."""
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing probabilities to sum to one (``norm_topk_prob``)."""
+    rope_theta: float = Field(1_000_000.0, gt=0)
+    """RoPE base frequency (``rope_theta``)."""
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    """RMSNorm epsilon (``rms_norm_eps``)."""
+    max_position_embeddings: int = Field(512, gt=0)
+    """Longest sequence the position encoding is set up for (``max_position_embeddings``)."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the LM head (``tie_word_embeddings``)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def approx_params(self) -> tuple[int, int]:
+        """(total, active-per-token) parameter counts, for memory planning."""
+        h, L, v = self.hidden_size, self.num_layers, self.vocab_size
+        attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        norms = 2 * h + 2 * self.head_dim
+        if self.is_moe:
+            expert = 3 * h * self.moe_intermediate_size
+            mlp_total = self.num_experts * expert + h * self.num_experts
+            mlp_active = self.num_experts_per_tok * expert + h * self.num_experts
+        else:
+            mlp_total = mlp_active = 3 * h * self.intermediate_size
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        total = L * (attn + norms + mlp_total) + emb + h
+        active = L * (attn + norms + mlp_active) + emb + h
+        return total, active
+
+
+class ModelConfig(Section):
+    path: str = "tiny"
+    """HF checkpoint: a local folder, a hub name (cluster only), or ``tiny`` for the built-in tiny MoE."""
+    dims: ModelDims = ModelDims()
+    """Architecture numbers. For ``tiny`` they define the model; otherwise they must match config.json."""
+    router_dtype: Literal["fp32", "fp64"] = "fp32"
+    """Precision of the router GEMM and softmax in the trainer (MoE-for-RL default: fp32)."""
+    load_balancing: Literal["none", "aux_loss"] = "none"
+    """Router load balancing during RL. ``none`` leaves the pretrained routing alone."""
+    aux_loss_coeff: float = Field(0.0, ge=0)
+    """Coefficient of the load-balancing loss when ``load_balancing: aux_loss``."""
+    freeze_router: bool = False
+    """Keep router weights fixed during RL (no gradient, no update)."""
+    tiny_seed: int = 0
+    """Seed of the built-in tiny model's weights (``path: tiny`` only)."""
+    tiny_warmup_steps: int = Field(300, ge=0)
+    """Supervised format warm-up steps baked into the tiny checkpoint, so rewards start above zero."""
+
+
+# ------------------------------------------------------------------------------------------- parallel
+
+
+class ParallelismConfig(Section):
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size: attention heads, MLP and vocab are split over this many ranks."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel size: the routed experts are split over this many ranks."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel size. Only 1 is implemented."""
+    dp: int = Field(1, ge=1)
+    """Data-parallel size. World size = tp * pp * dp."""
+    expert_tp: int = Field(1, ge=1)
+    """Tensor-parallel size inside each expert (megatron-core's expert_tensor_parallel_size)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+# -------------------------------------------------------------------------------------------- rollout
+
+
+class RolloutConfig(Section):
+    engine: Literal["vllm"] = "vllm"
+    """Rollout engine. (VeXact's trainer-sampler mode lives under ``diagnostics.vexact``.)"""
+    dtype: Dtype | None = None
+    """vLLM weight/compute dtype. Unset: float16 with ``remedies.fp16``, else bfloat16."""
+    n: int = Field(8, ge=1)
+    """Responses sampled per prompt (the GRPO group size)."""
+    max_tokens: int = Field(16, ge=1)
+    """Generation budget per response, in tokens."""
+    max_model_len: int = Field(256, ge=2)
+    """Longest prompt + response vLLM accepts. Longer prompts are rejected before generation."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature. Logprobs on both sides are taken after it (see ``logprobs_after_temperature``)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass. Below 1 the rollout samples from a truncated distribution (off-policy)."""
+    top_k: int = -1
+    """Top-k sampling cut (-1: off)."""
+    stop: list[str] = []
+    """Strings that end a response early (the EOS token always does)."""
+    logprobs_after_temperature: bool = True
+    """Rollout logprobs are of softmax(logits / temperature), and the trainer uses the same convention."""
+    seed: int = 0
+    """Base sampling seed; each step and sample derives its own from it."""
+    gpu_memory_utilization: float = Field(0.35, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take when colocated with the trainer (GPU only)."""
+    cpu_kvcache_gib: float = Field(1.0, gt=0)
+    """KV-cache size on CPU, GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM's own tensor-parallel size."""
+    enforce_eager: bool = True
+    """Skip graph capture/compilation (needed for routed-expert capture hooks on CPU)."""
+    sleep_between_steps: bool = False
+    """Release vLLM's GPU memory while the trainer runs (no-op on CPU)."""
+    sync_check: Literal["every", "first", "off"] = "every"
+    """Verify each weight sync by comparing vLLM and trainer logprobs on a probe batch."""
+    sync_tolerance: float | None = None
+    """Largest |logprob difference| a verified sync accepts. Unset: 1e-4 in fp32, 0.1 in bf16/fp16."""
+    capture_routed_experts: bool = False
+    """Record the top-k experts vLLM used for every token (needed by R3; derived when R3 is on)."""
+
+
+# -------------------------------------------------------------------------------------------- trainer
+
+
+class TrainerConfig(Section):
+    dtype: Dtype | None = None
+    """Megatron params/compute dtype. Unset: float16 with ``remedies.fp16``, else bfloat16."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward; gradients accumulate across micro-batches."""
+    logprob_chunk: int = Field(1024, ge=1)
+    """Sequence positions per chunk when turning logits into logprobs (bounds peak memory)."""
+    nan_guard_max: int = Field(3, ge=1)
+    """Consecutive non-finite updates tolerated (each skipped); one more aborts with a checkpoint."""
+    distributed_optimizer: bool | None = None
+    """Shard optimizer state over data-parallel ranks. Unset: on with CUDA, off on CPU."""
+    deterministic: bool = True
+    """Ask torch for deterministic kernels (bitwise-repeatable runs on CPU)."""
+    moe_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
+    """MoE token dispatcher. ``auto``: alltoall on CUDA, allgather on CPU (alltoall needs CUDA streams)."""
+    initial_loss_scale: float = Field(2.0**16, gt=0)
+    """Starting dynamic loss scale in fp16 mode."""
+    min_loss_scale: float = Field(1.0, gt=0)
+    """Floor of the dynamic loss scale in fp16 mode."""
+    loss_scale_window: int = Field(100, ge=1)
+    """Overflow-free steps before the fp16 loss scale grows again."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-6, gt=0)
+    """Initial (peak) learning rate."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW weight decay."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """Adam beta1."""
+    beta2: float = Field(0.999, ge=0, lt=1)
+    """Adam beta2."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip (0: off)."""
+
+
+# ---------------------------------------------------------------------------------------- algorithm
+
+
+class ClipConfig(Section):
+    low: float = Field(0.2, ge=0)
+    """Token clip: ratios below 1 - low are clipped (epsilon_low)."""
+    high: float = Field(0.2, ge=0)
+    """Token clip: ratios above 1 + high are clipped (epsilon_high; > low is DAPO's clip-higher)."""
+    dual: float | None = Field(None, gt=1)
+    """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; unset: off."""
+
+
+class SeqClipConfig(Section):
+    low: float = Field(3e-4, ge=0)
+    """GSPO: sequence ratios below 1 - low are clipped."""
+    high: float = Field(4e-4, ge=0)
+    """GSPO: sequence ratios above 1 + high are clipped."""
+
+
+class CorrectionConfig(Section):
+    mode: Literal["none", "tis", "mis", "icepop"] = "none"
+    """Rollout correction between the trainer's old policy and the rollout policy."""
+    level: Literal["token", "sequence", "geometric"] = "token"
+    """Ratio the correction acts on: per token, the sequence product, or its geometric mean."""
+    c: float = Field(2.0, gt=0)
+    """TIS truncation / MIS mask threshold C."""
+    low: float = Field(0.5, gt=0)
+    """IcePop: ratios below this are masked."""
+    high: float = Field(2.0, gt=0)
+    """IcePop: ratios above this are masked (need not be 1/low)."""
+    bypass: bool = False
+    """Use the rollout logprobs as the old policy (skip the old-logprob recompute)."""
+
+
+class RLConfig(Section):
+    loss: Literal["token_clip", "gspo"] = "token_clip"
+    """Policy loss: PPO/GRPO token-level clipping, or GSPO's sequence-level ratio and clip."""
+    clip: ClipConfig = ClipConfig()
+    """Token-level clip ranges."""
+    seq_clip: SeqClipConfig = SeqClipConfig()
+    """GSPO sequence-level clip ranges."""
+    aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses become one number."""
+    advantage: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
+    """Advantage estimator over each prompt's group of responses."""
+    correction: CorrectionConfig = CorrectionConfig()
+    """Importance-sampling correction for the rollout/trainer mismatch (TIS, MIS, IcePop)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each step's rollouts."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per epoch; the step's sequences are split evenly among them."""
+
+
+# ----------------------------------------------------------------------------------------- remedies
+
+
+class SurgeDetectorConfig(Section):
+    window: int = Field(3, ge=1)
+    """Steps averaged for the current response length."""
+    baseline_steps: int = Field(5, ge=1)
+    """First steps whose mean length is the baseline."""
+    factor: float = Field(2.0, gt=1)
+    """The surge fires when current / baseline mean length reaches this."""
+
+
+class LRScheduleConfig(Section):
+    type: Literal["constant", "cosine", "length_decay"] = "constant"
+    """LR schedule: constant, cosine with warmup, or the length-surge-triggered halving decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps (constant and cosine)."""
+    total_steps: int | None = None
+    """Cosine horizon; unset: ``run.steps``."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Floor as a fraction of the initial LR (cosine end, length-decay floor)."""
+    trigger: Literal["surge", "step"] = "surge"
+    """length_decay: start halving on a response-length surge, or at a fixed step."""
+    trigger_step: int = Field(0, ge=0)
+    """length_decay with ``trigger: step``: the step that starts the decay (0: from the start)."""
+    decay_period: int | None = Field(None, ge=1)
+    """length_decay: halve every this many steps. Unset: ``period_factor`` x the trigger step."""
+    period_factor: float = Field(1.8, gt=0)
+    """length_decay: decay_period = period_factor x surge step when decay_period is unset."""
+    surge: SurgeDetectorConfig = SurgeDetectorConfig()
+    """Response-length surge detector settings."""
+
+
+class RemediesConfig(Section):
+    router_replay: Literal["off", "r2", "r3"] = "off"
+    """MoE routing replay in the update: r3 replays the rollout's experts, r2 the old-logprob pass's."""
+    fp32_lm_head: bool = False
+    """Compute the LM head in fp32 from an fp32 copy of its weights, on trainer and rollout alike."""
+    fp16: bool = False
+    """Run trainer and rollout in float16 (with dynamic loss scaling in the trainer)."""
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
+    """Learning-rate schedule (the length-surge decay is a remedy)."""
+
+
+# -------------------------------------------------------------------------------------- diagnostics
+
+
+class ObjectiveInjection(Section):
+    type: Literal["none", "biased", "unbiased"] = "none"
+    """Token-weight distortion in the objective: phi = delta below pi_low, or xi ~ N(1, sigma^2)."""
+    delta: float = Field(2.0, ge=0)
+    """Biased: weight of tokens whose old-policy probability is below ``pi_low``."""
+    pi_low: float = Field(0.1, gt=0, lt=1)
+    """Biased: probability threshold defining low-probability tokens."""
+    sigma: float = Field(0.2, ge=0)
+    """Unbiased: std of the per-token weight noise."""
+    seed: int = 0
+    """Seed of the unbiased noise (each step derives its own)."""
+
+
+class LogprobInjection(Section):
+    type: Literal["none", "precision", "noise", "drift"] = "none"
+    """Mismatch put back into rollout logprobs: quantized softmax, additive noise, or biased drift."""
+    mantissa_bits: int = Field(7, ge=1, le=23)
+    """Precision: mantissa bits of the quantizer (7 = bf16, 10 = fp16); fewer bits, more mismatch."""
+    std: float = Field(0.01, ge=0)
+    """Noise: std of the additive logprob noise."""
+    drift: float = 0.0047
+    """Drift: added to every affected rollout logprob (log-space; 0.0047 ~ the rho=1.0047 example)."""
+    drift_pi_low: float | None = Field(None, gt=0, le=1)
+    """Drift: only tokens below this trainer probability drift; unset: all tokens."""
+    seed: int = 0
+    """Seed of the noise (each step derives its own)."""
+
+
+class DumpsConfig(Section):
+    every: int = Field(0, ge=0)
+    """Write a token dump every this many steps (0: off)."""
+    max_tokens: int = Field(200_000, ge=1)
+    """Cap on tokens per dump (uniformly subsampled above it)."""
+    routed_experts: bool = False
+    """Include the routed expert ids in dumps (when captured)."""
+
+
+class EarlyWarningConfig(Section):
+    metrics: list[str] = ["mismatch/old_vs_rollout/rho_std"]
+    """Metrics watched for persistent growth."""
+    baseline_steps: int = Field(5, ge=1)
+    """First finite values whose median is a metric's baseline."""
+    window: int = Field(5, ge=1)
+    """Recent values whose median is compared with the baseline."""
+    threshold: float = Field(2.0, gt=1)
+    """Fires when median(recent) >= threshold x baseline."""
+
+
+class DiagnosticsConfig(Section):
+    vexact: Literal["off", "recompute", "trainer_sampler"] = "off"
+    """Zero-mismatch mode: rollout logprobs from the trainer itself (recompute), or sampling by it too."""
+    allow_precision_mismatch: bool = False
+    """Permit trainer and rollout dtypes or heads to differ (an experiment, not an accident)."""
+    objective_injection: ObjectiveInjection = ObjectiveInjection()
+    """Controlled token-weight distortion in the loss (objective-level hacking experiments)."""
+    logprob_injection: LogprobInjection = LogprobInjection()
+    """Controlled mismatch added to rollout logprobs (VeXact causality experiments)."""
+    surrogate_delta: float = Field(2.0, ge=0)
+    """delta used by the logged surrogate J = sum A (phi - 1), whether or not injection is on."""
+    bucket_edges: list[float] = [0.0, 0.01, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
+    """pi_train bucket edges for per-bucket rho statistics."""
+    rho_thresholds: list[float] = [1e-3, 1e-2, 1e-1]
+    """Report the fraction of tokens with |rho - 1| above each."""
+    dumps: DumpsConfig = DumpsConfig()
+    """Token dumps for the report."""
+    early_warning: EarlyWarningConfig = EarlyWarningConfig()
+    """Early-warning detector settings."""
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+class TaskConfig(Section):
+    max_operand: int = Field(9, ge=1)
+    """Built-in arithmetic: operands are drawn from 0..max_operand."""
+    ops: list[Literal["+", "-", "*"]] = ["+"]
+    """Built-in arithmetic: operators drawn uniformly."""
+    num_prompts: int = Field(0, ge=0)
+    """Built-in arithmetic: size of the fixed prompt pool (0: every combination)."""
+
+
+class DatasetConfig(Section):
+    kind: Literal["arithmetic", "dapo_math", "aime24", "file"] = "arithmetic"
+    """Built-in arithmetic task, DAPO-Math-17k, AIME24, or a generic parquet/jsonl file."""
+    path: str | None = None
+    """Hub name (cluster) or local parquet/jsonl/folder. Unset: the kind's hub name."""
+    split: str = "train"
+    """Dataset split."""
+    prompt_key: str | None = None
+    """Column holding the prompt. Unset: the kind's default."""
+    answer_key: str | None = None
+    """Column holding the reference answer. Unset: the kind's default."""
+    limit: int | None = Field(None, ge=1)
+    """Use at most this many rows."""
+
+
+class DataConfig(Section):
+    train: DatasetConfig = DatasetConfig()
+    """Training prompts."""
+    val: DatasetConfig | None = None
+    """Validation prompts (unset: the training task's held-out draw for arithmetic, else none)."""
+    task: TaskConfig = TaskConfig()
+    """Built-in arithmetic task settings."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per RL step (each gets ``rollout.n`` responses)."""
+    val_prompts: int = Field(32, ge=1)
+    """Validation prompts per evaluation."""
+    seed: int = 0
+    """Shuffling seed."""
+    max_prompt_tokens: int = Field(64, ge=1)
+    """Prompts longer than this (in tokens) are an error at load time."""
+
+
+# ------------------------------------------------------------------------------------------ logging
+
+
+class WandbConfig(Section):
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: online when WANDB_API_KEY is set, offline otherwise."""
+    project: str = "tim-megatron"
+    """wandb project."""
+    entity: str | None = None
+    """wandb entity (team)."""
+    tags: list[str] = []
+    """Extra run tags (the sweep id and recipe name are added)."""
+
+
+class LoggingConfig(Section):
+    wandb: WandbConfig = WandbConfig()
+    """wandb tracker settings."""
+    console: bool = True
+    """One summary line per step on the console, with a progress bar."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0)
+    """Save every this many steps (0: only at the end and on SIGTERM)."""
+    keep: int = Field(2, ge=1)
+    """Most recent checkpoints kept."""
+    save_optimizer: bool = True
+    """Include optimizer state (needed for an exact resume)."""
+
+
+# ------------------------------------------------------------------------------------------ cluster
+
+
+class ClusterConfig(Section):
+    nodes: int = Field(1, ge=1)
+    """Slurm nodes."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs per node (0: a CPU partition; gloo instead of NCCL)."""
+    gpu_type: str = "a100-80gb"
+    """GPU model, for memory planning (a100-80gb, a100-40gb, h100-80gb, h200-141gb)."""
+    cpus_per_task: int = Field(2, ge=1)
+    """CPUs per launcher task (one per node)."""
+    mem: str = "0"
+    """Memory per node (Slurm syntax; 0 = all)."""
+    partition: str | None = None
+    """Slurm partition."""
+    account: str | None = None
+    """Slurm account."""
+    qos: str | None = None
+    """Slurm QoS."""
+    time: str = "04:00:00"
+    """Wall-time limit."""
+    job_name: str | None = None
+    """Job name (unset: the run name)."""
+    requeue: bool = True
+    """Let Slurm requeue the job after preemption; the run resumes from its SIGTERM checkpoint."""
+    signal_seconds: int = Field(120, ge=10)
+    """Slurm sends SIGTERM this long before the time limit so the run can checkpoint."""
+    container_image: str | None = None
+    """pyxis/enroot image (``--container-image``); unset: run in the host environment."""
+    container_mounts: list[str] = []
+    """pyxis mounts, ``src:dst`` each."""
+    env: dict[str, str] = {}
+    """Extra environment for the job (secrets pass through the submitting shell, never here)."""
+    hf_home: str | None = None
+    """HF_HOME inside the job."""
+    venv: str | None = None
+    """Python environment to activate in the job (unset: the submitting one)."""
+
+
+class RunConfig(Section):
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    """Run name: letters, digits, '.', '_' and '-' (unset: derived from the recipe's folder and file)."""
+    steps: int = Field(20, ge=1)
+    """RL steps."""
+    seed: int = 0
+    """Global seed."""
+    output_dir: str = "runs"
+    """Folder holding ``<name>/<timestamp>/`` run folders."""
+    val_every: int = Field(0, ge=0)
+    """Validate every this many steps (0: off)."""
+    sweep_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    """Set by ``make sweep``: tags every variant of one sweep."""
+
+
+# ------------------------------------------------------------------------------------------- recipe
+
+
+def _dtype_default(explicit: Dtype | None, fp16: bool) -> Dtype:
+    if explicit is not None:
+        return explicit
+    return "float16" if fp16 else "bfloat16"
+
+
+class Recipe(Section):
+    """A complete, validated run description."""
+
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+    parallel: ParallelismConfig = ParallelismConfig()
+    """Megatron parallel layout."""
+    rollout: RolloutConfig = RolloutConfig()
+    """vLLM rollout engine."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Megatron trainer."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer."""
+    rl: RLConfig = RLConfig()
+    """RL algorithm: loss, clipping, aggregation, advantages, IS correction, epochs, minibatches."""
+    remedies: RemediesConfig = RemediesConfig()
+    """TIM remedies: routing replay, FP32 head, FP16, LR schedule."""
+    diagnostics: DiagnosticsConfig = DiagnosticsConfig()
+    """VeXact mode, injections, dumps, early warning."""
+    data: DataConfig = DataConfig()
+    """Prompts and rewards."""
+    logging: LoggingConfig = LoggingConfig()
+    """Trackers and console."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpointing."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Slurm resources."""
+    run: RunConfig = RunConfig()
+    """Run length, seeds, output."""
+
+    @model_validator(mode="after")
+    def _resolve_and_check(self) -> Recipe:
+        _check(self)
+        return self
+
+    # Derived settings: read these, not the raw optional fields.
+    @property
+    def trainer_dtype(self) -> Dtype:
+        return _dtype_default(self.trainer.dtype, self.remedies.fp16)
+
+    @property
+    def rollout_dtype(self) -> Dtype:
+        return _dtype_default(self.rollout.dtype, self.remedies.fp16)
+
+    @property
+    def capture_routed_experts(self) -> bool:
+        return self.rollout.capture_routed_experts or self.remedies.router_replay == "r3"
+
+    @property
+    def sync_tolerance(self) -> float:
+        if self.rollout.sync_tolerance is not None:
+            return self.rollout.sync_tolerance
+        both_fp32 = self.trainer_dtype == "float32" and self.rollout_dtype == "float32"
+        return 1e-4 if both_fp32 else 0.1
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.data.prompts_per_step * self.rollout.n
+
+
+def _check(r: Recipe) -> None:
+    """Cross-field rules. Each failure names every key involved."""
+    d, p = r.model.dims, r.parallel
+    if p.pp != 1:
+        raise RecipeValueError(["parallel.pp"], f"parallel.pp = {p.pp}: only pp = 1 is implemented")
+    if d.num_attention_heads % d.num_key_value_heads:
+        raise RecipeValueError(
+            ["model.dims.num_attention_heads", "model.dims.num_key_value_heads"],
+            f"num_key_value_heads = {d.num_key_value_heads} must divide num_attention_heads = {d.num_attention_heads}",
+        )
+    if d.num_attention_heads % p.tp:
+        raise RecipeValueError(
+            ["parallel.tp", "model.dims.num_attention_heads"],
+            f"parallel.tp = {p.tp} must divide model.dims.num_attention_heads = {d.num_attention_heads}",
+        )
+    if d.num_key_value_heads % p.tp and p.tp % d.num_key_value_heads:
+        raise RecipeValueError(
+            ["parallel.tp", "model.dims.num_key_value_heads"],
+            f"parallel.tp = {p.tp} and model.dims.num_key_value_heads = {d.num_key_value_heads}: one must divide the other",
+        )
+    if d.is_moe:
+        if not 0 < d.num_experts_per_tok <= d.num_experts:
+            raise RecipeValueError(
+                ["model.dims.num_experts_per_tok", "model.dims.num_experts"],
+                f"num_experts_per_tok = {d.num_experts_per_tok} must be in 1..num_experts = {d.num_experts}",
+            )
+        if d.num_experts % p.ep:
+            raise RecipeValueError(
+                ["parallel.ep", "model.dims.num_experts"],
+                f"parallel.ep = {p.ep} must divide model.dims.num_experts = {d.num_experts}",
+            )
+        if (p.tp * p.dp) % (p.ep * p.expert_tp):
+            raise RecipeValueError(
+                ["parallel.ep", "parallel.expert_tp", "parallel.tp", "parallel.dp"],
+                f"parallel.ep x parallel.expert_tp = {p.ep * p.expert_tp} must divide parallel.tp x parallel.dp = {p.tp * p.dp}",
+            )
+    else:
+        if p.ep != 1:
+            raise RecipeValueError(
+                ["parallel.ep"], f"parallel.ep = {p.ep} needs an MoE model (model.dims.num_experts > 0)"
+            )
+        if r.remedies.router_replay != "off":
+            raise RecipeValueError(
+                ["remedies.router_replay"],
+                f"remedies.router_replay = {r.remedies.router_replay} needs an MoE model",
+            )
+    if d.vocab_size % p.tp:
+        raise RecipeValueError(
+            ["parallel.tp", "model.dims.vocab_size"],
+            f"parallel.tp = {p.tp} must divide model.dims.vocab_size = {d.vocab_size}",
+        )
+
+    # GSPO is defined on a sequence ratio averaged per sequence: token-mean would reweight by length.
+    if r.rl.loss == "gspo" and r.rl.aggregation != "seq-mean-token-mean":
+        raise RecipeValueError(
+            ["rl.loss", "rl.aggregation"],
+            f"rl.loss = gspo needs rl.aggregation = seq-mean-token-mean (got {r.rl.aggregation})",
+        )
+    if r.sequences_per_step % r.rl.minibatches:
+        raise RecipeValueError(
+            ["rl.minibatches", "data.prompts_per_step", "rollout.n"],
+            f"rl.minibatches = {r.rl.minibatches} must divide data.prompts_per_step x rollout.n = {r.sequences_per_step}",
+        )
+    mb_seqs = r.sequences_per_step // r.rl.minibatches
+    if mb_seqs % p.dp:
+        raise RecipeValueError(
+            ["parallel.dp", "rl.minibatches", "data.prompts_per_step", "rollout.n"],
+            f"each minibatch holds {mb_seqs} sequences, which parallel.dp = {p.dp} must divide",
+        )
+    c = r.rl.correction
+    if c.mode == "icepop" and not c.low < 1 < c.high:
+        raise RecipeValueError(
+            ["rl.correction.low", "rl.correction.high"],
+            f"IcePop bounds must satisfy low < 1 < high (got low = {c.low}, high = {c.high})",
+        )
+    if c.mode in ("tis", "mis") and c.c < 1:
+        raise RecipeValueError(
+            ["rl.correction.c"],
+            f"rl.correction.c = {c.c}: TIS/MIS thresholds below 1 reject on-policy tokens",
+        )
+
+    # Precision: one remedy switch drives both sides; a deliberate difference must be declared.
+    if r.remedies.fp16:
+        for key, val in (("trainer.dtype", r.trainer.dtype), ("rollout.dtype", r.rollout.dtype)):
+            if val not in (None, "float16") and not r.diagnostics.allow_precision_mismatch:
+                raise RecipeValueError(
+                    [key, "remedies.fp16"],
+                    f"{key} = {val} contradicts remedies.fp16 = true (leave it unset, or float16)",
+                )
+    if r.trainer_dtype != r.rollout_dtype and not r.diagnostics.allow_precision_mismatch:
+        raise RecipeValueError(
+            ["trainer.dtype", "rollout.dtype", "diagnostics.allow_precision_mismatch"],
+            f"trainer.dtype = {r.trainer_dtype} but rollout.dtype = {r.rollout_dtype}; set "
+            "diagnostics.allow_precision_mismatch = true if the difference is on purpose",
+        )
+    if r.rollout.max_tokens + r.data.max_prompt_tokens > r.rollout.max_model_len:
+        raise RecipeValueError(
+            ["rollout.max_tokens", "data.max_prompt_tokens", "rollout.max_model_len"],
+            f"rollout.max_tokens = {r.rollout.max_tokens} + data.max_prompt_tokens = {r.data.max_prompt_tokens} "
+            f"exceeds rollout.max_model_len = {r.rollout.max_model_len}",
+        )
+    if r.rollout.max_model_len > d.max_position_embeddings:
+        raise RecipeValueError(
+            ["rollout.max_model_len", "model.dims.max_position_embeddings"],
+            f"rollout.max_model_len = {r.rollout.max_model_len} exceeds model.dims.max_position_embeddings = {d.max_position_embeddings}",
+        )
+
+    # Diagnostics.
+    dg = r.diagnostics
+    if dg.logprob_injection.type == "precision" and dg.vexact == "off":
+        raise RecipeValueError(
+            ["diagnostics.logprob_injection.type", "diagnostics.vexact"],
+            "diagnostics.logprob_injection.type = precision recomputes rollout probabilities from the trainer's "
+            "logits, so it needs diagnostics.vexact = recompute or trainer_sampler",
+        )
+    if dg.vexact != "off" and r.rl.correction.bypass:
+        raise RecipeValueError(
+            ["diagnostics.vexact", "rl.correction.bypass"],
+            "rl.correction.bypass has no effect in VeXact mode (rollout and old logprobs are the same forward)",
+        )
+    if dg.vexact == "trainer_sampler" and r.remedies.router_replay == "r3":
+        raise RecipeValueError(
+            ["diagnostics.vexact", "remedies.router_replay"],
+            "remedies.router_replay = r3 replays vLLM's experts, but vexact = trainer_sampler uses no vLLM rollout",
+        )
+    edges = dg.bucket_edges
+    if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)) or edges[0] < 0 or edges[-1] > 1:
+        raise RecipeValueError(
+            ["diagnostics.bucket_edges"],
+            f"diagnostics.bucket_edges = {edges}: need >= 2 increasing values in [0, 1]",
+        )
+    lr = r.remedies.lr_schedule
+    if (
+        lr.type == "length_decay"
+        and lr.trigger == "step"
+        and lr.decay_period is None
+        and lr.trigger_step == 0
+    ):
+        raise RecipeValueError(
+            ["remedies.lr_schedule.decay_period", "remedies.lr_schedule.trigger_step"],
+            "length_decay with trigger = step needs decay_period, or a trigger_step > 0 to derive it from",
+        )
+    if not math.isfinite(r.optim.lr):
+        raise RecipeValueError(["optim.lr"], f"optim.lr = {r.optim.lr} is not finite")
