@@ -117,12 +117,16 @@ class ParallelismConfig(Section):
     """Pipeline-parallel size. Only 1 is implemented."""
     dp: int = Field(1, ge=1)
     """Data-parallel size. World size = tp * pp * dp."""
-    expert_tp: int = Field(1, ge=1)
-    """Tensor-parallel size inside each expert (megatron-core's expert_tensor_parallel_size)."""
+    expert_tp: int | None = Field(None, ge=1)
+    """Tensor-parallel size inside each expert (megatron-core's expert_tensor_parallel_size). Unset: tp."""
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def etp(self) -> int:
+        return self.tp if self.expert_tp is None else self.expert_tp
 
 
 # -------------------------------------------------------------------------------------------- rollout
@@ -594,10 +598,10 @@ def _check(r: Recipe) -> None:
             ["parallel.tp", "model.dims.num_attention_heads"],
             f"parallel.tp = {p.tp} must divide model.dims.num_attention_heads = {d.num_attention_heads}",
         )
-    if d.num_key_value_heads % p.tp and p.tp % d.num_key_value_heads:
+    if d.num_key_value_heads % p.tp:
         raise RecipeValueError(
             ["parallel.tp", "model.dims.num_key_value_heads"],
-            f"parallel.tp = {p.tp} and model.dims.num_key_value_heads = {d.num_key_value_heads}: one must divide the other",
+            f"parallel.tp = {p.tp} must divide model.dims.num_key_value_heads = {d.num_key_value_heads} (megatron-core splits query groups)",
         )
     if d.is_moe:
         if not 0 < d.num_experts_per_tok <= d.num_experts:
@@ -610,10 +614,18 @@ def _check(r: Recipe) -> None:
                 ["parallel.ep", "model.dims.num_experts"],
                 f"parallel.ep = {p.ep} must divide model.dims.num_experts = {d.num_experts}",
             )
-        if (p.tp * p.dp) % (p.ep * p.expert_tp):
+        if (p.tp * p.dp) % (p.ep * p.etp):
             raise RecipeValueError(
                 ["parallel.ep", "parallel.expert_tp", "parallel.tp", "parallel.dp"],
-                f"parallel.ep x parallel.expert_tp = {p.ep * p.expert_tp} must divide parallel.tp x parallel.dp = {p.tp * p.dp}",
+                f"parallel.ep x parallel.expert_tp = {p.ep * p.etp} must divide parallel.tp x parallel.dp = {p.tp * p.dp}",
+            )
+        if p.ep == 1 and p.etp != p.tp:
+            # megatron-core reduces the gradients of non-expert-parallel experts over the dense data-parallel
+            # group only; with expert_tp < tp the TP ranks' expert gradients would never be summed.
+            raise RecipeValueError(
+                ["parallel.expert_tp", "parallel.tp", "parallel.ep"],
+                f"parallel.expert_tp = {p.etp} with parallel.ep = 1 must equal parallel.tp = {p.tp} "
+                "(otherwise expert gradients are not reduced across TP ranks); unset it, or use parallel.ep > 1",
             )
     else:
         if p.ep != 1:

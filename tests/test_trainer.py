@@ -1,0 +1,316 @@
+"""The Megatron trainer on real megatron-core (CPU, gloo): exact logprobs, TP/EP/DP equivalence, a train
+step, HF round trip, checkpoint resume, and the patches (router replay, FP32 LM head) plus FP16 mode."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import require
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "megatron_worker.py"
+pytestmark = pytest.mark.megatron
+
+
+def _megatron_ok() -> bool:
+    try:
+        import megatron.core  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_cmd(scenario: str, out: Path, nproc: int = 1, overrides: tuple[str, ...] = ()) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, str(WORKER), scenario, str(out), *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(_port()),
+        str(WORKER),
+        scenario,
+        str(out),
+        *overrides,
+    ]
+
+
+def run_worker(
+    scenario: str, out: Path, nproc: int = 1, overrides: tuple[str, ...] = (), env: dict | None = None
+) -> dict:
+    require(_megatron_ok(), "megatron-core")
+    res = subprocess.run(
+        worker_cmd(scenario, out, nproc, overrides),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return torch.load(out / f"{scenario}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return run_worker("single", tmp_path_factory.mktemp("single"))
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt():
+    from tim_megatron.models.tiny import ensure_tiny_checkpoint
+    from tim_megatron.recipe import load_recipe
+
+    r = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml").recipe
+    return ensure_tiny_checkpoint(
+        r.model.dims, seed=r.model.tiny_seed, warmup_steps=r.model.tiny_warmup_steps, task=r.data.task
+    )
+
+
+def test_fp32_logprobs_equal_hf_transformers(single, tiny_ckpt):
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(WORKER.parent))
+    from megatron_worker import fixed_batch
+
+    batch, _mask, _ = fixed_batch()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=batch.input_ids).logits.float(), -1)
+    ref = logp[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    got = single["logprobs"][:, 1:]
+    valid = torch.arange(1, batch.input_ids.shape[1])[None] < batch.lengths[:, None]
+    err = (got - ref)[valid].abs().max().item()
+    assert err < 1e-5, err
+    ent_ref = -(logp.exp() * logp).sum(-1)[:, :-1]
+    assert (single["entropy"][:, 1:] - ent_ref)[valid].abs().max().item() < 1e-5
+
+
+def test_hf_round_trip_is_bit_exact(single, tiny_ckpt):
+    from safetensors.torch import load_file
+
+    orig = load_file(str(tiny_ckpt / "model.safetensors"))
+    exported = single["export"]
+    assert set(exported) == set(orig)
+    for k, v in orig.items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+
+
+def test_one_train_step_lowers_the_loss(single):
+    assert single["applied"]
+    assert single["loss_after"] < single["loss_before"] - 1e-4, (single["loss_before"], single["loss_after"])
+
+
+def test_nan_guard_skips_then_aborts(single):
+    assert single["nan_skipped"] == [True, True, True]  # nan_guard_max = 3 skips...
+    assert "4 consecutive updates" in single["nan_abort"]  # ... and the 4th aborts
+    assert single["nan_params_unchanged"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("parallel.tp=2",), ("parallel.ep=2", "parallel.dp=2"), ("parallel.dp=2",)],
+    ids=["tp2", "ep2", "dp2"],
+)
+def test_parallel_layouts_match_single_process(single, tmp_path, layout):
+    par = run_worker("equivalence", tmp_path, nproc=2, overrides=layout)
+    assert par["world_size"] == 2
+    assert par["logprobs"].shape == single["logprobs"].shape
+    assert (par["logprobs"] - single["logprobs"]).abs().max().item() < 1e-5
+    assert set(par["grads"]) == set(single["grads"])
+    worst = max((par["grads"][k] - single["grads"][k]).abs().max().item() for k in single["grads"])
+    assert worst < 1e-5, worst
+    # The comparison covers real gradients: every non-expert tensor, and most experts (a few get no token).
+    dense = {k: v for k, v in single["grads"].items() if ".experts." not in k}
+    experts = {k: v for k, v in single["grads"].items() if ".experts." in k}
+    assert all(float(v.abs().sum()) > 0 for v in dense.values())
+    assert sum(float(v.abs().sum()) > 0 for v in experts.values()) >= len(experts) // 2
+
+
+@pytest.mark.parametrize("nproc,layout", [(1, ()), (2, ("parallel.tp=2",))], ids=["single", "tp2"])
+def test_save_kill_resume_continues_exactly(tmp_path, nproc, layout):
+    base = run_worker(
+        "resume",
+        tmp_path / "a",
+        nproc,
+        layout,
+        env={"TIM_CKPT_DIR": str(tmp_path / "ck_a"), "TIM_STEPS": "4"},
+    )
+    ck = tmp_path / "ck_b"
+    env = {
+        **os.environ,
+        "TIM_CKPT_DIR": str(ck),
+        "TIM_STEPS": "4",
+        "TIM_SAVE_AT": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        worker_cmd("resume", tmp_path / "b", nproc, layout),
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while not (ck / "SAVED").exists():
+        assert proc.poll() is None, "worker exited before saving"
+        assert time.time() < deadline
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up
+    proc.wait()
+    assert not list(ck.glob(".tmp_*"))
+    resumed = run_worker(
+        "resume",
+        tmp_path / "c",
+        nproc,
+        layout,
+        env={"TIM_CKPT_DIR": str(ck), "TIM_STEPS": "4", "TIM_RESUME": "1"},
+    )
+    assert sorted(resumed["losses"]) == [3, 4]
+    for step in (3, 4):
+        assert resumed["losses"][step] == base["losses"][step], (step, resumed["losses"], base["losses"])
+
+
+# ----------------------------------------------------------------------------------------------- patches
+
+
+def test_router_replay_uses_given_experts_after_router_perturbation(tmp_path):
+    out = run_worker("replay", tmp_path, overrides=("remedies.router_replay=r2",))
+    assert out["routed_shape"] == (2, 4, 14, 2)
+    assert all(out["perturbation_changed_free_routing"])  # perturbed routers would route differently...
+    assert all(out["replayed_equal_recorded"])  # ...but replay forces the recorded experts
+    assert all(g > 0 for g in out["router_grad_abs_sum"])  # gradients still reach the router
+    assert out["clean_after_record"] and out["clean_after_replay"] and out["clean_after_backward"]
+
+
+def test_fp32_lm_head_is_fp32_and_closer_to_fp64(tmp_path):
+    common = ("trainer.dtype=bfloat16", "rollout.dtype=bfloat16")
+    bf = run_worker("fp32_head", tmp_path / "bf16", overrides=common)
+    f32 = run_worker("fp32_head", tmp_path / "fp32", overrides=(*common, "remedies.fp32_lm_head=true"))
+    assert (
+        f32["head_fp32"]
+        and f32["head_weight_dtype"] == "torch.float32"
+        and f32["logits_dtype"] == "torch.float32"
+    )
+    assert f32["body_dtype"] == "torch.bfloat16"  # the rest stays bf16
+    assert bf["head_weight_dtype"] == "torch.bfloat16"
+    assert f32["err"] < bf["err"] / 10, (f32["err"], bf["err"])
+
+
+def test_fp16_loss_scale_backs_off_and_training_stays_finite(tmp_path):
+    out = run_worker(
+        "fp16",
+        tmp_path,
+        overrides=(
+            "remedies.fp16=true",
+            "trainer.dtype=null",
+            "rollout.dtype=null",
+            "trainer.initial_loss_scale=4294967296",
+            "trainer.loss_scale_window=2",
+        ),
+        env={"TIM_STEPS": "26"},
+    )
+    assert out["dtype"] == "torch.float16"
+    s = out["scales"]
+    assert s[0] < 2**32  # the first step overflowed and backed off
+    assert any(b > a for a, b in itertools.pairwise(s))  # ...and the scale grows again after clean steps
+    assert sum(out["applied"]) >= 3
+    assert all(torch.isfinite(torch.tensor(out["losses"])))
+    applied_losses = [loss for loss, ok in zip(out["losses"], out["applied"], strict=True) if ok]
+    assert applied_losses[-1] < applied_losses[0]
+
+
+def test_patches_refuse_unknown_versions(monkeypatch):
+    import importlib.metadata as md
+
+    from patches import guard
+    from patches.megatron import cpu_shims, fp32_lm_head, router_replay
+
+    real = md.version
+    monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d == "megatron-core" else real(d))
+    for mod in (cpu_shims, fp32_lm_head, router_replay):
+        with pytest.raises(
+            guard.UnverifiedVersionError,
+            match=r"targets megatron-core ==0\.16\.\* but megatron-core 0\.99\.0 is installed",
+        ):
+            guard.check_version(mod.SPEC)
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+def test_checkpoint_for_another_model_is_rejected(tmp_path):
+    require(_megatron_ok(), "megatron-core")
+    from tim_megatron.models.tiny import ensure_tiny_checkpoint
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.trainer.hf_config import (
+        CheckpointMismatchError,
+        check_dims_match,
+        dims_from_hf,
+        read_hf_config,
+    )
+
+    r = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml").recipe
+    other = ensure_tiny_checkpoint(
+        r.model.dims.model_copy(update={"num_experts": 4}), warmup_steps=0, root=tmp_path
+    )
+    with pytest.raises(CheckpointMismatchError, match=r"model.dims.num_experts = 8 but the checkpoint has 4"):
+        check_dims_match(r.model.dims, dims_from_hf(read_hf_config(other)), where=str(other))
+
+
+def test_weights_for_another_model_are_rejected(tmp_path):
+    from tim_megatron.models.tiny import ensure_tiny_checkpoint
+    from tim_megatron.recipe.schema import ModelDims
+    from tim_megatron.trainer.weights.convert import HFCheckpoint, WeightLoadError, _combine
+    from tim_megatron.trainer.weights.mapping import QWEN3_MOE
+
+    ck = ensure_tiny_checkpoint(ModelDims(), warmup_steps=0, root=tmp_path)
+    wrong = ModelDims(num_key_value_heads=4)  # 4 kv heads of 32 do not fit k_proj's 64 rows
+    rule = next(r for r in QWEN3_MOE if r.combine == "qkv")
+    parts = [HFCheckpoint(ck).get(n.replace("{L}", "0")) for n in rule.hf]
+    with pytest.raises((RuntimeError, WeightLoadError)):
+        _combine(rule, parts, wrong)
+    with pytest.raises(WeightLoadError, match="missing from the checkpoint"):
+        HFCheckpoint(ck).get("model.layers.9.self_attn.q_proj.weight")
+
+
+def test_unsupported_architecture_is_named():
+    from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf
+
+    with pytest.raises(
+        UnsupportedModelError, match=r"'LlamaForCausalLM'.*supported: Qwen3MoeForCausalLM, Qwen3ForCausalLM"
+    ):
+        dims_from_hf({"architectures": ["LlamaForCausalLM"]})
+
+
+def test_world_size_must_match_the_layout():
+    from tim_megatron.recipe.schema import ParallelismConfig
+    from tim_megatron.trainer.parallel import dist_env_from_environ, init_parallel
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    assert dist_env_from_environ(env).world_size == 1
+    with pytest.raises(
+        ValueError,
+        match=r"parallel.tp x parallel.pp x parallel.dp = 2 x 1 x 1 = 2, but the launcher started 1",
+    ):
+        init_parallel(ParallelismConfig(tp=2), environ=env)

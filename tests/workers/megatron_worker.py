@@ -1,0 +1,290 @@
+"""Megatron scenarios run in fresh processes by tests/test_trainer.py (megatron-core keeps global state).
+
+    python tests/workers/megatron_worker.py SCENARIO OUT_DIR [overrides...]
+    torchrun --nproc_per_node 2 tests/workers/megatron_worker.py SCENARIO OUT_DIR [overrides...]
+
+Rank 0 writes ``OUT_DIR/<scenario>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tim_megatron.algo import token_clip_loss  # noqa: E402
+from tim_megatron.algo.aggregation import local_denominator  # noqa: E402
+from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
+from tim_megatron.recipe import load_recipe  # noqa: E402
+from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch  # noqa: E402
+
+RECIPE = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
+N, L, PROMPT = 4, 14, 5
+
+
+def fixed_batch(seed: int = 0) -> tuple[SeqBatch, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 60, (N, L), generator=g)
+    lengths = torch.tensor([14, 11, 8, 13])
+    for i, n in enumerate(lengths):
+        ids[i, n:] = 0
+    mask = (torch.arange(L)[None] >= PROMPT) & (torch.arange(L)[None] < lengths[:, None])
+    adv = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    return SeqBatch(ids, lengths), mask, adv
+
+
+def gather_rows(t: torch.Tensor, tr: MegatronTrainer) -> torch.Tensor:
+    """Concatenate each DP rank's rows (TP peers hold the same rows)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    dp_peers = {}
+    for r, p in enumerate(parts):
+        dp_peers.setdefault(_dp_rank_of(r, tr), p)
+    return torch.cat([dp_peers[k] for k in sorted(dp_peers)], 0)
+
+
+def _dp_rank_of(global_rank: int, tr: MegatronTrainer) -> int:
+    obj = [None] * dist.get_world_size()
+    dist.all_gather_object(obj, tr.dp_rank)
+    return obj[global_rank]
+
+
+def loss_fn_for(old, adv, mask, denominator):
+    def loss_fn(lp, rows, s):
+        return token_clip_loss(
+            logprobs=lp,
+            old_logprobs=old[rows, :s],
+            advantages=adv[rows],
+            mask=mask[rows, :s],
+            denominator=denominator,
+        )
+
+    return loss_fn
+
+
+def scenario_equivalence(tr: MegatronTrainer, out: dict) -> None:
+    """Logprobs and gradients of a fixed batch (compared across TP/EP/DP layouts by the test)."""
+    batch, mask, adv = fixed_batch()
+    rows = tr.shard(N)
+    local = batch.select(rows)
+    lp, _ = tr.logprobs(local, with_entropy=True)
+    out["logprobs"] = gather_rows(lp.logprobs, tr)
+    out["entropy"] = gather_rows(lp.entropy, tr)
+    den = float(local_denominator(mask=mask, mode="token-mean"))
+    old = lp.logprobs.detach()
+    tr.backward(local, loss_fn_for(old, adv[rows], mask[rows], den))
+    out["grads"] = {k: v.clone() for k, v in tr.export_hf(grads=True)}
+
+
+def scenario_single(tr: MegatronTrainer, out: dict) -> None:
+    """Everything a single process shows: equivalence data, round trip, a loss-lowering step, NaN guard."""
+    scenario_equivalence(tr, out)
+    out["export"] = {k: v.clone() for k, v in tr.export_hf()}
+    batch, mask, adv = fixed_batch()
+    lp, _ = tr.logprobs(batch)
+    old = lp.logprobs
+    den = float(mask.sum())
+    fn = loss_fn_for(old, adv, mask, den)
+    loss0, _, _ = tr.backward(batch, fn)
+    res = tr.step(lr=1e-4, loss=loss0)
+    loss1, _, _ = tr.backward(batch, fn)
+    out["loss_before"], out["loss_after"], out["applied"] = loss0, loss1, res.applied
+    out["grad_norm"] = res.grad_norm
+    # NaN guard: a non-finite loss skips the update, and nan_guard_max + 1 in a row aborts.
+    from tim_megatron.trainer.engine import NonFiniteAbort
+
+    before = {k: v.clone() for k, v in tr.export_hf()}
+
+    def nan_fn(lp_, rows, s):
+        loss, st = fn(lp_, rows, s)
+        return loss * float("nan"), st
+
+    skipped = []
+    try:
+        for _ in range(tr.recipe.trainer.nan_guard_max + 1):
+            tr.backward(batch, nan_fn)
+            skipped.append(not tr.step(lr=1e-4, loss=float("nan")).applied)
+        out["nan_abort"] = False
+    except NonFiniteAbort as e:
+        out["nan_abort"] = str(e)
+    after = dict(tr.export_hf())
+    out["nan_skipped"] = skipped
+    out["nan_params_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+
+
+def scenario_resume(tr: MegatronTrainer, out: dict) -> None:
+    """Train ``steps`` updates, optionally saving at ``save_at`` and stopping (the test then kills us)."""
+    from tim_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    ckdir = Path(os.environ["TIM_CKPT_DIR"])
+    steps = int(os.environ.get("TIM_STEPS", 4))
+    save_at = int(os.environ.get("TIM_SAVE_AT", 0))
+    start = 1
+    if os.environ.get("TIM_RESUME"):
+        meta = load_checkpoint(tr, latest_checkpoint(ckdir))
+        start = meta["step"] + 1
+    losses = {}
+    for step in range(start, steps + 1):
+        batch, mask, adv = fixed_batch(seed=step)
+        rows = tr.shard(N)
+        local = batch.select(rows)
+        lp, _ = tr.logprobs(local)
+        den = float(mask.sum())
+        loss, _, _ = tr.backward(local, loss_fn_for(lp.logprobs, adv[rows], mask[rows], den))
+        tr.step(lr=1e-3, loss=loss)
+        t = torch.tensor([loss], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t)
+        losses[step] = float(t)
+        if step == save_at:
+            save_checkpoint(tr, ckdir, step=step, state={"losses": losses}, keep=2)
+            if tr.is_rank0:
+                (ckdir / "SAVED").write_text(str(step))
+            while True:  # wait to be killed, like a preempted job
+                time.sleep(1)
+    out["losses"] = losses
+
+
+def scenario_fp16(tr: MegatronTrainer, out: dict) -> None:
+    batch, mask, _adv = fixed_batch()
+    from tim_megatron.algo.stats import Stats
+
+    def fn(lp, rows, s):
+        m = mask[rows, :s]
+        return -(lp * m).sum() / mask.sum(), Stats()
+
+    scales, applied, losses = [], [], []
+    for _ in range(int(os.environ.get("TIM_STEPS", 30))):
+        r = tr.train_step(batch, fn, lr=1e-4)
+        scales.append(r.loss_scale)
+        applied.append(r.applied)
+        losses.append(r.loss)
+    out.update(scales=scales, applied=applied, losses=losses, dtype=str(next(tr.model.parameters()).dtype))
+
+
+def scenario_fp32_head(tr: MegatronTrainer, out: dict) -> None:
+    """Logits of the head (fp32 or not), the fp64 reference from the same hidden states."""
+    from tim_megatron.trainer.logprobs import _logits, head_weight
+    from tim_megatron.trainer.model import final_hidden_states, unwrap
+
+    batch, _, _ = fixed_batch()
+    with torch.no_grad():
+        hidden = final_hidden_states(tr.model, batch.input_ids)
+        w = head_weight(tr.model)
+        logits = _logits(hidden, w, tr.head)
+        ref = torch.nn.functional.linear(hidden.double(), w.double())
+    out.update(
+        head_weight_dtype=str(unwrap(tr.model).output_layer.weight.dtype),
+        head_fp32=tr.head.fp32,
+        logits_dtype=str(logits.dtype),
+        err=float((logits.double() - ref).abs().max()),
+        body_dtype=str(unwrap(tr.model).decoder.layers[0].self_attention.linear_qkv.weight.dtype),
+    )
+
+
+def scenario_replay(tr: MegatronTrainer, out: dict) -> None:
+    """R2: record routing, perturb the router, replay; the replayed experts are the recorded ones."""
+    from patches.megatron import router_replay
+    from tim_megatron.trainer.model import unwrap
+
+    batch, mask, adv = fixed_batch()
+    lp, routed = tr.logprobs(batch, routing="record")
+    out["routed_shape"] = tuple(routed.shape)
+    out["clean_after_record"] = router_replay.is_clean(tr.model)
+    gpt = unwrap(tr.model)
+    with torch.no_grad():
+        for layer in gpt.decoder.layers:
+            layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight) * 5.0)
+    _, free = tr.logprobs(batch, routing="record")
+    batch.routed_experts = routed
+    lp_replay, replayed = None, None
+    with_r = SeqBatch(batch.input_ids, batch.lengths, routed)
+    lp_replay, _ = tr.logprobs(with_r, routing="replay")
+    # Record while replaying: what the routers actually used.
+    import contextlib
+
+    used = []
+    mb, s = tr._trimmed(with_r, torch.arange(N))
+    with (
+        router_replay.replay(
+            tr.model, action="replay", indices=tr._replay_indices(mb.routed_experts, mb.lengths)
+        ),
+        contextlib.ExitStack(),
+    ):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        hooks = []
+        for m in gpt.modules():
+            if isinstance(m, TopKRouter):
+                hooks.append(m.register_forward_hook(lambda mod, inp, o: used.append(o[1].clone())))
+        with torch.no_grad():
+            tr._forward(mb.input_ids)
+        for h in hooks:
+            h.remove()
+    valid = torch.arange(s)[None, :] < (batch.lengths[:, None] - 1)  # positions whose outputs matter
+    exact, perturbed_differs = [], []
+    for layer, routing_map in enumerate(used):  # [s*b, E] bool, token order (s, b)
+        got = routing_map.view(s, N, -1).permute(1, 0, 2)
+        want = torch.zeros_like(got)
+        want.scatter_(-1, routed[layer, :, :s].long(), True)
+        exact.append(bool((got == want).all(-1)[valid].all()))
+        fr = torch.zeros_like(got)
+        fr.scatter_(-1, free[layer, :, :s].long(), True)
+        perturbed_differs.append(bool(((fr != want).any(-1))[valid].any()))
+    out["replayed_equal_recorded"] = exact
+    out["perturbation_changed_free_routing"] = perturbed_differs
+    out["clean_after_replay"] = router_replay.is_clean(tr.model)
+    # Gradients reach the router under replay.
+    den = float(mask.sum())
+    tr.backward(with_r, loss_fn_for(lp.logprobs, adv, mask, den), routing="replay")
+    g = [
+        float(unwrap(tr.model).decoder.layers[i].mlp.router.weight.main_grad.abs().sum())
+        for i in range(len(gpt.decoder.layers))
+    ]
+    out["router_grad_abs_sum"] = g
+    out["clean_after_backward"] = router_replay.is_clean(tr.model)
+    del lp_replay, replayed
+
+
+SCENARIOS = {
+    f.__name__.removeprefix("scenario_"): f
+    for f in [
+        scenario_equivalence,
+        scenario_single,
+        scenario_resume,
+        scenario_fp16,
+        scenario_fp32_head,
+        scenario_replay,
+    ]
+}
+
+
+def main() -> None:
+    name, out_dir, *overrides = sys.argv[1:]
+    recipe = load_recipe(RECIPE, ["trainer.micro_batch_size=2", "trainer.logprob_chunk=5", *overrides]).recipe
+    ckpt = ensure_tiny_checkpoint(
+        recipe.model.dims,
+        seed=recipe.model.tiny_seed,
+        warmup_steps=recipe.model.tiny_warmup_steps,
+        task=recipe.data.task,
+    )
+    tr = MegatronTrainer(recipe, model_path=ckpt)
+    out: dict = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    SCENARIOS[name](tr, out)
+    if tr.is_rank0:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(out, Path(out_dir) / f"{name}.pt")
+    tr.close()
+
+
+if __name__ == "__main__":
+    main()

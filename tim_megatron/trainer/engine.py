@@ -1,0 +1,447 @@
+"""The Megatron trainer: a thin adapter from the RL loop to megatron-core.
+
+It owns the model (GPTModel in megatron's Float16Module and DDP wrappers), the megatron-core optimizer
+and this rank's place in the TP/EP/DP layout. It does three things for the loop:
+
+* :meth:`MegatronTrainer.logprobs`: per-token logprobs (optionally entropy, low-precision logprobs and
+  the routing it used) for a batch of sequences, without gradients;
+* :meth:`MegatronTrainer.train_step`: one optimizer update over a minibatch, accumulating gradients over
+  micro-batches, with a loss given by the loop (the math lives in ``tim_megatron.algo``);
+* :meth:`MegatronTrainer.export_hf`: the weights in HF checkpoint layout, for the rollout engine.
+
+Checkpoints are in :mod:`tim_megatron.trainer.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from patches.megatron import cpu_shims, fp32_lm_head, router_replay
+from tim_megatron.algo.stats import Stats
+from tim_megatron.recipe.schema import Recipe
+from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
+from tim_megatron.trainer.logprobs import HeadSpec, TokenLogprobs, head_weight, token_logprobs
+from tim_megatron.trainer.model import BuildOptions, build_model, final_hidden_states, unwrap
+from tim_megatron.trainer.parallel import DistEnv, init_parallel
+from tim_megatron.trainer.weights import export_hf, load_hf_into_model
+
+
+class NonFiniteAbort(RuntimeError):
+    """Too many consecutive non-finite updates: the loop saves a checkpoint and stops."""
+
+
+@dataclass
+class SeqBatch:
+    """Sequences (prompt + response), right-padded."""
+
+    input_ids: torch.Tensor
+    """``[N, L]`` token ids."""
+    lengths: torch.Tensor
+    """``[N]`` real length of each sequence."""
+    routed_experts: torch.Tensor | None = None
+    """``[layers, N, L, top_k]`` expert ids to replay (position t: the experts used for input token t)."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | slice) -> SeqBatch:
+        re = None if self.routed_experts is None else self.routed_experts[:, idx]
+        return SeqBatch(self.input_ids[idx], self.lengths[idx], re)
+
+
+@dataclass
+class StepResult:
+    applied: bool
+    """The optimizer update was applied (False: skipped for non-finite gradients or fp16 overflow)."""
+    grad_norm: float
+    loss: float
+    loss_scale: float
+    stats: Stats
+    times: dict[str, float] = field(default_factory=dict)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, Stats]]
+"""(logprobs ``[n, s]`` of a micro-batch, the micro-batch's row indices into the batch, s) -> (loss, stats)."""
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class MegatronTrainer:
+    def __init__(self, recipe: Recipe, *, model_path: str | Path, environ: dict[str, str] | None = None):
+        self.recipe = recipe
+        self.model_path = Path(model_path)
+        hf_cfg = read_hf_config(self.model_path)
+        self.family = model_family(hf_cfg)
+        self.dims = dims_from_hf(hf_cfg)
+        check_dims_match(recipe.model.dims, self.dims, where=f"model.path = {self.model_path}")
+        self._handles = []
+        if cpu_shims.needed():
+            self._handles.append(cpu_shims.apply())
+        self.env: DistEnv = init_parallel(recipe.parallel, seed=recipe.run.seed, environ=environ)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.sequence_parallel = self.tp > 1
+        self.dtype = recipe.trainer_dtype
+        self.replay_enabled = recipe.remedies.router_replay != "off" and self.dims.is_moe
+        if recipe.trainer.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+
+        gpt = build_model(
+            self.dims,
+            recipe.model,
+            recipe.parallel,
+            BuildOptions(
+                dtype=self.dtype, dispatcher=recipe.trainer.moe_dispatcher, routing_replay=self.replay_enabled
+            ),
+        )
+        if self.replay_enabled:
+            router_replay.attach(gpt)
+        self.model = self._wrap(gpt)
+        self.head = HeadSpec(
+            temperature=recipe.rollout.temperature if recipe.rollout.logprobs_after_temperature else 1.0,
+            chunk=recipe.trainer.logprob_chunk,
+            fp32=recipe.remedies.fp32_lm_head,
+        )
+        t = time.perf_counter()
+        self.loaded_params = load_hf_into_model(
+            self.model, self.model_path, family=self.family, dims=self.dims
+        )
+        self.load_seconds = time.perf_counter() - t
+        self.optimizer = self._optimizer()
+        self.nonfinite_streak = 0
+        self.updates = 0
+
+    # ------------------------------------------------------------------------------------------ build
+
+    def _wrap(self, gpt):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
+
+        module = gpt
+        if self.dtype != "float32":
+            module = Float16Module(gpt.config, gpt)
+        if self.recipe.remedies.fp32_lm_head:
+            self._handles.append(fp32_lm_head.apply(module))
+        use_dist_opt = self._use_distributed_optimizer()
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_dist_opt,
+            check_for_nan_in_grad=False,
+            bucket_size=None,
+        )
+        with cpu_shims.cuda_placement_to_cpu():
+            return DistributedDataParallel(config=gpt.config, ddp_config=ddp_cfg, module=module)
+
+    def _use_distributed_optimizer(self) -> bool:
+        explicit = self.recipe.trainer.distributed_optimizer
+        if explicit is not None:
+            if explicit and not torch.cuda.is_available():
+                raise ValueError(
+                    "trainer.distributed_optimizer = true needs CUDA (megatron's distributed optimizer)"
+                )
+            return explicit
+        return torch.cuda.is_available()
+
+    def _optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o, t = self.recipe.optim, self.recipe.trainer
+        cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=0.0,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.beta1,
+            adam_beta2=o.beta2,
+            adam_eps=o.eps,
+            clip_grad=o.grad_clip,
+            bf16=self.dtype == "bfloat16",
+            fp16=self.dtype == "float16",
+            params_dtype=unwrap(self.model).config.params_dtype,
+            use_distributed_optimizer=self._use_distributed_optimizer(),
+            loss_scale=None,
+            initial_loss_scale=t.initial_loss_scale,
+            min_loss_scale=t.min_loss_scale,
+            loss_scale_window=t.loss_scale_window,
+            hysteresis=1,
+        )
+        with cpu_shims.cuda_placement_to_cpu():
+            return get_megatron_optimizer(cfg, [self.model])
+
+    # ----------------------------------------------------------------------------------------- layout
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.env.rank == 0
+
+    def shard(self, n: int) -> slice:
+        """Rows of a global batch of ``n`` sequences that this data-parallel rank handles."""
+        if n % self.dp_size:
+            raise ValueError(
+                f"a batch of {n} sequences does not split over parallel.dp = {self.dp_size} ranks"
+            )
+        per = n // self.dp_size
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def num_moe_layers(self) -> int:
+        return self.dims.num_layers if self.dims.is_moe else 0
+
+    # -------------------------------------------------------------------------------------- forwards
+
+    def _micro_batches(self, n: int) -> Iterator[torch.Tensor]:
+        mbs = self.recipe.trainer.micro_batch_size
+        for start in range(0, n, mbs):
+            yield torch.arange(start, min(start + mbs, n))
+
+    def _trimmed(self, batch: SeqBatch, rows: torch.Tensor) -> tuple[SeqBatch, int]:
+        mb = batch.select(rows)
+        s = _round_up(max(int(mb.lengths.max()), 2), self.tp)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Expert-parallel dispatch exchanges equal-sized token blocks: every rank pads to the same length.
+            t = torch.tensor([s], device=self._device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            s = int(t.item())
+        ids = mb.input_ids[:, :s]
+        if ids.shape[1] < s:  # pad to a multiple of TP for sequence parallelism
+            ids = torch.nn.functional.pad(ids, (0, s - ids.shape[1]), value=0)
+        re = mb.routed_experts
+        if re is not None:
+            re = re[:, :, :s]
+            if re.shape[2] < s:
+                re = torch.nn.functional.pad(re, (0, 0, 0, s - re.shape[2]), value=0)
+        return SeqBatch(ids, mb.lengths, re), s
+
+    def _replay_indices(self, routed: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """``[layers, b, s, k]`` -> per layer ``[s_local * b, k]`` in the router's token order."""
+        layers, b, s, k = routed.shape
+        routed = routed.long().clone()
+        pos = torch.arange(s).view(1, 1, s)
+        beyond = (
+            pos >= lengths.view(1, b, 1) - 1
+        )  # last token and padding: outputs unused, any valid set works
+        routed[beyond.expand(layers, b, s)] = torch.arange(k, dtype=torch.long)
+        if self.sequence_parallel:
+            r = self.ps.get_tensor_model_parallel_rank()
+            per = s // self.tp
+            routed = routed[:, :, r * per : (r + 1) * per]
+        dev = self._device()
+        return [routed[layer].permute(1, 0, 2).reshape(-1, k).to(dev) for layer in range(layers)]
+
+    def _gather_recorded(self, recorded: list[torch.Tensor], b: int, s: int) -> torch.Tensor:
+        """Per layer ``[s_local * b, k]`` -> ``[layers, b, s, k]``."""
+        out = []
+        for idx in recorded:
+            k = idx.shape[-1]
+            x = idx.view(-1, b, k)
+            if self.sequence_parallel:
+                parts = [torch.empty_like(x) for _ in range(self.tp)]
+                dist.all_gather(parts, x.contiguous(), group=self.ps.get_tensor_model_parallel_group())
+                x = torch.cat(parts, 0)
+            out.append(x.permute(1, 0, 2).cpu())
+        return torch.stack(out)
+
+    def _device(self) -> torch.device:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+
+    def _forward(self, ids: torch.Tensor, **kw) -> TokenLogprobs:
+        hidden = final_hidden_states(self.model, ids.to(self._device()))
+        return token_logprobs(
+            hidden=hidden,
+            input_ids=ids.to(self._device()),
+            weight=head_weight(self.model),
+            spec=self.head,
+            sequence_parallel=self.sequence_parallel,
+            **kw,
+        )
+
+    @torch.no_grad()
+    def logprobs(
+        self,
+        batch: SeqBatch,
+        *,
+        with_entropy: bool = False,
+        quantize_bits: int | None = None,
+        routing: str = "off",
+    ) -> tuple[TokenLogprobs, torch.Tensor | None]:
+        """Logprobs ``[N, L]`` of every token (position t: log p(token t | < t)); optionally the routing.
+
+        routing: ``off``; ``record`` (also return ``[layers, N, L, k]`` expert ids used); ``replay``
+        (use ``batch.routed_experts``).
+        """
+        self.model.eval()
+        n, width = batch.input_ids.shape
+        lp = torch.zeros(n, width)
+        ent = torch.zeros(n, width) if with_entropy else None
+        qlp = torch.zeros(n, width) if quantize_bits is not None else None
+        routed = None
+        for rows in self._micro_batches(n):
+            mb, s = self._trimmed(batch, rows)
+            keep = min(s, width)
+            with self._routing(routing, mb) as rec:
+                out = self._forward(mb.input_ids, with_entropy=with_entropy, quantize_bits=quantize_bits)
+            lp[rows, :keep] = out.logprobs[:, :keep].float().cpu()
+            if ent is not None:
+                ent[rows, :keep] = out.entropy[:, :keep].float().cpu()
+            if qlp is not None:
+                qlp[rows, :keep] = out.quantized[:, :keep].float().cpu()
+            if routing == "record":
+                rec_t = self._gather_recorded(rec.indices, len(rows), s)
+                if routed is None:
+                    routed = torch.zeros(rec_t.shape[0], n, width, rec_t.shape[-1], dtype=torch.int16)
+                routed[:, rows, :keep] = rec_t[:, :, :keep].to(torch.int16)
+        self._check_clean()
+        beyond = (
+            torch.arange(width)[None, :] >= batch.lengths[:, None]
+        )  # padding: defined as 0 whatever the layout
+        for t in (lp, ent, qlp):
+            if t is not None:
+                t.masked_fill_(beyond, 0.0)
+        return TokenLogprobs(lp, ent, qlp), routed
+
+    def _routing(self, mode: str, mb: SeqBatch):
+        import contextlib
+
+        if mode == "off" or not self.dims.is_moe:
+            return contextlib.nullcontext()
+        if not self.replay_enabled:
+            raise RuntimeError(
+                f"routing = {mode} needs remedies.router_replay != off (the model has no replay hooks)"
+            )
+        if mode == "record":
+            return router_replay.replay(self.model, action="record")
+        if mb.routed_experts is None:
+            raise ValueError("routing = replay but the batch carries no routed_experts")
+        return router_replay.replay(
+            self.model, action="replay", indices=self._replay_indices(mb.routed_experts, mb.lengths)
+        )
+
+    def _check_clean(self) -> None:
+        if self.replay_enabled and not router_replay.is_clean(self.model):
+            raise RuntimeError("router replay state leaked out of a forward pass")
+
+    # ----------------------------------------------------------------------------------------- update
+
+    def train_step(self, batch: SeqBatch, loss_fn: LossFn, *, lr: float, routing: str = "off") -> StepResult:
+        """One optimizer update over ``batch`` (this rank's share of a minibatch)."""
+        loss, stats, times = self.backward(batch, loss_fn, routing=routing)
+        result = self.step(lr=lr, loss=loss)
+        result.stats = stats
+        result.times = {**times, **result.times}
+        return result
+
+    def backward(
+        self, batch: SeqBatch, loss_fn: LossFn, *, routing: str = "off"
+    ) -> tuple[float, Stats, dict[str, float]]:
+        """Accumulate gradients of ``loss_fn`` over the micro-batches of ``batch``, reduced over DP and TP."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        with cpu_shims.cuda_placement_to_cpu():
+            self.optimizer.zero_grad()
+        stats = Stats()
+        total_loss = 0.0
+        t0 = time.perf_counter()
+        for rows in self._micro_batches(len(batch)):
+            mb, s = self._trimmed(batch, rows)
+            with self._routing(routing, mb):
+                out = self._forward(mb.input_ids)
+                loss, st = loss_fn(out.logprobs.float(), rows, s)
+                with cpu_shims.cuda_placement_to_cpu():
+                    scaled = self.optimizer.scale_loss(loss)
+                scaled.backward()
+            stats.merge(st)
+            total_loss += float(loss.detach())
+        self._check_clean()
+        finalize_model_grads([self.model])
+        return total_loss, stats, {"fwd_bwd": time.perf_counter() - t0}
+
+    def step(self, *, lr: float, loss: float = 0.0) -> StepResult:
+        """Apply the accumulated gradients (skipped when they are not finite; see trainer.nan_guard_max)."""
+        t1 = time.perf_counter()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        # fp16: inf/nan gradients are loss-scale overflow, which megatron's grad scaler skips and backs off
+        # from by itself; only a non-finite loss counts against the guard.
+        finite = math.isfinite(loss) and (self.dtype == "float16" or self._grads_finite())
+        applied, grad_norm = False, float("nan")
+        if finite or self.dtype == "float16":  # fp16: megatron's scaler skips and backs off by itself
+            with cpu_shims.cuda_placement_to_cpu():
+                applied, norm, _ = self.optimizer.step()
+            grad_norm = float(norm) if norm is not None else float("nan")
+        if applied:
+            self.updates += 1
+        if finite:
+            self.nonfinite_streak = 0
+        else:
+            self.nonfinite_streak += 1
+            if self.nonfinite_streak > self.recipe.trainer.nan_guard_max:
+                raise NonFiniteAbort(
+                    f"{self.nonfinite_streak} consecutive updates had non-finite loss or gradients "
+                    f"(trainer.nan_guard_max = {self.recipe.trainer.nan_guard_max})"
+                )
+        with cpu_shims.cuda_placement_to_cpu():
+            scale = float(self.optimizer.get_loss_scale())
+        return StepResult(
+            applied=applied,
+            grad_norm=grad_norm,
+            loss=loss,
+            loss_scale=scale,
+            stats=Stats(),
+            times={"optimizer": time.perf_counter() - t1},
+        )
+
+    def _grads_finite(self) -> bool:
+        ok = torch.ones(1)
+        for p in unwrap(self.model).parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None and not bool(torch.isfinite(g).all()):
+                ok.zero_()
+                break
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            ok = ok.to(self._device())
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item() > 0)
+
+    # ------------------------------------------------------------------------------------------ export
+
+    def export_hf(
+        self, dtype: torch.dtype | None = None, *, grads: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Weights (or, with ``grads``, the reduced gradients) in HF checkpoint names and shapes."""
+        return export_hf(self.model, family=self.family, dims=self.dims, dtype=dtype, grads=grads)
+
+    def with_head(self, **changes) -> None:
+        self.head = replace(self.head, **changes)
+
+    def close(self) -> None:
+        from tim_megatron.trainer.parallel import teardown_parallel
+
+        for h in reversed(self._handles):
+            h.revert()
+        self._handles.clear()
+        teardown_parallel()

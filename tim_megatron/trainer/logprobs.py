@@ -1,0 +1,171 @@
+"""Per-token logprobs (and entropy) of given tokens from vocab-parallel logits, chunked over the sequence.
+
+The LM head runs here, one chunk of positions at a time, on the final hidden states: logits for a
+chunk are ``[chunk, batch, vocab / tp]``, turned into logprobs by megatron-core's vocab-parallel
+cross-entropy (never gathering the vocabulary), and freed before the next chunk. With gradients, each
+chunk is checkpointed, so its logits are recomputed in the backward pass instead of being kept: peak
+extra memory is one chunk's logits whether or not we train.
+
+Temperature: logits are divided by ``temperature`` before the softmax, the convention vLLM uses for
+sampled-token logprobs when ``logprobs_mode`` is "processed_logprobs".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from tim_megatron.algo.injection import round_mantissa
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    temperature: float = 1.0
+    chunk: int = 1024
+    """Sequence positions per chunk."""
+    fp32: bool = False
+    """Run the head GEMM in float32 (the FP32 LM head remedy); otherwise in the weight's dtype."""
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None, 1, 0
+    return (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+    )
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, spec: HeadSpec) -> torch.Tensor:
+    if spec.fp32:
+        out = torch.nn.functional.linear(h.float(), weight.float())
+    else:
+        out = torch.nn.functional.linear(h.to(weight.dtype), weight).float()
+    return out / spec.temperature if spec.temperature != 1.0 else out
+
+
+def _chunk_logprobs(
+    h: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, spec: HeadSpec
+) -> torch.Tensor:
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return -vocab_parallel_cross_entropy(_logits(h, weight, spec), targets)
+
+
+def _all_reduce(t: torch.Tensor, op, group, size: int) -> torch.Tensor:
+    if size > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+@torch.no_grad()
+def _entropy(logits: torch.Tensor, group, size: int) -> torch.Tensor:
+    m = _all_reduce(logits.max(-1).values, dist.ReduceOp.MAX, group, size)
+    z = logits - m.unsqueeze(-1)
+    e = torch.exp(z)
+    s = _all_reduce(e.sum(-1), dist.ReduceOp.SUM, group, size)
+    ez = _all_reduce((e * z).sum(-1), dist.ReduceOp.SUM, group, size)
+    return torch.log(s) - ez / s
+
+
+@torch.no_grad()
+def _quantized_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, bits: int, group, size: int, rank: int
+) -> torch.Tensor:
+    """Eq. 45 of the objective-level-hacking paper on vocab-sharded logits (see algo.injection)."""
+    zq = round_mantissa(logits, bits)
+    m = _all_reduce(zq.max(-1).values, dist.ReduceOp.MAX, group, size)
+    s = _all_reduce(torch.exp(zq - m.unsqueeze(-1)).sum(-1), dist.ReduceOp.SUM, group, size)
+    v = logits.shape[-1]
+    lo = rank * v
+    local = (targets >= lo) & (targets < lo + v)
+    zt = zq.gather(-1, (targets - lo).clamp(0, v - 1).unsqueeze(-1)).squeeze(-1) * local
+    zt = _all_reduce(zt, dist.ReduceOp.SUM, group, size)
+    p = round_mantissa(torch.exp(zt - m - torch.log(s)), bits)
+    return torch.log(p)
+
+
+@dataclass
+class TokenLogprobs:
+    logprobs: torch.Tensor
+    """``[batch, seq]``: log p(token_t | tokens_<t) at position t (0 at t = 0)."""
+    entropy: torch.Tensor | None = None
+    """``[batch, seq]``: entropy of the distribution that produced token_t (0 at t = 0)."""
+    quantized: torch.Tensor | None = None
+    """``[batch, seq]``: logprobs through a low-precision softmax, for precision injection."""
+
+
+def token_logprobs(
+    *,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    weight: torch.Tensor,
+    spec: HeadSpec,
+    sequence_parallel: bool,
+    with_entropy: bool = False,
+    quantize_bits: int | None = None,
+) -> TokenLogprobs:
+    """Logprobs of ``input_ids`` (``[batch, seq]``) from final hidden states ``[seq(/tp), batch, hidden]``.
+
+    ``weight`` is this rank's vocab shard of the LM head. Differentiable in ``hidden`` and ``weight``
+    when gradients are enabled.
+    """
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    group, size, rank = _tp()
+    if size > 1:
+        hidden = (
+            gather_from_sequence_parallel_region(hidden)
+            if sequence_parallel
+            else copy_to_tensor_model_parallel_region(hidden)
+        )
+    _b, s = input_ids.shape
+    if hidden.shape[0] != s:
+        raise ValueError(f"hidden states have {hidden.shape[0]} positions but input_ids has {s}")
+    # Position t predicts token t + 1; the last position predicts nothing (target 0, dropped below).
+    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], 1).t().contiguous()  # [s, b]
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    lps, ents, qs = [], [], []
+    for start in range(0, s, spec.chunk):
+        h = hidden[start : start + spec.chunk]
+        t = targets[start : start + spec.chunk].contiguous()
+        if grad:
+            lps.append(checkpoint(_chunk_logprobs, h, t, weight, spec, use_reentrant=False))
+        else:
+            logits = _logits(h, weight, spec)
+            if with_entropy:
+                ents.append(_entropy(logits, group, size))
+            if quantize_bits is not None:
+                qs.append(_quantized_logprobs(logits, t, quantize_bits, group, size, rank))
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+            lps.append(-vocab_parallel_cross_entropy(logits, t))  # consumes ``logits`` in place
+
+    def shift(parts):
+        x = torch.cat(parts, 0).t()  # [b, s]: x[:, t] predicts token t + 1
+        return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+
+    return TokenLogprobs(
+        logprobs=shift(lps),
+        entropy=shift(ents) if ents else None,
+        quantized=shift(qs) if qs else None,
+    )
+
+
+def head_weight(model) -> torch.Tensor:
+    """This rank's LM-head weight shard (the embedding when tied)."""
+    from tim_megatron.trainer.model import unwrap
+
+    gpt = unwrap(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight

@@ -1,0 +1,211 @@
+"""Build a megatron-core ``GPTModel`` for a Qwen3(-MoE) model, and run it to its final hidden states.
+
+The LM head is not run inside the model: :func:`final_hidden_states` stops after the final norm, and
+:mod:`tim_megatron.trainer.logprobs` applies the head chunk by chunk, so full-vocabulary logits never
+exist for a whole micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from tim_megatron.recipe.schema import ModelConfig, ModelDims, ParallelismConfig
+from tim_megatron.trainer.norm import SequenceParallelRMSNorm
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    dtype: str = "float32"
+    """Parameter/compute dtype."""
+    dispatcher: str = "auto"
+    """MoE token dispatcher (auto: alltoall on CUDA, allgather on CPU)."""
+    routing_replay: bool = False
+    """Create megatron-core's RouterReplay hooks in every router."""
+    use_te: bool | None = None
+    """Use transformer-engine layers (unset: when installed and CUDA is present)."""
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def apex_available() -> bool:
+    """NVIDIA Apex (not the unrelated PyPI project 'apex'): detected by its CUDA extension modules."""
+    try:
+        import apex.normalization  # noqa: F401
+        import fused_layer_norm_cuda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(
+    dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismConfig, opts: BuildOptions
+):
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    dtype = _DTYPES[opts.dtype]
+    dispatcher = opts.dispatcher if opts.dispatcher != "auto" else ("alltoall" if on_gpu else "allgather")
+    if dispatcher == "alltoall" and not on_gpu:
+        raise ValueError(
+            "trainer.moe_dispatcher = alltoall needs CUDA streams; use allgather (or auto) on CPU"
+        )
+    moe = {}
+    if dims.is_moe:
+        moe = dict(
+            num_moe_experts=dims.num_experts,
+            moe_router_topk=dims.num_experts_per_tok,
+            moe_ffn_hidden_size=dims.moe_intermediate_size,
+            # Qwen3-MoE: softmax over all experts, top-k, renormalize (norm_topk_prob) == softmax over the
+            # top-k logits, which is megatron's pre_softmax=False. Without renormalization: pre_softmax=True.
+            moe_router_pre_softmax=not dims.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss" if model_cfg.load_balancing == "aux_loss" else "none",
+            moe_aux_loss_coeff=model_cfg.aux_loss_coeff if model_cfg.load_balancing == "aux_loss" else 0.0,
+            moe_router_dtype=model_cfg.router_dtype,
+            moe_token_dispatcher_type=dispatcher,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_enable_routing_replay=opts.routing_replay,
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.etp,
+        )
+    return TransformerConfig(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_key_value_heads,
+        kv_channels=dims.head_dim,
+        ffn_hidden_size=dims.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=False,  # every weight is loaded from the HF checkpoint
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        sequence_parallel=parallel.tp > 1,
+        calculate_per_token_loss=True,  # our losses are pre-normalized by global denominators: sum grads over DP
+        **moe,
+    )
+
+
+def layer_spec(dims: ModelDims, use_te: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    n_exp = dims.num_experts if dims.is_moe else None
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=True
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+    sub = spec.submodules
+    sub.input_layernorm = SequenceParallelRMSNorm
+    sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+    sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+    sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+    return spec
+
+
+def build_model(dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismConfig, opts: BuildOptions):
+    """The bare ``GPTModel`` (no DDP or Float16 wrappers) on this rank, weights uninitialized."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    use_te = te_available() if opts.use_te is None else opts.use_te
+    config = transformer_config(dims, model_cfg, parallel, opts)
+    spec = layer_spec(dims, use_te)
+    if not use_te:
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * dims.num_layers, layer_norm=SequenceParallelRMSNorm
+        )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=dims.vocab_size,
+        max_sequence_length=dims.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=dims.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(dims.rope_theta) if float(dims.rope_theta).is_integer() else dims.rope_theta,
+        rotary_percent=1.0,
+        parallel_output=True,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if model_cfg.freeze_router:
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.router.weight"):
+                p.requires_grad_(False)
+    return model
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def _stop_before_head(gpt):
+    # GPTModel._postprocess returns the decoder output (final norm applied) when post_process is False.
+    old = gpt.post_process
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = old
+
+
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    """megatron's boolean mask convention: True = masked out."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1).view(
+        1, 1, seq_len, seq_len
+    )
+
+
+def final_hidden_states(
+    model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Run the (wrapped) model to the final norm: ``[seq(/tp with SP), batch, hidden]``."""
+    gpt = unwrap(model)
+    if position_ids is None:
+        position_ids = (
+            torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+        )
+    mask = causal_mask(input_ids.shape[1], input_ids.device)
+    with _stop_before_head(gpt):
+        return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)

@@ -1,0 +1,115 @@
+"""Process-group setup from torchrun or Slurm environment variables: TP, EP and DP over NCCL or gloo."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tim_megatron.recipe.schema import ParallelismConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str
+    """torchrun, slurm or single."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dist_env_from_environ(environ: dict[str, str] | None = None) -> DistEnv:
+    """Where this process sits: torchrun's variables first, then Slurm's (``srun`` one task per rank)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        if "MASTER_ADDR" not in env:
+            raise RuntimeError(
+                "Slurm launch without MASTER_ADDR: the sbatch script must export the first node's address"
+            )
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="slurm",
+        )
+    return DistEnv(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        master_addr="127.0.0.1",
+        master_port=_free_port(),
+        launcher="single",
+    )
+
+
+def backend_for_device() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(
+    parallel: ParallelismConfig, *, seed: int = 1234, environ: dict[str, str] | None = None
+) -> DistEnv:
+    """Initialize torch.distributed (if needed) and megatron-core's parallel groups for ``parallel``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    env = dist_env_from_environ(environ)
+    if env.world_size != parallel.world_size:
+        raise ValueError(
+            f"parallel.tp x parallel.pp x parallel.dp = {parallel.tp} x {parallel.pp} x {parallel.dp} = {parallel.world_size}, "
+            f"but the launcher started {env.world_size} process(es) ({env.launcher})"
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend_for_device(),
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+    elif dist.get_world_size() != env.world_size:
+        raise RuntimeError(
+            f"torch.distributed is already initialized with world size {dist.get_world_size()}, expected {env.world_size}"
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return env
+
+
+def teardown_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,296 @@
+"""Generic HF <-> megatron-core conversion driven by the tables in :mod:`.mapping`.
+
+* :func:`load_hf_into_model`: reads HF safetensors (sharded or not) and copies into each rank's shards,
+  TP/ETP/EP aware. Every model parameter must be covered, every needed HF tensor must exist with the
+  expected shape; anything else is an error that names the tensor and both shapes.
+* :func:`export_hf`: yields ``(hf_name, tensor)`` in HF checkpoint names and shapes (per-expert tensors),
+  gathering shards over TP/ETP and experts over EP, one parameter at a time so peak extra memory is one
+  full parameter. Every rank takes part in the collectives and receives every tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tim_megatron.recipe.schema import ModelDims
+from tim_megatron.trainer.weights.mapping import TABLES, Rule, canonical_name
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp_rank: int = 0
+    tp_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    tp_group: object = None
+    etp_group: object = None
+    ep_group: object = None
+
+    @classmethod
+    def current(cls) -> Layout:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return cls()
+        return cls(
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            tp_group=ps.get_tensor_model_parallel_group(),
+            etp_group=ps.get_expert_tensor_parallel_group(),
+            ep_group=ps.get_expert_model_parallel_group(),
+        )
+
+
+def _match(table: tuple[Rule, ...], name: str) -> tuple[Rule, dict[str, int]] | None:
+    for rule in table:
+        m = rule.pattern().match(name)
+        if m:
+            return rule, {k: int(v) for k, v in m.groupdict().items()}
+    return None
+
+
+def _hf_names(rule: Rule, idx: dict[str, int]) -> list[str]:
+    return [n.replace("{L}", str(idx.get("L", ""))).replace("{E}", str(idx.get("E", ""))) for n in rule.hf]
+
+
+# ------------------------------------------------------------------------------------------ HF reading
+
+
+class HFCheckpoint:
+    """Lazy access to the tensors of an HF safetensors checkpoint folder."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.folder / "model.safetensors").exists():
+            with safe_open(self.folder / "model.safetensors", "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        else:
+            raise FileNotFoundError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
+        self.weight_map: dict[str, str] = weight_map
+        self._open: dict[str, object] = {}
+        self._safe_open = safe_open
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, name: str) -> torch.Tensor:
+        fname = self.weight_map.get(name)
+        if fname is None:
+            raise WeightLoadError(
+                f"{self.folder}: tensor {name!r} is missing from the checkpoint (is it for another model?)"
+            )
+        if fname not in self._open:
+            self._open[fname] = self._safe_open(self.folder / fname, "pt")
+        return self._open[fname].get_tensor(name)
+
+
+# ----------------------------------------------------------------------------------- combine / split
+
+
+def _combine(rule: Rule, parts: list[torch.Tensor], dims: ModelDims) -> torch.Tensor:
+    """HF tensors -> the full (unsharded) megatron tensor."""
+    if rule.combine == "copy":
+        return parts[0]
+    if rule.combine == "gate_up":
+        return torch.cat(parts, 0)
+    if rule.combine == "qkv":
+        q, k, v = parts
+        g, d, h = dims.num_key_value_heads, dims.head_dim, q.shape[-1]
+        qpg = dims.num_attention_heads // g
+        return torch.cat([q.view(g, qpg * d, h), k.view(g, d, h), v.view(g, d, h)], 1).reshape(-1, h)
+    raise ValueError(rule.combine)
+
+
+def _uncombine(rule: Rule, full: torch.Tensor, dims: ModelDims) -> list[torch.Tensor]:
+    if rule.combine == "copy":
+        return [full]
+    if rule.combine == "gate_up":
+        return list(full.chunk(2, 0))
+    if rule.combine == "qkv":
+        g, d = dims.num_key_value_heads, dims.head_dim
+        qpg = dims.num_attention_heads // g
+        h = full.shape[-1]
+        x = full.view(g, (qpg + 2) * d, h)
+        q, k, v = x.split([qpg * d, d, d], 1)
+        return [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]
+    raise ValueError(rule.combine)
+
+
+def _ranks(rule: Rule, lay: Layout) -> tuple[int, int]:
+    return (lay.etp_rank, lay.etp_size) if rule.split.startswith("e") else (lay.tp_rank, lay.tp_size)
+
+
+def _shard(rule: Rule, full: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The full megatron tensor -> this rank's shard."""
+    rank, size = _ranks(rule, lay)
+    s = rule.split
+    if s == "rep" or size == 1:
+        return full
+    if s in ("tp0", "etp0", "qkv"):
+        return full.chunk(size, 0)[rank]
+    if s in ("tp1", "etp1"):
+        return full.chunk(size, 1)[rank]
+    if s in ("gate_up", "egate_up"):
+        gate, up = full.chunk(2, 0)
+        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0)
+    raise ValueError(s)
+
+
+def _unshard(rule: Rule, shards: list[torch.Tensor]) -> torch.Tensor:
+    s = rule.split
+    if len(shards) == 1 or s == "rep":
+        return shards[0]
+    if s in ("tp0", "etp0", "qkv"):
+        return torch.cat(shards, 0)
+    if s in ("tp1", "etp1"):
+        return torch.cat(shards, 1)
+    if s in ("gate_up", "egate_up"):
+        halves = [sh.chunk(2, 0) for sh in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    raise ValueError(s)
+
+
+def _local_to_global_expert(idx: dict[str, int], dims: ModelDims, lay: Layout) -> dict[str, int]:
+    if "E" not in idx:
+        return idx
+    per_rank = dims.num_experts // lay.ep_size
+    return {**idx, "E": lay.ep_rank * per_rank + idx["E"]}
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    from tim_megatron.trainer.model import unwrap
+
+    yield from unwrap(model).named_parameters()
+
+
+def load_hf_into_model(
+    model, folder: str | Path, *, family: str, dims: ModelDims, layout: Layout | None = None
+) -> int:
+    """Copy an HF checkpoint into this rank's parameters. Returns the number of parameters loaded."""
+    lay = layout or Layout.current()
+    table = TABLES[family]
+    ckpt = HFCheckpoint(folder)
+    used: set[str] = set()
+    n = 0
+    for name, param in _named_params(model):
+        hit = _match(table, canonical_name(name))
+        if hit is None:
+            raise WeightLoadError(f"megatron parameter {name!r} is not covered by the {family} mapping table")
+        rule, idx = hit
+        gidx = _local_to_global_expert(idx, dims, lay)
+        names = _hf_names(rule, gidx)
+        parts = [ckpt.get(h) for h in names]
+        used.update(names)
+        try:
+            full = _combine(rule, parts, dims)
+        except RuntimeError as e:
+            shapes = ", ".join(f"{h} {tuple(p.shape)}" for h, p in zip(names, parts, strict=True))
+            raise WeightLoadError(
+                f"{folder}: cannot assemble {name!r} from {shapes}: {e} (is the checkpoint for another model?)"
+            ) from None
+        shard = _shard(rule, full, lay)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise WeightLoadError(
+                f"{folder}: {', '.join(names)} gives {name!r} the shape {tuple(shard.shape)} on this rank, but the model "
+                f"expects {tuple(param.shape)} (is the checkpoint for another model?)"
+            )
+        with torch.no_grad():
+            param.copy_(shard.to(param.dtype))
+        n += 1
+    expected_unused = ({"lm_head.weight"} & ckpt.keys()) if dims.tie_word_embeddings else set()
+    if lay.ep_size == 1:
+        stray = ckpt.keys() - used - expected_unused
+        if stray:
+            raise WeightLoadError(
+                f"{folder}: {len(stray)} tensor(s) not used by the model, e.g. {sorted(stray)[:3]} (is it for another model?)"
+            )
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def _gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    if size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _param_full(rule: Rule, param: torch.Tensor, lay: Layout, grads: bool = False) -> torch.Tensor:
+    t = _grad_of(param) if grads else param.detach()
+    if rule.split == "rep":
+        return t
+    grp, size = (lay.etp_group, lay.etp_size) if rule.split.startswith("e") else (lay.tp_group, lay.tp_size)
+    return _unshard(rule, _gather(t, grp, size))
+
+
+def _grad_of(param: torch.Tensor) -> torch.Tensor:
+    g = getattr(param, "main_grad", None)
+    if g is None:
+        g = param.grad
+    return torch.zeros_like(param, dtype=torch.float32) if g is None else g.detach().float()
+
+
+def export_hf(
+    model,
+    *,
+    family: str,
+    dims: ModelDims,
+    layout: Layout | None = None,
+    dtype: torch.dtype | None = None,
+    grads: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every HF checkpoint tensor of the model (in order, on every rank); ``grads``: their gradients."""
+    lay = layout or Layout.current()
+    table = TABLES[family]
+    params = dict(_named_params(model))
+    per_rank = dims.num_experts // lay.ep_size if dims.is_moe else 0
+    for name, param in params.items():
+        rule, idx = _match(table, canonical_name(name))
+        if "E" not in idx:
+            full = _param_full(rule, param, lay, grads)
+            for hf, t in zip(_hf_names(rule, idx), _uncombine(rule, full, dims), strict=True):
+                yield hf, (t if dtype is None else t.to(dtype))
+            continue
+        if idx["E"] != 0:
+            continue  # experts are exported from local expert 0's visit, for every global expert
+        for g in range(dims.num_experts):
+            owner, local = divmod(g, per_rank)
+            local_name = name.replace(f"local_experts.{idx['E']}.", f"local_experts.{local}.", 1)
+            mine = params[local_name]
+            full = _param_full(rule, mine, lay, grads)
+            if lay.ep_size > 1:
+                buf = full.contiguous() if owner == lay.ep_rank else torch.empty_like(full)
+                dist.broadcast(buf, src=dist.get_global_rank(lay.ep_group, owner), group=lay.ep_group)
+                full = buf
+            for hf, t in zip(_hf_names(rule, {**idx, "E": g}), _uncombine(rule, full, dims), strict=True):
+                yield hf, (t if dtype is None else t.to(dtype))
