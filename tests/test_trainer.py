@@ -3,6 +3,7 @@ step, HF round trip, checkpoint resume, and the patches (router replay, FP32 LM 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -176,8 +177,15 @@ def test_save_kill_resume_continues_exactly(tmp_path, nproc, layout):
         assert proc.poll() is None, "worker exited before saving"
         assert time.time() < deadline
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up
+    # No chance to clean up: SIGKILL every process of the run (torchrun starts workers in their own sessions).
+    import psutil
+
+    family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
+    psutil.wait_procs([psutil.Process(p) for p in family if psutil.pid_exists(p)], timeout=30)
     assert not list(ck.glob(".tmp_*"))
     resumed = run_worker(
         "resume",

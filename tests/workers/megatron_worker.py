@@ -149,8 +149,9 @@ def scenario_resume(tr: MegatronTrainer, out: dict) -> None:
             save_checkpoint(tr, ckdir, step=step, state={"losses": losses}, keep=2)
             if tr.is_rank0:
                 (ckdir / "SAVED").write_text(str(step))
-            while True:  # wait to be killed, like a preempted job
+            for _ in range(300):  # wait to be killed, like a preempted job (gone by itself after 5 min)
                 time.sleep(1)
+            raise SystemExit("resume worker was never killed")
     out["losses"] = losses
 
 

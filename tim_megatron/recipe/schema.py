@@ -157,6 +157,8 @@ class RolloutConfig(Section):
     """Base sampling seed; each step and sample derives its own from it."""
     gpu_memory_utilization: float = Field(0.35, gt=0, le=1)
     """Fraction of GPU memory vLLM may take when colocated with the trainer (GPU only)."""
+    cpu_memory_utilization: float = Field(0.2, gt=0, le=1)
+    """CPU runs: fraction of the NUMA node's memory vLLM may reserve (it refuses to start if that much is not free)."""
     cpu_kvcache_gib: float = Field(1.0, gt=0)
     """KV-cache size on CPU, GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
     tensor_parallel_size: int = Field(1, ge=1)

@@ -1,0 +1,174 @@
+"""Weight sync from the Megatron trainer into the running vLLM engine, verified every time.
+
+The trainer's export (HF checkpoint names and shapes, gathered over TP/EP one parameter at a time) is
+streamed into vLLM's in-place ``reload_weights`` as one lazy iterator, so peak extra memory is one full
+parameter and vLLM processes each layer as soon as its last tensor arrives. Every rank runs the export
+(it is collective); rank 0, which hosts the engine, consumes it.
+
+Two checks, both loud:
+
+1. structure: the stream must carry every tensor of the checkpoint manifest exactly once, with the
+   manifest's shape (a dropped, duplicated, renamed or reshaped tensor fails);
+2. numbers: vLLM's logprobs on a probe batch must equal the trainer's within the recipe's tolerance
+   (a transposed square matrix or any other wrong-but-well-shaped load fails).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class WeightSyncError(RuntimeError):
+    """The rollout engine does not hold the trainer's weights."""
+
+
+@dataclass
+class SyncReport:
+    tensors: int
+    bytes: int
+    seconds: float
+    verify_seconds: float = 0.0
+    max_abs_diff: float = float("nan")
+    tolerance: float = float("nan")
+
+
+def manifest(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape of an HF checkpoint (without reading the data)."""
+    from safetensors import safe_open
+
+    from tim_megatron.trainer.weights import HFCheckpoint
+
+    ck = HFCheckpoint(model_path)
+    out = {}
+    for fname in sorted(set(ck.weight_map.values())):
+        with safe_open(Path(model_path) / fname, "pt") as f:
+            for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                out[k] = tuple(f.get_slice(k).get_shape())
+    return out
+
+
+class _Checked:
+    """Wraps the weight stream, recording what passes through."""
+
+    def __init__(self, stream: Iterable[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]]):
+        self.stream = stream
+        self.expected = expected
+        self.seen: dict[str, int] = {}
+        self.bad_shape: list[str] = []
+        self.unknown: list[str] = []
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.stream:
+            self.seen[name] = self.seen.get(name, 0) + 1
+            shape = self.expected.get(name)
+            if shape is None:
+                self.unknown.append(name)
+            elif tuple(t.shape) != shape:
+                self.bad_shape.append(f"{name}: {tuple(t.shape)} != {shape}")
+            self.bytes += t.numel() * t.element_size()
+            yield name, t
+
+    def problems(self) -> list[str]:
+        out = []
+        missing = sorted(set(self.expected) - set(self.seen))
+        if missing:
+            out.append(f"{len(missing)} tensor(s) never sent, e.g. {missing[:3]}")
+        dup = sorted(k for k, c in self.seen.items() if c > 1)
+        if dup:
+            out.append(f"{len(dup)} tensor(s) sent more than once, e.g. {dup[:3]}")
+        if self.unknown:
+            out.append(f"{len(self.unknown)} tensor(s) not in the checkpoint layout, e.g. {self.unknown[:3]}")
+        if self.bad_shape:
+            out.append(f"{len(self.bad_shape)} tensor(s) with the wrong shape, e.g. {self.bad_shape[:3]}")
+        return out
+
+
+def push_weights(
+    engine, stream: Iterable[tuple[str, torch.Tensor]], *, expected: dict[str, tuple[int, ...]] | None
+) -> SyncReport:
+    """Load ``stream`` into ``engine`` (rank 0) or just drain it (other ranks, for the collectives)."""
+    t = time.perf_counter()
+    if engine is None:
+        n = 0
+        for _ in stream:
+            n += 1
+        return SyncReport(tensors=n, bytes=0, seconds=time.perf_counter() - t)
+    checked = _Checked(stream, expected or {})
+    engine.wake_up()
+    engine.reload(iter(checked))
+    problems = checked.problems()
+    if problems:
+        raise WeightSyncError("weight sync is partial or malformed: " + "; ".join(problems))
+    return SyncReport(
+        tensors=sum(checked.seen.values()), bytes=checked.bytes, seconds=time.perf_counter() - t
+    )
+
+
+def verify_sync(engine, trainer, probe: list[list[int]], *, tolerance: float) -> tuple[float, float]:
+    """Compare vLLM's and the trainer's logprobs on ``probe`` (every rank calls; rank 0 hosts the engine).
+
+    Returns (max |difference|, seconds); raises WeightSyncError on every rank when above ``tolerance``.
+    """
+    from tim_megatron.trainer.engine import SeqBatch
+
+    t = time.perf_counter()
+    width = max(len(s) for s in probe)
+    ids = torch.zeros(len(probe), width, dtype=torch.long)
+    for i, s in enumerate(probe):
+        ids[i, : len(s)] = torch.tensor(s)
+    lengths = torch.tensor([len(s) for s in probe])
+    head = trainer.head
+    trainer.with_head(temperature=1.0)  # vLLM's prompt logprobs are at T = 1
+    try:
+        rows = trainer.shard(len(probe))
+        lp, _ = trainer.logprobs(SeqBatch(ids[rows], lengths[rows]))
+    finally:
+        trainer.head = head
+    local = lp.logprobs
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        dp_of = [None] * dist.get_world_size()
+        dist.all_gather_object(dp_of, trainer.dp_rank)
+        seen = {}
+        for r, p in enumerate(parts):
+            seen.setdefault(dp_of[r], p)
+        trainer_lp = torch.cat([seen[k] for k in sorted(seen)])
+    else:
+        trainer_lp = local
+    diff = torch.zeros(1, dtype=torch.float64)
+    if engine is not None:
+        vllm_lp = engine.score(probe)
+        worst = 0.0
+        for i, row in enumerate(vllm_lp):
+            v = torch.tensor(row[1:], dtype=torch.float64)
+            tr = trainer_lp[i, 1 : len(row)].double()
+            worst = max(worst, float((v - tr).abs().max()) if v.numel() else 0.0)
+        diff[0] = worst
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(diff, src=0)
+    seconds = time.perf_counter() - t
+    worst = float(diff[0])
+    if not worst <= tolerance:
+        raise WeightSyncError(
+            f"after the weight sync vLLM's logprobs differ from the trainer's by up to {worst:.3g} on the probe batch "
+            f"(tolerance {tolerance:g}): the rollout engine does not hold the trainer's weights"
+        )
+    return worst, seconds
+
+
+def sync_and_verify(
+    engine, trainer, *, expected, probe: list[list[int]] | None, tolerance: float, dtype: torch.dtype | None
+) -> SyncReport:
+    report = push_weights(engine, trainer.export_hf(dtype=dtype), expected=expected)
+    if probe:
+        report.max_abs_diff, report.verify_seconds = verify_sync(engine, trainer, probe, tolerance=tolerance)
+        report.tolerance = tolerance
+    return report
