@@ -11,13 +11,15 @@ EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 RECIPE ?= recipes/tiny-moe/grpo.yaml
+OVERRIDES ?=
 
-.PHONY: help setup test lint bench clean-venv
+.PHONY: help setup test lint demo bench clean-venv
 
 help:
 	@echo "make setup   create .venv with the $(EXTRA) extra (idempotent)"
 	@echo "make test    set up if needed, then run the whole test suite"
 	@echo "make lint    ruff"
+	@echo "make demo    GRPO on the tiny built-in MoE with real vLLM + megatron-core (RECIPE=..., OVERRIDES=...)"
 	@echo "make bench   benchmarks, printed as ratios against the raw libraries"
 
 setup: $(STAMP)
@@ -42,6 +44,11 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check tim_megatron patches tests
+
+demo: setup
+	@start=$$(date +%s); \
+	$(TIM) train $(RECIPE) $(OVERRIDES); rc=$$?; \
+	echo "make demo: $(RECIPE) finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 bench: setup
 	$(PY) -m tim_megatron.bench $(BENCH)

@@ -99,6 +99,98 @@ def simulate_precision_cmd(
     print(f"{seed}\t{r.mean:.4f}\t{r.std:.4f}\t{r.max:.4f}\t{r.min:.4f}\t{r.kl:.3e}")
 
 
+@app.command("train")
+def train_cmd(
+    recipe: Path = typer.Argument(None, help="recipe YAML (omit with --resume)"),
+    overrides: list[str] = typer.Argument(None, help="dotted key=value overrides"),
+    resume: Path = typer.Option(None, "--resume", help="continue this run folder from its latest checkpoint"),
+    run_dir: Path = typer.Option(
+        None, "--run-dir", help="use this run folder (resumes if it holds a checkpoint)"
+    ),
+    nproc: int = typer.Option(
+        1, "--nproc", help="processes on this machine (torchrun); parallel.dp follows if unset"
+    ),
+) -> None:
+    """Run GRPO/GSPO with vLLM rollouts and a megatron-core trainer."""
+    import os
+
+    from tim_megatron.recipe import RecipeError, load_recipe
+    from tim_megatron.run_dir import load_run, new_run_dir, write_resolved
+    from tim_megatron.trainer.checkpoint import latest_checkpoint
+
+    under_launcher = "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    try:
+        if resume is not None:
+            if recipe is not None or overrides:
+                _fail("--resume takes the recipe from the run folder; give no recipe or overrides")
+            loaded, rd = load_run(resume), resume
+        else:
+            if recipe is None:
+                _fail("give a recipe (or --resume RUN_DIR)")
+            ov = list(overrides or [])
+            loaded = load_recipe(recipe, ov)
+            world = (
+                nproc if nproc > 1 else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+            )
+            p = loaded.recipe.parallel
+            if (
+                world != p.world_size
+                and "parallel.dp" not in loaded.provenance
+                and world % (p.tp * p.pp) == 0
+            ):
+                loaded = load_recipe(recipe, [*ov, f"parallel.dp={world // (p.tp * p.pp)}"])
+            if run_dir is not None:
+                rd = run_dir
+                if not (rd / "recipe.yaml").exists():
+                    rd.mkdir(parents=True, exist_ok=True)
+                    write_resolved(loaded, rd)
+            elif under_launcher:
+                _fail("under torchrun/srun every rank needs the same --run-dir")
+            else:
+                rd = new_run_dir(loaded)
+    except RecipeError as e:
+        _fail(str(e))
+    except FileNotFoundError as e:
+        _fail(str(e))
+    if loaded.recipe.parallel.world_size != max(nproc, 1) and nproc > 1:
+        _fail(
+            f"--nproc {nproc} but the recipe's layout needs parallel.tp x pp x dp = {loaded.recipe.parallel.world_size} processes"
+        )
+    if nproc > 1 and not under_launcher:
+        raise typer.Exit(_launch_local(nproc, rd))
+    resuming = resume is not None or latest_checkpoint(rd / "checkpoints") is not None
+    from tim_megatron.loop import train
+
+    code = train(loaded, rd, resume=resuming, console=console)
+    raise typer.Exit(code)
+
+
+def _launch_local(nproc: int, rd: Path) -> int:
+    """Re-run ``tim train`` under torchrun with ``nproc`` ranks on this machine, all on run folder ``rd``."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(port),
+        "-m",
+        "tim_megatron.cli",
+        "train",
+        "--resume",
+        str(rd),
+    ]
+    console.print(f"launching {nproc} ranks: {' '.join(cmd)}", highlight=False)
+    return subprocess.call(cmd)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

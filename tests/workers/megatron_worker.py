@@ -271,7 +271,13 @@ SCENARIOS = {
 
 def main() -> None:
     name, out_dir, *overrides = sys.argv[1:]
-    recipe = load_recipe(RECIPE, ["trainer.micro_batch_size=2", "trainer.logprob_chunk=5", *overrides]).recipe
+    base = [
+        "trainer.micro_batch_size=2",
+        "trainer.logprob_chunk=5",
+        "trainer.dtype=float32",
+        "rollout.dtype=float32",
+    ]
+    recipe = load_recipe(RECIPE, [*base, *overrides]).recipe
     ckpt = ensure_tiny_checkpoint(
         recipe.model.dims,
         seed=recipe.model.tiny_seed,

@@ -12,6 +12,7 @@ the number of possible answers, and GRPO has something to improve.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -116,9 +117,19 @@ def ensure_tiny_checkpoint(
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    with open(
+        root / ".lock", "w"
+    ) as lock:  # ranks and test workers building at once: one builds, the rest wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists() and (target / "model.safetensors").exists():
+            return target
+        return _build_atomically(root, target, dims=dims, seed=seed, warmup_steps=warmup_steps, task=task)
+
+
+def _build_atomically(root: Path, target: Path, **kw) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        _build(tmp, dims=dims, seed=seed, warmup_steps=warmup_steps, task=task)
+        _build(tmp, **kw)
         try:
             os.replace(tmp, target)  # atomic: a concurrent builder loses the race harmlessly
         except OSError:

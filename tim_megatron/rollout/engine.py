@@ -14,8 +14,11 @@ size vLLM's CPU attention rejects, prompts that do not fit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,8 +98,56 @@ def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
     return cfg
 
 
+_LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+)
+
+
+@contextlib.contextmanager
+def _without_launcher_env():
+    """vLLM must not mistake our trainer's torchrun/Slurm ranks for its own."""
+    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 class VLLMEngine:
-    def __init__(self, recipe: Recipe, *, model_path: str | Path, num_moe_layers: int = 0):
+    """Rank 0's rollout engine.
+
+    With one trainer process the engine runs in-process (weights reach it by reference). With several,
+    torch.distributed already spans the trainer's ranks and vLLM would try to build its groups over them,
+    so the engine core runs in its own processes (vLLM's multiprocessing mode) with the launcher's
+    variables hidden, and weights travel through shared-memory safetensors files.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        model_path: str | Path,
+        num_moe_layers: int = 0,
+        separate_process: bool = False,
+    ):
         self.recipe = recipe
         self.model_path = Path(model_path)
         self.on_gpu = torch.cuda.is_available()
@@ -106,7 +157,12 @@ class VLLMEngine:
         self._native_capture = False
         self.sleeping = False
         r = recipe.rollout
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync by reference
+        self.separate_process = separate_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
+        if separate_process:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = (
+                "1"  # our worker-side functions travel by cloudpickle
+            )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(r.cpu_kvcache_gib))))
         from vllm import LLM
 
@@ -134,7 +190,8 @@ class VLLMEngine:
         if recipe.remedies.fp32_lm_head:
             kwargs.update(fp32_lm_head.engine_kwargs())
         t = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        with _without_launcher_env():
+            self.llm = LLM(**kwargs)
         self.load_seconds = time.perf_counter() - t
         self.tokenizer = self.llm.get_tokenizer()
         if recipe.remedies.fp32_lm_head:
@@ -232,7 +289,12 @@ class VLLMEngine:
         """Load ``(hf_name, tensor)`` pairs in place (checkpoint layout). Verify with sync.verify_sync."""
         from patches.vllm import cpu_moe_reload
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if weights is None:
+            self.llm.collective_rpc("reload_weights")  # from the checkpoint on disk
+        elif self.separate_process:
+            self._reload_via_files(weights)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if cpu_moe_reload.needed() and self.num_moe_layers:
             fixed = cpu_moe_reload.after_reload(self.llm)
             if fixed != self.num_moe_layers:
@@ -240,6 +302,33 @@ class VLLMEngine:
                     f"re-prepacked {fixed} CPU MoE layers after a reload; the model has {self.num_moe_layers}"
                 )
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def _reload_via_files(self, weights) -> None:
+        """Stream ``weights`` into shared-memory files, one per layer, then one reload over all of them."""
+        from safetensors.torch import save_file
+
+        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        folder = Path(tempfile.mkdtemp(prefix="tim-sync-", dir=root))
+        try:
+            paths, chunk, key = [], {}, None
+            for name, t in weights:
+                k = _layer_key(name)
+                if chunk and k != key:
+                    paths.append(self._write(save_file, folder, len(paths), chunk))
+                    chunk = {}
+                chunk[name] = t.detach().contiguous().cpu()
+                key = k
+            if chunk:
+                paths.append(self._write(save_file, folder, len(paths), chunk))
+            self.llm.collective_rpc(_reload_from_files, args=([str(p) for p in paths],))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @staticmethod
+    def _write(save_file, folder: Path, i: int, chunk: dict) -> Path:
+        p = folder / f"{i:05d}.safetensors"
+        save_file(chunk, str(p))
+        return p
 
     # -------------------------------------------------------------------------------------- scoring
 
@@ -276,6 +365,24 @@ class VLLMEngine:
 
             routed_experts_capture.uninstall(self.llm)
         del self.llm
+
+
+def _layer_key(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else name
+
+
+def _reload_from_files(worker, paths: list[str]) -> None:
+    """Runs inside vLLM's worker: one in-place reload that reads the files lazily, in order."""
+    from safetensors import safe_open
+
+    def stream():
+        for p in paths:
+            with safe_open(p, "pt") as f:
+                for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                    yield k, f.get_tensor(k)
+
+    worker.model_runner.reload_weights(weights_iterator=stream())
 
 
 def _native_capture_supported() -> bool:

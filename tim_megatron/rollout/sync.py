@@ -9,7 +9,7 @@ Two checks, both loud:
 
 1. structure: the stream must carry every tensor of the checkpoint manifest exactly once, with the
    manifest's shape (a dropped, duplicated, renamed or reshaped tensor fails);
-2. numbers: vLLM's logprobs on a probe batch must equal the trainer's within the recipe's tolerance
+2. numbers: vLLM's token probabilities on a probe batch must equal the trainer's within the recipe's tolerance
    (a transposed square matrix or any other wrong-but-well-shaped load fails).
 """
 
@@ -35,6 +35,9 @@ class SyncReport:
     seconds: float
     verify_seconds: float = 0.0
     max_abs_diff: float = float("nan")
+    """max |logprob difference| on the probe."""
+    max_abs_prob_diff: float = float("nan")
+    """max |probability difference| on the probe (what the tolerance applies to)."""
     tolerance: float = float("nan")
 
 
@@ -111,10 +114,13 @@ def push_weights(
     )
 
 
-def verify_sync(engine, trainer, probe: list[list[int]], *, tolerance: float) -> tuple[float, float]:
-    """Compare vLLM's and the trainer's logprobs on ``probe`` (every rank calls; rank 0 hosts the engine).
+def verify_sync(engine, trainer, probe: list[list[int]], *, tolerance: float) -> tuple[float, float, float]:
+    """Compare vLLM's and the trainer's probabilities of every token of ``probe`` (all ranks call).
 
-    Returns (max |difference|, seconds); raises WeightSyncError on every rank when above ``tolerance``.
+    The check is on max |p_vllm - p_trainer|: bf16 rounding moves logprobs of unlikely tokens a lot but
+    their probabilities hardly at all, while a wrong load moves likely tokens' probabilities. Returns
+    (max |logprob difference|, max |probability difference|, seconds); raises WeightSyncError on every rank
+    when the probability difference exceeds ``tolerance``.
     """
     from tim_megatron.trainer.engine import SeqBatch
 
@@ -143,25 +149,25 @@ def verify_sync(engine, trainer, probe: list[list[int]], *, tolerance: float) ->
         trainer_lp = torch.cat([seen[k] for k in sorted(seen)])
     else:
         trainer_lp = local
-    diff = torch.zeros(1, dtype=torch.float64)
+    diff = torch.zeros(2, dtype=torch.float64)
     if engine is not None:
-        vllm_lp = engine.score(probe)
-        worst = 0.0
-        for i, row in enumerate(vllm_lp):
+        for i, row in enumerate(engine.score(probe)):
             v = torch.tensor(row[1:], dtype=torch.float64)
             tr = trainer_lp[i, 1 : len(row)].double()
-            worst = max(worst, float((v - tr).abs().max()) if v.numel() else 0.0)
-        diff[0] = worst
+            if v.numel():
+                diff[0] = max(float(diff[0]), float((v - tr).abs().max()))
+                diff[1] = max(float(diff[1]), float((v.exp() - tr.exp()).abs().max()))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(diff, src=0)
     seconds = time.perf_counter() - t
-    worst = float(diff[0])
-    if not worst <= tolerance:
+    dlp, dp = float(diff[0]), float(diff[1])
+    if not dp <= tolerance:
         raise WeightSyncError(
-            f"after the weight sync vLLM's logprobs differ from the trainer's by up to {worst:.3g} on the probe batch "
-            f"(tolerance {tolerance:g}): the rollout engine does not hold the trainer's weights"
+            f"after the weight sync vLLM's token probabilities differ from the trainer's by up to {dp:.3g} "
+            f"(logprobs by up to {dlp:.3g}) on the probe batch, tolerance {tolerance:g}: "
+            "the rollout engine does not hold the trainer's weights"
         )
-    return worst, seconds
+    return dlp, dp, seconds
 
 
 def sync_and_verify(
@@ -169,6 +175,8 @@ def sync_and_verify(
 ) -> SyncReport:
     report = push_weights(engine, trainer.export_hf(dtype=dtype), expected=expected)
     if probe:
-        report.max_abs_diff, report.verify_seconds = verify_sync(engine, trainer, probe, tolerance=tolerance)
+        report.max_abs_diff, report.max_abs_prob_diff, report.verify_seconds = verify_sync(
+            engine, trainer, probe, tolerance=tolerance
+        )
         report.tolerance = tolerance
     return report

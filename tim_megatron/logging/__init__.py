@@ -1,0 +1,1 @@
+"""Run logging: metrics.jsonl, wandb, console, token dumps, end-of-run summary."""

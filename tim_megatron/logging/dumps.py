@@ -1,0 +1,64 @@
+"""Token dumps: one parquet file per dump step, one row per response token, for the report.
+
+Columns: step, seq, position, token_id, pi_train (trainer, old weights), pi_infer (rollout engine), pi_old
+(the old policy the loss used: pi_train, or pi_infer in bypass mode), advantage, reward, and optionally
+routed_experts (rollout's expert ids, ``layers x top_k`` flattened).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def write_dump(
+    path: Path,
+    *,
+    step: int,
+    mask: torch.Tensor,
+    input_ids: torch.Tensor,
+    train_lp: torch.Tensor | None,
+    infer_lp: torch.Tensor,
+    old_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+    routed: torch.Tensor | None = None,
+    max_tokens: int = 200_000,
+    seed: int = 0,
+) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    seq, pos = torch.nonzero(mask, as_tuple=True)
+    n = seq.numel()
+    if n > max_tokens:  # uniform subsample, reproducible
+        keep = (
+            torch.randperm(n, generator=torch.Generator().manual_seed(seed + step))[:max_tokens].sort().values
+        )
+        seq, pos = seq[keep], pos[keep]
+    cols = {
+        "step": np.full(seq.numel(), step, dtype=np.int32),
+        "seq": seq.numpy().astype(np.int32),
+        "position": pos.numpy().astype(np.int32),
+        "token_id": input_ids[seq, pos].numpy().astype(np.int32),
+        "pi_train": (
+            torch.exp(train_lp[seq, pos]).numpy() if train_lp is not None else np.full(seq.numel(), np.nan)
+        ).astype(np.float32),
+        "pi_infer": torch.exp(infer_lp[seq, pos]).numpy().astype(np.float32),
+        "pi_old": torch.exp(old_lp[seq, pos]).numpy().astype(np.float32),
+        "advantage": advantages[seq].numpy().astype(np.float32),
+        "reward": rewards[seq].numpy().astype(np.float32),
+    }
+    table = pa.table(cols)
+    if routed is not None:
+        r = (
+            routed[:, seq, pos - 1].permute(1, 0, 2).reshape(seq.numel(), -1).numpy().astype(np.int16)
+        )  # experts that produced the token
+        table = table.append_column("routed_experts", pa.array(list(r), type=pa.list_(pa.int16())))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+    return seq.numel()

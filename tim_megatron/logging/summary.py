@@ -1,0 +1,69 @@
+"""End-of-run artifacts: a PNG of reward and the main mismatch curves, and a short text summary."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+CURVES = (
+    ("reward/mean", "reward (mean)"),
+    ("val/accuracy", "validation accuracy"),
+    ("mismatch/old_vs_rollout/rho_std", "mismatch: std of rho (old vs rollout)"),
+    ("mismatch/old_vs_rollout/log_ppl_abs_diff", "log_ppl_abs_diff (old vs rollout)"),
+    ("mismatch/old_vs_rollout/prob_pearson", "Pearson(pi_train, pi_infer)"),
+    ("response/length_mean", "response length (tokens)"),
+)
+
+
+def _series(rows: list[dict], key: str):
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, int | float) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def write_summary(
+    run_dir: Path, rows: list[dict], *, name: str, wall_seconds: float, events: list[dict]
+) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        xs, ys = _series(rows, key)
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        for e in events:
+            ax.axvline(e["step"], color="tab:red", alpha=0.4, linestyle="--")
+        if not xs:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    fig.suptitle(f"{name}: reward and training-inference mismatch", fontsize=12)
+    fig.savefig(run_dir / "curves.png", dpi=110)
+    plt.close(fig)
+
+    def first_last(key):
+        _, ys = _series(rows, key)
+        k = max(1, len(ys) // 5)
+        return (sum(ys[:k]) / k, sum(ys[-k:]) / k) if ys else (float("nan"), float("nan"))
+
+    r0, r1 = first_last("reward/mean")
+    m0, m1 = first_last("mismatch/old_vs_rollout/rho_std")
+    _, val = _series(rows, "val/accuracy")
+    lines = [
+        f"run: {name}",
+        f"steps: {rows[-1]['step'] if rows else 0}   wall time: {wall_seconds:.1f} s",
+        f"reward, mean of first 20% of steps: {r0:.4f}   last 20%: {r1:.4f}   change: {r1 - r0:+.4f}",
+        f"mismatch (std of rho, old vs rollout), first 20%: {m0:.3e}   last 20%: {m1:.3e}",
+        f"validation accuracy: {', '.join(f'{v:.3f}' for v in val) if val else 'not run'}",
+        "early warnings: "
+        + (", ".join(f"{e['kind']} at step {e['step']} ({e['metric']})" for e in events) or "none"),
+    ]
+    text = "\n".join(lines) + "\n"
+    (run_dir / "summary.txt").write_text(text)
+    return text

@@ -1,0 +1,123 @@
+"""Metrics sinks: ``metrics.jsonl`` (always), wandb (offline without an API key), and the console."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from tim_megatron.recipe.schema import Recipe
+
+SUMMARY_KEYS = (
+    ("reward", "reward/mean", "{:.3f}"),
+    ("mismatch", "mismatch/old_vs_rollout/rho_std", "{:.2e}"),
+    ("ppl_diff", "mismatch/old_vs_rollout/log_ppl_abs_diff", "{:.2e}"),
+    ("clip", "actor/clipfrac_token_high", "{:.3f}"),
+    ("len", "response/length_mean", "{:.1f}"),
+    ("lr", "actor/lr", "{:.1e}"),
+    ("step_s", "time/step", "{:.2f}"),
+)
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def truncate_jsonl(path: Path, *, after_step: int) -> int:
+    """Drop lines of steps > ``after_step`` (written after the checkpoint a resumed run restarts from)."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) > after_step:
+                dropped += 1
+                continue
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        keep.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)
+    return dropped
+
+
+class Tracker:
+    def __init__(
+        self, recipe: Recipe, *, run_dir: Path, name: str, run_id: str, enabled: bool = True, console=None
+    ):
+        self.recipe = recipe
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.console = console
+        self.jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115 - open for the run
+        self.wandb = None
+        if enabled:
+            self.wandb = self._wandb(name, run_id)
+
+    def _wandb(self, name: str, run_id: str):
+        cfg = self.recipe.logging.wandb
+        mode = cfg.mode
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if mode == "disabled":
+            return None
+        import wandb
+
+        tags = [*cfg.tags, self.recipe.rl.loss]
+        if self.recipe.run.sweep_id:
+            tags.append(f"sweep:{self.recipe.run.sweep_id}")
+        return wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=name,
+            id=run_id,
+            resume="allow",
+            mode=mode,
+            dir=str(self.run_dir),
+            config=self.recipe.model_dump(mode="json"),
+            tags=tags,
+            group=self.recipe.run.sweep_id,
+            settings=wandb.Settings(silent=True),
+        )
+
+    def log(self, step: int, metrics: dict, *, events: list | None = None) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        if events:
+            row["events"] = events
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=step)
+
+    def summary_line(self, step: int, total: int, metrics: dict) -> str:
+        parts = [f"step {step}/{total}"]
+        for label, key, fmt in SUMMARY_KEYS:
+            v = metrics.get(key)
+            if isinstance(v, int | float) and math.isfinite(v):
+                parts.append(f"{label} {fmt.format(v)}")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

@@ -1,0 +1,279 @@
+"""The RL loop: rollout, rewards, advantages, old logprobs, mismatch metrics, update, weight sync, log.
+
+One function, :func:`train`, reading top to bottom; the phases are in ``tim_megatron.rl.phases``.
+The same loop runs ``make demo`` on a laptop CPU and the 30B Slurm jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tim_megatron.algo import EarlyWarning, SurgeDetector, build_schedule
+from tim_megatron.recipe import LoadedRecipe
+from tim_megatron.rl import phases
+from tim_megatron.rl.batch import broadcast_object
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpoint written, resume me (the Slurm script requeues on it)
+
+
+@dataclass
+class StopRequest:
+    """Set by SIGTERM/SIGINT; the loop finishes its step, checkpoints and exits."""
+
+    requested: bool = False
+    signal: int | None = None
+
+    def install(self) -> None:
+        def handler(signum, _frame):
+            self.requested, self.signal = True, signum
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+@dataclass
+class Run:
+    loaded: LoadedRecipe
+    run_dir: Path
+    trainer: object
+    engine: object | None
+    source: object
+    tokenizer: object
+    schedule: object
+    warnings: EarlyWarning
+    tracker: object
+    manifest: dict | None
+    stop: StopRequest
+    capture_agreement: bool
+    start_step: int = 1
+    sample_texts: list = field(default_factory=list)
+
+    @property
+    def recipe(self):
+        return self.loaded.recipe
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.trainer.is_rank0
+
+
+def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=None) -> int:
+    """Run (or resume) the recipe in ``run_dir``; returns the process exit code."""
+    from tim_megatron.run_setup import setup
+
+    run = setup(loaded, run_dir, resume=resume, console=console)
+    r = run.recipe
+    t_start = time.perf_counter()
+    step = run.start_step - 1
+    try:
+        for step in range(run.start_step, r.run.steps + 1):
+            t = phases.Timer()
+            with t("step"):
+                with t("rollout"):
+                    batch, metrics = phases.rollouts(run, step)
+                with t("old_logprobs"):
+                    old = phases.old_logprobs(run, batch, step)
+                    adv = phases.advantages(run, batch)
+                with t("metrics"):
+                    tim, weights, _ = phases.tim_metrics(run, batch, old, adv, step)
+                    metrics.update(tim)
+                run.schedule.observe(step, metrics)
+                lr = run.schedule.lr(step)
+                with t("update"):
+                    metrics.update(phases.update(run, batch, old, adv, weights, lr, step))
+                with t("sync"):
+                    metrics.update(sync_weights(run, batch))
+                if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
+                    with t("validation"):
+                        metrics.update(validate(run, step))
+                with t("logging"):
+                    events = [e.as_dict() for e in run.warnings.update(step, metrics)]
+                    dump_tokens(run, step, batch, old, adv)
+            metrics.update(t.times)
+            log_step(run, step, metrics, events)
+            if should_checkpoint(run, step):
+                save(run, step)
+            if broadcast_object(run.stop.requested):
+                save(run, step)
+                finish(run, step, time.perf_counter() - t_start, status="preempted")
+                return EXIT_PREEMPTED
+    except BaseException:
+        from tim_megatron.run_dir import set_status
+
+        if run.is_rank0:
+            set_status(run_dir, "failed", step=step)
+        run.tracker.close()
+        raise
+    if r.run.steps >= run.start_step:
+        save(run, r.run.steps)
+    finish(run, r.run.steps, time.perf_counter() - t_start, status="completed")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ step helpers
+
+
+def sync_weights(run: Run, batch=None) -> dict:
+    """Push the updated weights into the rollout engine and verify them (every step or the first only)."""
+    from tim_megatron.rollout.sync import sync_and_verify
+
+    r = run.recipe
+    if r.diagnostics.vexact == "trainer_sampler":
+        return {}
+    check = r.rollout.sync_check
+    verify = check == "every" or (check == "first" and not getattr(run, "_verified_once", False))
+    probe = run.probe if verify else None
+    if verify and batch is not None:  # this step's own samples: likely tokens give the check its power
+        k = 2 * run.trainer.dp_size
+        probe = [batch.input_ids[i, : int(batch.lengths[i])].tolist() for i in range(min(k, len(batch)))]
+    rep = sync_and_verify(
+        run.engine, run.trainer, expected=run.manifest, probe=probe, tolerance=r.sync_tolerance, dtype=None
+    )
+    run._verified_once = True
+    return {
+        "sync/seconds": rep.seconds,
+        "sync/verify_seconds": rep.verify_seconds,
+        "sync/max_abs_logprob_diff": rep.max_abs_diff,
+        "sync/max_abs_prob_diff": rep.max_abs_prob_diff,
+        "sync/mbytes": rep.bytes / 2**20,
+        "sync/tensors": rep.tensors,
+    }
+
+
+def validate(run: Run, step: int) -> dict:
+    """Greedy accuracy on the validation prompts (rank 0 generates; everyone gets the number)."""
+    from tim_megatron.data.rewards import reward
+    from tim_megatron.data.sources import encode_prompt
+
+    acc = None
+    items = run.source.validation_items(run.recipe.data.val_prompts)
+    if run.engine is not None and items:
+        prompts = [encode_prompt(run.tokenizer, it.prompt) for it in items]
+        groups, _ = run.engine.generate(prompts, step=step, n=1, greedy=True)
+        acc = sum(
+            reward(it.reward, run.tokenizer.decode(g[0].response_ids, skip_special_tokens=True), it.answer)
+            for it, g in zip(items, groups, strict=True)
+        ) / len(items)
+    acc = broadcast_object(acc)
+    return {} if acc is None else {"val/accuracy": acc}
+
+
+def dump_tokens(run: Run, step: int, batch, old, adv) -> None:
+    from tim_megatron.logging.dumps import write_dump
+
+    d = run.recipe.diagnostics.dumps
+    if not d.every or (
+        step % d.every and step != 1
+    ):  # the first step too: the report compares early and late
+        return
+    gathered = _gather_rows(
+        run.trainer, {"train": old.old if old.recomputed else None, "infer": old.rollout, "old": old.old}
+    )
+    if run.is_rank0:
+        write_dump(
+            run.run_dir / "dumps" / f"step_{step:08d}.parquet",
+            step=step,
+            mask=batch.response_mask,
+            input_ids=batch.input_ids,
+            train_lp=gathered["train"],
+            infer_lp=gathered["infer"],
+            old_lp=gathered["old"],
+            advantages=adv,
+            rewards=batch.rewards,
+            routed=batch.routed_experts if d.routed_experts else None,
+            max_tokens=d.max_tokens,
+            seed=run.recipe.run.seed,
+        )
+
+
+def _gather_rows(tr, tensors: dict) -> dict:
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and tr.dp_size > 1):
+        return tensors
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for k, v in tensors.items():
+        if v is None:
+            out[k] = None
+            continue
+        parts = [torch.empty_like(v) for _ in range(tr.dp_size)]
+        dist.all_gather(parts, v.contiguous(), group=ps.get_data_parallel_group())
+        out[k] = torch.cat(parts)
+    return out
+
+
+def log_step(run: Run, step: int, metrics: dict, events: list) -> None:
+    if not run.is_rank0:
+        return
+    run.tracker.log(step, metrics, events=events)
+    if run.recipe.logging.console and run.tracker.console is not None:
+        run.tracker.console.print(
+            run.tracker.summary_line(step, run.recipe.run.steps, metrics), highlight=False, soft_wrap=True
+        )
+        for e in events:
+            run.tracker.console.print(
+                f"[bold yellow]early warning[/]: {e['kind']} of {e['metric']} at step {e['step']} "
+                f"({e['value']:.3g} vs baseline {e['baseline']:.3g})",
+                highlight=False,
+            )
+
+
+def should_checkpoint(run: Run, step: int) -> bool:
+    every = run.recipe.checkpoint.every
+    return bool(every) and step % every == 0 and step != run.recipe.run.steps
+
+
+def save(run: Run, step: int) -> None:
+    from tim_megatron.trainer.checkpoint import save_checkpoint
+
+    state = {"schedule": run.schedule.state_dict(), "warnings": run.warnings.state_dict()}
+    save_checkpoint(
+        run.trainer, run.run_dir / "checkpoints", step=step, state=state, keep=run.recipe.checkpoint.keep
+    )
+
+
+def finish(run: Run, step: int, seconds: float, *, status: str) -> None:
+    from tim_megatron.logging.summary import write_summary
+    from tim_megatron.logging.tracker import read_metrics
+    from tim_megatron.run_dir import set_status
+
+    if run.is_rank0:
+        rows = read_metrics(run.run_dir / "metrics.jsonl")
+        text = write_summary(
+            run.run_dir,
+            rows,
+            name=run.loaded.name,
+            wall_seconds=seconds,
+            events=[e.as_dict() for e in run.warnings.events],
+        )
+        (run.run_dir / "events.json").write_text(
+            json.dumps([e.as_dict() for e in run.warnings.events], indent=1)
+        )
+        set_status(run.run_dir, status, step=step, wall_seconds=round(seconds, 2))
+        if run.tracker.console is not None:
+            run.tracker.console.print(text, highlight=False)
+    run.tracker.close()
+
+
+def new_warnings(recipe) -> EarlyWarning:
+    ew = recipe.diagnostics.early_warning
+    sv = recipe.remedies.lr_schedule.surge
+    return EarlyWarning.create(
+        metrics=list(ew.metrics),
+        baseline_steps=ew.baseline_steps,
+        window=ew.window,
+        threshold=ew.threshold,
+        surge=SurgeDetector(window=sv.window, baseline_steps=sv.baseline_steps, factor=sv.factor),
+    )
+
+
+def new_schedule(recipe):
+    return build_schedule(recipe.remedies.lr_schedule, base_lr=recipe.optim.lr, total_steps=recipe.run.steps)

@@ -1,0 +1,121 @@
+"""From a recipe to per-token weights and the loss of one minibatch, using only ``tim_megatron.algo``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tim_megatron.algo import (
+    biased_distortion,
+    gspo_loss,
+    mismatch_stats,
+    rollout_correction,
+    token_clip_loss,
+    unbiased_noise,
+)
+from tim_megatron.algo.injection import step_seed
+from tim_megatron.algo.stats import Stats
+from tim_megatron.recipe.schema import Recipe
+
+
+@dataclass
+class Shard:
+    """One rank's rows of a step, as the loss needs them (all ``[n, L]`` except ``advantages [n]``)."""
+
+    old: torch.Tensor
+    rollout: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor
+
+    def rows(self, idx) -> Shard:
+        return Shard(
+            self.old[idx], self.rollout[idx], self.mask[idx], self.advantages[idx], self.weights[idx]
+        )
+
+
+def token_weights(
+    recipe: Recipe,
+    *,
+    old: torch.Tensor,
+    rollout: torch.Tensor,
+    mask: torch.Tensor,
+    step: int,
+    rows: slice,
+    total_rows: int,
+) -> tuple[torch.Tensor, Stats]:
+    """Rollout correction (TIS/MIS/IcePop) times the objective injection (phi or xi), for this rank's rows."""
+    c = recipe.rl.correction
+    w, cstats = rollout_correction(
+        old_logprobs=old,
+        rollout_logprobs=rollout,
+        mask=mask,
+        mode=c.mode,
+        level=c.level,
+        c=c.c,
+        low=c.low,
+        high=c.high,
+    )
+    inj = recipe.diagnostics.objective_injection
+    if inj.type == "biased":
+        w = w * biased_distortion(old_logprobs=old, mask=mask, delta=inj.delta, pi_low=inj.pi_low)
+    elif inj.type == "unbiased":
+        # Drawn for the whole step's [N, L], then sliced: the same noise whatever the parallel layout.
+        xi = unbiased_noise(
+            shape=(total_rows, old.shape[1]), sigma=inj.sigma, seed=step_seed(inj.seed, step, 1)
+        )
+        w = w * xi[rows].to(w.device)
+    return w * mask, cstats
+
+
+def make_loss_fn(
+    recipe: Recipe,
+    shard: Shard,
+    *,
+    denominator: float,
+    current_stats: Stats | None = None,
+    loss_stats: Stats | None = None,
+):
+    """The loss of a minibatch shard: called by the trainer per micro-batch with its current logprobs."""
+    rl = recipe.rl
+    dg = recipe.diagnostics
+
+    def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor, s: int):
+        sub = shard.rows(rows)
+        old, roll, mask, w = sub.old[:, :s], sub.rollout[:, :s], sub.mask[:, :s], sub.weights[:, :s]
+        if logprobs.shape[1] > s:
+            logprobs = logprobs[:, :s]
+        elif logprobs.shape[1] < s:
+            raise ValueError(f"micro-batch logprobs have {logprobs.shape[1]} positions, expected {s}")
+        kw = dict(
+            logprobs=logprobs,
+            old_logprobs=old,
+            advantages=sub.advantages,
+            mask=mask,
+            token_weights=w,
+            aggregation=rl.aggregation,
+            denominator=denominator,
+            norm_length=recipe.rollout.max_tokens,
+        )
+        if rl.loss == "gspo":
+            loss, st = gspo_loss(clip_low=rl.seq_clip.low, clip_high=rl.seq_clip.high, **kw)
+        else:
+            loss, st = token_clip_loss(
+                clip_low=rl.clip.low, clip_high=rl.clip.high, dual_clip=rl.clip.dual, **kw
+            )
+        if current_stats is not None:
+            current_stats.merge(
+                mismatch_stats(
+                    train_logprobs=logprobs.detach(),
+                    infer_logprobs=roll,
+                    mask=mask,
+                    bucket_edges=dg.bucket_edges,
+                    rho_thresholds=dg.rho_thresholds,
+                )
+            )
+        if loss_stats is not None:
+            loss_stats.add_sum("loss_sum", loss.detach())
+        return loss, st
+
+    return loss_fn

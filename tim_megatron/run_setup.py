@@ -1,0 +1,123 @@
+"""Everything a run needs before its first step: model, trainer, rollout engine, data, logging, resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tim_megatron.recipe import LoadedRecipe
+
+
+def model_path_for(recipe) -> Path:
+    """The HF checkpoint folder: the built-in tiny model (built on first use) or ``model.path``."""
+    if recipe.model.path == "tiny":
+        from tim_megatron.models.tiny import ensure_tiny_checkpoint
+
+        return ensure_tiny_checkpoint(
+            recipe.model.dims,
+            seed=recipe.model.tiny_seed,
+            warmup_steps=recipe.model.tiny_warmup_steps,
+            task=recipe.data.task,
+        )
+    p = Path(recipe.model.path)
+    if p.exists():
+        return p
+    if "/" in recipe.model.path and not recipe.model.path.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(
+                snapshot_download(
+                    recipe.model.path,
+                    allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "tokenizer*"],
+                )
+            )
+        except Exception as e:
+            raise FileNotFoundError(
+                f"model.path = {recipe.model.path}: not a local folder, and the hub download failed ({e})"
+            ) from None
+    raise FileNotFoundError(f"model.path = {recipe.model.path}: no such checkpoint folder")
+
+
+def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
+    from transformers import AutoTokenizer
+
+    from tim_megatron.data.sources import PromptSource, encode_prompt
+    from tim_megatron.logging.tracker import Tracker, truncate_jsonl
+    from tim_megatron.loop import Run, StopRequest, new_schedule, new_warnings
+    from tim_megatron.rollout.engine import VLLMEngine
+    from tim_megatron.rollout.sync import manifest, sync_and_verify
+    from tim_megatron.run_dir import set_status
+    from tim_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from tim_megatron.trainer.engine import MegatronTrainer
+
+    r = loaded.recipe
+    stop = StopRequest()
+    stop.install()
+    path = model_path_for(r)
+    source = PromptSource(r.data, seed=r.run.seed)  # bad data fails here, before any engine starts
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    trainer = MegatronTrainer(r, model_path=path)
+    engine = None
+    if trainer.is_rank0 and r.diagnostics.vexact != "trainer_sampler":
+        engine = VLLMEngine(
+            r,
+            model_path=path,
+            num_moe_layers=trainer.num_moe_layers(),
+            separate_process=trainer.env.world_size > 1,
+        )
+    schedule, warnings = new_schedule(r), new_warnings(r)
+    start = 1
+    ckpt = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    if ckpt is not None:
+        meta = load_checkpoint(trainer, ckpt)
+        schedule.load_state_dict(meta["state"]["schedule"])
+        warnings.load_state_dict(meta["state"]["warnings"])
+        start = meta["step"] + 1
+        if trainer.is_rank0:
+            truncate_jsonl(run_dir / "metrics.jsonl", after_step=meta["step"])
+    probe_items = source.step_items(1, 2 * trainer.dp_size)
+    probe = [encode_prompt(tokenizer, it.prompt) for it in probe_items]
+    expected = manifest(path) if engine is not None else None
+    run = Run(
+        loaded=loaded,
+        run_dir=run_dir,
+        trainer=trainer,
+        engine=engine,
+        source=source,
+        tokenizer=tokenizer,
+        schedule=schedule,
+        warnings=warnings,
+        tracker=None,
+        manifest=expected,
+        stop=stop,
+        capture_agreement=r.capture_routed_experts and trainer.dims.is_moe,
+        start_step=start,
+    )
+    run.probe = probe
+    if ckpt is not None and r.diagnostics.vexact != "trainer_sampler":
+        sync_and_verify(
+            engine, trainer, expected=expected, probe=probe, tolerance=r.sync_tolerance, dtype=None
+        )
+    run.tracker = Tracker(
+        r,
+        run_dir=run_dir,
+        name=f"{loaded.name}/{run_dir.name}",
+        run_id=_run_id(run_dir),
+        enabled=trainer.is_rank0,
+        console=console if trainer.is_rank0 else None,
+    )
+    if trainer.is_rank0:
+        set_status(run_dir, "running", start_step=start, resumed_from=str(ckpt) if ckpt else None)
+        if console is not None:
+            console.print(
+                f"[bold]tim train[/] {loaded.name}: steps {start}..{r.run.steps} in {run_dir}"
+                f" (trainer {trainer.dtype}, rollout {r.rollout_dtype}, world {trainer.env.world_size})",
+                highlight=False,
+            )
+    return run
+
+
+def _run_id(run_dir: Path) -> str:
+    import hashlib
+
+    return hashlib.blake2b(str(run_dir.resolve()).encode(), digest_size=6).hexdigest()
