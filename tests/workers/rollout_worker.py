@@ -1,0 +1,221 @@
+"""vLLM rollout scenarios run in fresh processes by tests/test_rollout.py.
+
+    python tests/workers/rollout_worker.py SCENARIO OUT_DIR [overrides...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tim_megatron.algo import compute_mismatch  # noqa: E402
+from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
+from tim_megatron.recipe import load_recipe  # noqa: E402
+from tim_megatron.rollout.engine import VLLMEngine  # noqa: E402
+from tim_megatron.rollout.sync import WeightSyncError, manifest, push_weights, sync_and_verify, verify_sync  # noqa: E402
+from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch  # noqa: E402
+
+RECIPE = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
+PROMPTS = ["3+4=", "1+1=", "2+0=", "4+4="]
+
+
+def build(overrides):
+    recipe = load_recipe(RECIPE, ["trainer.micro_batch_size=8", *overrides]).recipe
+    ck = ensure_tiny_checkpoint(recipe.model.dims, seed=recipe.model.tiny_seed, warmup_steps=recipe.model.tiny_warmup_steps, task=recipe.data.task)
+    tr = MegatronTrainer(recipe, model_path=ck)
+    eng = VLLMEngine(recipe, model_path=ck, num_moe_layers=tr.num_moe_layers())
+    return recipe, ck, tr, eng
+
+
+def padded(seqs):
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    return ids, torch.tensor([len(s) for s in seqs])
+
+
+def sampled(eng, step=1):
+    prompts = [eng.tokenizer.encode(p) for p in PROMPTS]
+    groups, stats = eng.generate(prompts, step=step)
+    return [s for g in groups for s in g], stats
+
+
+def response_logprobs(lp: torch.Tensor, samples) -> torch.Tensor:
+    return torch.cat([lp[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.response_ids)] for i, s in enumerate(samples)])
+
+
+def scenario_fp32(out: dict, overrides) -> None:
+    recipe, ck, tr, eng = build(["trainer.dtype=float32", "rollout.dtype=float32", "rollout.capture_routed_experts=true", *overrides])
+    samples, stats = sampled(eng)
+    out["distinct_samples_in_group"] = len({tuple(s.response_ids) for s in samples[: recipe.rollout.n]})
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    ids, lengths = padded(seqs)
+    vllm_lp = torch.tensor([x for s in samples for x in s.logprobs])
+    # HF transformers, fp32, with router logits.
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32)
+    with torch.no_grad():
+        hout = hf(input_ids=ids, attention_mask=(torch.arange(ids.shape[1])[None] < lengths[:, None]).long(), output_router_logits=True)
+    logp = torch.log_softmax(hout.logits.float() / recipe.rollout.temperature, -1)
+    hf_tok = torch.cat([torch.zeros(len(seqs), 1), logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)], 1)
+    out["vllm_vs_hf"] = float((vllm_lp - response_logprobs(hf_tok, samples)).abs().max())
+    lp, _ = tr.logprobs(SeqBatch(ids, lengths))
+    out["vllm_vs_megatron"] = float((vllm_lp - response_logprobs(lp.logprobs, samples)).abs().max())
+    # Routed experts vs HF's router top-k for the same tokens.
+    k = recipe.model.dims.num_experts_per_tok
+    router = torch.stack([r.view(len(seqs), ids.shape[1], -1) for r in hout.router_logits])  # [layers, N, L, E]
+    hf_top = router.topk(k, -1).indices.sort(-1).values
+    agree, total, shapes_ok = 0, 0, True
+    for i, s in enumerate(samples):
+        need = len(s.prompt_ids) + len(s.response_ids) - 1
+        e = torch.from_numpy(s.routed_experts.astype("int64"))  # [need, layers, k]
+        shapes_ok &= tuple(e.shape) == (need, recipe.model.dims.num_layers, k)
+        got = e.permute(1, 0, 2).sort(-1).values
+        agree += int((got == hf_top[:, i, :need]).all(-1).sum())
+        total += got.shape[0] * got.shape[1]
+    out["routing_agreement_with_hf"] = agree / total
+    out["routing_shapes_ok"] = bool(shapes_ok)
+    # Update the trainer, sync, and compare with the trainer's new logprobs.
+    from tim_megatron.algo.stats import Stats
+
+    tr.train_step(SeqBatch(ids, lengths), lambda lp_, rows, s: (-lp_[:, 1:].mean(), Stats()), lr=1e-3)
+    man = manifest(ck)
+    try:
+        verify_sync(eng, tr, seqs[:4], tolerance=recipe.sync_tolerance)
+        out["stale_detected"] = False
+    except WeightSyncError:
+        out["stale_detected"] = True
+    rep = sync_and_verify(eng, tr, expected=man, probe=seqs[:4], tolerance=recipe.sync_tolerance, dtype=None)
+    out["sync_report"] = rep.__dict__
+    new_lp, _ = tr.logprobs(SeqBatch(ids, lengths))
+    scored = eng.score(seqs)
+    worst = 0.0
+    for i, row in enumerate(scored):
+        worst = max(worst, float((torch.tensor(row[1:]) - new_lp.logprobs[i, 1 : len(row)]).abs().max()))
+    out["after_sync_vllm_vs_megatron"] = worst
+    # Corrupted syncs: a dropped expert tensor, then a transposed square matrix.
+    def dropped():
+        for name, t in tr.export_hf():
+            if name != "model.layers.1.mlp.experts.3.down_proj.weight":
+                yield name, t
+
+    try:
+        push_weights(eng, dropped(), expected=man)
+        out["dropped_caught"] = None
+    except WeightSyncError as e:
+        out["dropped_caught"] = str(e)
+
+    def transposed():
+        for name, t in tr.export_hf():
+            yield name, (t.t().contiguous() if name == "model.layers.0.self_attn.q_proj.weight" else t)
+
+    push_weights(eng, transposed(), expected=man)  # well-shaped: the structural check cannot see it
+    try:
+        verify_sync(eng, tr, seqs[:4], tolerance=recipe.sync_tolerance)
+        out["transposed_caught"] = None
+    except WeightSyncError as e:
+        out["transposed_caught"] = str(e)
+    sync_and_verify(eng, tr, expected=man, probe=seqs[:4], tolerance=recipe.sync_tolerance, dtype=None)  # repaired
+    out["repaired"] = True
+    # VeXact recompute: the rollout logprobs ARE the trainer's (same forward): rho == 1 bitwise.
+    ids2, len2 = padded(seqs)
+    mask = torch.zeros_like(ids2, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        mask[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.response_ids)] = True
+    one, _ = tr.logprobs(SeqBatch(ids2, len2), quantize_bits=7)
+    again, _ = tr.logprobs(SeqBatch(ids2, len2))
+    out["recompute_bitwise_repeatable"] = bool(torch.equal(one.logprobs, again.logprobs))
+    m0 = compute_mismatch(train_logprobs=one.logprobs, infer_logprobs=one.logprobs.clone(), mask=mask)
+    out["vexact_std"], out["vexact_max"] = m0["mismatch/old_vs_rollout/rho_std"], m0["mismatch/old_vs_rollout/rho_max"]
+    stds = {}
+    for bits in (10, 7, 4):
+        q, _ = tr.logprobs(SeqBatch(ids2, len2), quantize_bits=bits)
+        stds[bits] = compute_mismatch(train_logprobs=one.logprobs, infer_logprobs=q.quantized, mask=mask)["mismatch/old_vs_rollout/rho_std"]
+    out["precision_injection_std"] = stds
+    out["gen_tokens_per_s"] = stats.tokens_per_s
+    # Bad input is refused before anything is generated.
+    from tim_megatron.rollout.engine import RolloutInputError
+
+    before = eng.llm.llm_engine.get_num_unfinished_requests() if hasattr(eng.llm, "llm_engine") else 0
+    try:
+        eng.generate([list(range(2, 30)) * 2], step=9)
+        out["long_prompt_error"] = None
+    except RolloutInputError as e:
+        out["long_prompt_error"] = str(e)
+    out["requests_after_bad_prompt"] = (eng.llm.llm_engine.get_num_unfinished_requests() if hasattr(eng.llm, "llm_engine") else 0) - before
+
+
+def scenario_precision(out: dict, overrides) -> None:
+    """Mismatch between vLLM and Megatron on the same sampled tokens, under a given precision setup."""
+    recipe, ck, tr, eng = build(list(overrides))
+    samples, _ = sampled(eng)
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    ids, lengths = padded(seqs)
+    lp, _ = tr.logprobs(SeqBatch(ids, lengths))
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    roll = torch.zeros(ids.shape)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        mask[i, p : p + len(s.response_ids)] = True
+        roll[i, p : p + len(s.response_ids)] = torch.tensor(s.logprobs)
+    m = compute_mismatch(train_logprobs=lp.logprobs, infer_logprobs=roll, mask=mask)
+    from patches.vllm import fp32_lm_head
+
+    out.update(rho_std=m["mismatch/old_vs_rollout/rho_std"], kl=m["mismatch/old_vs_rollout/kl_rollout_old_k3"],
+               vllm_head_dtype=fp32_lm_head.head_weight_dtype(eng.llm), tokens=int(mask.sum()))
+
+
+def scenario_bench(out: dict, overrides) -> None:
+    """Generation throughput of our wrapper vs a bare LLM.generate on the same engine and prompts, plus sync cost."""
+    from vllm import SamplingParams
+
+    from tim_megatron.rollout.engine import sample_seed
+
+    recipe, ck, tr, eng = build(list(overrides))
+    prompts = [eng.tokenizer.encode(p) for p in PROMPTS * 4]
+    n = recipe.rollout.n
+    reqs = [{"prompt_token_ids": p} for p in prompts for _ in range(n)]
+    r = recipe.rollout
+    sps = [SamplingParams(n=1, temperature=r.temperature, max_tokens=r.max_tokens, logprobs=0, seed=sample_seed(0, 1, i // n, i % n)) for i in range(len(reqs))]
+    eng.generate(prompts, step=0)  # warm-up
+    eng.llm.generate(reqs, sps, use_tqdm=False)
+    ours, bare = [], []
+    for rep in range(5):
+        t = time.perf_counter()
+        _, st = eng.generate(prompts, step=1 + rep)
+        ours.append((st.response_tokens, time.perf_counter() - t))
+        t = time.perf_counter()
+        res = eng.llm.generate(reqs, sps, use_tqdm=False)
+        bare.append((sum(len(o.outputs[0].token_ids) for o in res), time.perf_counter() - t))
+    out["ours_tok_s"] = sum(x for x, _ in ours) / sum(t for _, t in ours)
+    out["bare_tok_s"] = sum(x for x, _ in bare) / sum(t for _, t in bare)
+    man = manifest(ck)
+    seqs = [prompts[0] + [5, 0]] * 2
+    times = []
+    for _ in range(5):
+        rep = sync_and_verify(eng, tr, expected=man, probe=seqs, tolerance=1.0, dtype=None)
+        times.append(rep.seconds + rep.verify_seconds)
+    out["sync_s"] = min(times)
+
+
+SCENARIOS = {"fp32": scenario_fp32, "precision": scenario_precision, "bench": scenario_bench}
+
+
+def main() -> None:
+    name, out_dir, *overrides = sys.argv[1:]
+    out: dict = {}
+    SCENARIOS[name](out, overrides)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(out, Path(out_dir) / f"{name}.pt")
+
+
+if __name__ == "__main__":
+    main()
