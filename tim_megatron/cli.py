@@ -161,8 +161,30 @@ def train_cmd(
     resuming = resume is not None or latest_checkpoint(rd / "checkpoints") is not None
     from tim_megatron.loop import train
 
-    code = train(loaded, rd, resume=resuming, console=console)
+    try:
+        code = train(loaded, rd, resume=resuming, console=console)
+    except _user_errors() as e:
+        _fail(f"{type(e).__name__}: {e}")
     raise typer.Exit(code)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors caused by the inputs (named in their messages), shown without a traceback."""
+    from tim_megatron.data.sources import DataError
+    from tim_megatron.rollout.engine import RolloutInputError
+    from tim_megatron.rollout.sync import WeightSyncError
+    from tim_megatron.trainer.hf_config import CheckpointMismatchError, UnsupportedModelError
+    from tim_megatron.trainer.weights import WeightLoadError
+
+    return (
+        DataError,
+        RolloutInputError,
+        CheckpointMismatchError,
+        UnsupportedModelError,
+        WeightLoadError,
+        WeightSyncError,
+        FileNotFoundError,
+    )
 
 
 def _launch_local(nproc: int, rd: Path) -> int:

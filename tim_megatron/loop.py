@@ -53,6 +53,10 @@ class Run:
     capture_agreement: bool
     start_step: int = 1
     sample_texts: list = field(default_factory=list)
+    probe: list = field(default_factory=list)
+    """Fallback probe sequences for weight-sync verification (a step's own samples are used when present)."""
+    info: dict = field(default_factory=dict)
+    """Remedy flags logged with the first step."""
 
     @property
     def recipe(self):
@@ -96,6 +100,8 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
                     events = [e.as_dict() for e in run.warnings.update(step, metrics)]
                     dump_tokens(run, step, batch, old, adv)
             metrics.update(t.times)
+            if step == 1:
+                metrics.update(run.info)
             log_step(run, step, metrics, events)
             if should_checkpoint(run, step):
                 save(run, step)

@@ -39,12 +39,13 @@ def model_path_for(recipe) -> Path:
 
 
 def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
+    import torch
     from transformers import AutoTokenizer
 
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.logging.tracker import Tracker, truncate_jsonl
     from tim_megatron.loop import Run, StopRequest, new_schedule, new_warnings
-    from tim_megatron.rollout.engine import VLLMEngine
+    from tim_megatron.rollout.engine import VLLMEngine, check_model_for_engine
     from tim_megatron.rollout.sync import manifest, sync_and_verify
     from tim_megatron.run_dir import set_status
     from tim_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -54,6 +55,7 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     stop = StopRequest()
     stop.install()
     path = model_path_for(r)
+    check_model_for_engine(path, on_gpu=torch.cuda.is_available())  # weights present, head size servable
     source = PromptSource(r.data, seed=r.run.seed)  # bad data fails here, before any engine starts
     tokenizer = AutoTokenizer.from_pretrained(path)
     trainer = MegatronTrainer(r, model_path=path)
@@ -94,6 +96,7 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
         start_step=start,
     )
     run.probe = probe
+    run.info = remedy_info(run)
     if ckpt is not None and r.diagnostics.vexact != "trainer_sampler":
         sync_and_verify(
             engine, trainer, expected=expected, probe=probe, tolerance=r.sync_tolerance, dtype=None
@@ -121,3 +124,31 @@ def _run_id(run_dir: Path) -> str:
     import hashlib
 
     return hashlib.blake2b(str(run_dir.resolve()).encode(), digest_size=6).hexdigest()
+
+
+def remedy_info(run) -> dict:
+    """Numbers that show, in the first logged step, which precision remedies are really in force."""
+    import torch
+
+    from tim_megatron.rl.batch import broadcast_object
+    from tim_megatron.trainer.logprobs import head_weight
+
+    tr = run.trainer
+    w = head_weight(tr.model)
+    with torch.no_grad():  # the dtype the trainer's head really produces logits in
+        from tim_megatron.trainer.logprobs import _logits
+
+        head_fp32 = (
+            _logits(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w, tr.head).dtype
+            == torch.float32
+            and tr.head.fp32
+        )
+    info = {
+        "remedy/trainer_fp16": float(tr.dtype == "float16"),
+        "remedy/trainer_head_fp32": float(head_fp32),
+        "remedy/router_replay_hooks": float(tr.replay_enabled),
+    }
+    if run.engine is not None:
+        info["remedy/rollout_head_fp32"] = float(run.engine.head_dtype() == "torch.float32")
+        info["remedy/rollout_fp16"] = float(run.recipe.rollout_dtype == "float16")
+    return broadcast_object(info)

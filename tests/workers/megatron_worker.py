@@ -174,14 +174,14 @@ def scenario_fp16(tr: MegatronTrainer, out: dict) -> None:
 
 def scenario_fp32_head(tr: MegatronTrainer, out: dict) -> None:
     """Logits of the head (fp32 or not), the fp64 reference from the same hidden states."""
-    from tim_megatron.trainer.logprobs import _logits, head_weight
+    from tim_megatron.trainer.logprobs import head_gemm, head_weight
     from tim_megatron.trainer.model import final_hidden_states, unwrap
 
     batch, _, _ = fixed_batch()
     with torch.no_grad():
         hidden = final_hidden_states(tr.model, batch.input_ids)
         w = head_weight(tr.model)
-        logits = _logits(hidden, w, tr.head)
+        logits = head_gemm(hidden, w, tr.head)
         ref = torch.nn.functional.linear(hidden.double(), w.double())
     out.update(
         head_weight_dtype=str(unwrap(tr.model).output_layer.weight.dtype),

@@ -1,6 +1,6 @@
 """vLLM rollout scenarios run in fresh processes by tests/test_rollout.py.
 
-    python tests/workers/rollout_worker.py SCENARIO OUT_DIR [overrides...]
+python tests/workers/rollout_worker.py SCENARIO OUT_DIR [overrides...]
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ PROMPTS = ["3+4=", "1+1=", "2+0=", "4+4="]
 
 def build(overrides):
     recipe = load_recipe(RECIPE, ["trainer.micro_batch_size=8", *overrides]).recipe
-    ck = ensure_tiny_checkpoint(recipe.model.dims, seed=recipe.model.tiny_seed, warmup_steps=recipe.model.tiny_warmup_steps, task=recipe.data.task)
+    ck = ensure_tiny_checkpoint(
+        recipe.model.dims,
+        seed=recipe.model.tiny_seed,
+        warmup_steps=recipe.model.tiny_warmup_steps,
+        task=recipe.data.task,
+    )
     tr = MegatronTrainer(recipe, model_path=ck)
     eng = VLLMEngine(recipe, model_path=ck, num_moe_layers=tr.num_moe_layers())
     return recipe, ck, tr, eng
@@ -48,11 +53,15 @@ def sampled(eng, step=1):
 
 
 def response_logprobs(lp: torch.Tensor, samples) -> torch.Tensor:
-    return torch.cat([lp[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.response_ids)] for i, s in enumerate(samples)])
+    return torch.cat(
+        [lp[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.response_ids)] for i, s in enumerate(samples)]
+    )
 
 
 def scenario_fp32(out: dict, overrides) -> None:
-    recipe, ck, tr, eng = build(["trainer.dtype=float32", "rollout.dtype=float32", "rollout.capture_routed_experts=true", *overrides])
+    recipe, ck, tr, eng = build(
+        ["trainer.dtype=float32", "rollout.dtype=float32", "rollout.capture_routed_experts=true", *overrides]
+    )
     samples, stats = sampled(eng)
     out["distinct_samples_in_group"] = len({tuple(s.response_ids) for s in samples[: recipe.rollout.n]})
     seqs = [s.prompt_ids + s.response_ids for s in samples]
@@ -63,7 +72,11 @@ def scenario_fp32(out: dict, overrides) -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32)
     with torch.no_grad():
-        hout = hf(input_ids=ids, attention_mask=(torch.arange(ids.shape[1])[None] < lengths[:, None]).long(), output_router_logits=True)
+        hout = hf(
+            input_ids=ids,
+            attention_mask=(torch.arange(ids.shape[1])[None] < lengths[:, None]).long(),
+            output_router_logits=True,
+        )
     logp = torch.log_softmax(hout.logits.float() / recipe.rollout.temperature, -1)
     hf_tok = torch.cat([torch.zeros(len(seqs), 1), logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)], 1)
     out["vllm_vs_hf"] = float((vllm_lp - response_logprobs(hf_tok, samples)).abs().max())
@@ -71,7 +84,9 @@ def scenario_fp32(out: dict, overrides) -> None:
     out["vllm_vs_megatron"] = float((vllm_lp - response_logprobs(lp.logprobs, samples)).abs().max())
     # Routed experts vs HF's router top-k for the same tokens.
     k = recipe.model.dims.num_experts_per_tok
-    router = torch.stack([r.view(len(seqs), ids.shape[1], -1) for r in hout.router_logits])  # [layers, N, L, E]
+    router = torch.stack(
+        [r.view(len(seqs), ids.shape[1], -1) for r in hout.router_logits]
+    )  # [layers, N, L, E]
     hf_top = router.topk(k, -1).indices.sort(-1).values
     agree, total, shapes_ok = 0, 0, True
     for i, s in enumerate(samples):
@@ -101,6 +116,7 @@ def scenario_fp32(out: dict, overrides) -> None:
     for i, row in enumerate(scored):
         worst = max(worst, float((torch.tensor(row[1:]) - new_lp.logprobs[i, 1 : len(row)]).abs().max()))
     out["after_sync_vllm_vs_megatron"] = worst
+
     # Corrupted syncs: a dropped expert tensor, then a transposed square matrix.
     def dropped():
         for name, t in tr.export_hf():
@@ -123,7 +139,9 @@ def scenario_fp32(out: dict, overrides) -> None:
         out["transposed_caught"] = None
     except WeightSyncError as e:
         out["transposed_caught"] = str(e)
-    sync_and_verify(eng, tr, expected=man, probe=seqs[:4], tolerance=recipe.sync_tolerance, dtype=None)  # repaired
+    sync_and_verify(
+        eng, tr, expected=man, probe=seqs[:4], tolerance=recipe.sync_tolerance, dtype=None
+    )  # repaired
     out["repaired"] = True
     # VeXact recompute: the rollout logprobs ARE the trainer's (same forward): rho == 1 bitwise.
     ids2, len2 = padded(seqs)
@@ -134,11 +152,16 @@ def scenario_fp32(out: dict, overrides) -> None:
     again, _ = tr.logprobs(SeqBatch(ids2, len2))
     out["recompute_bitwise_repeatable"] = bool(torch.equal(one.logprobs, again.logprobs))
     m0 = compute_mismatch(train_logprobs=one.logprobs, infer_logprobs=one.logprobs.clone(), mask=mask)
-    out["vexact_std"], out["vexact_max"] = m0["mismatch/old_vs_rollout/rho_std"], m0["mismatch/old_vs_rollout/rho_max"]
+    out["vexact_std"], out["vexact_max"] = (
+        m0["mismatch/old_vs_rollout/rho_std"],
+        m0["mismatch/old_vs_rollout/rho_max"],
+    )
     stds = {}
     for bits in (10, 7, 4):
         q, _ = tr.logprobs(SeqBatch(ids2, len2), quantize_bits=bits)
-        stds[bits] = compute_mismatch(train_logprobs=one.logprobs, infer_logprobs=q.quantized, mask=mask)["mismatch/old_vs_rollout/rho_std"]
+        stds[bits] = compute_mismatch(train_logprobs=one.logprobs, infer_logprobs=q.quantized, mask=mask)[
+            "mismatch/old_vs_rollout/rho_std"
+        ]
     out["precision_injection_std"] = stds
     out["gen_tokens_per_s"] = stats.tokens_per_s
     # Bad input is refused before anything is generated.
@@ -150,12 +173,14 @@ def scenario_fp32(out: dict, overrides) -> None:
         out["long_prompt_error"] = None
     except RolloutInputError as e:
         out["long_prompt_error"] = str(e)
-    out["requests_after_bad_prompt"] = (eng.llm.llm_engine.get_num_unfinished_requests() if hasattr(eng.llm, "llm_engine") else 0) - before
+    out["requests_after_bad_prompt"] = (
+        eng.llm.llm_engine.get_num_unfinished_requests() if hasattr(eng.llm, "llm_engine") else 0
+    ) - before
 
 
 def scenario_precision(out: dict, overrides) -> None:
     """Mismatch between vLLM and Megatron on the same sampled tokens, under a given precision setup."""
-    recipe, ck, tr, eng = build(list(overrides))
+    _recipe, _ck, tr, eng = build(list(overrides))
     samples, _ = sampled(eng)
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     ids, lengths = padded(seqs)
@@ -167,10 +192,12 @@ def scenario_precision(out: dict, overrides) -> None:
         mask[i, p : p + len(s.response_ids)] = True
         roll[i, p : p + len(s.response_ids)] = torch.tensor(s.logprobs)
     m = compute_mismatch(train_logprobs=lp.logprobs, infer_logprobs=roll, mask=mask)
-    from patches.vllm import fp32_lm_head
-
-    out.update(rho_std=m["mismatch/old_vs_rollout/rho_std"], kl=m["mismatch/old_vs_rollout/kl_rollout_old_k3"],
-               vllm_head_dtype=fp32_lm_head.head_weight_dtype(eng.llm), tokens=int(mask.sum()))
+    out.update(
+        rho_std=m["mismatch/old_vs_rollout/rho_std"],
+        kl=m["mismatch/old_vs_rollout/kl_rollout_old_k3"],
+        vllm_head_dtype=eng.head_dtype(),
+        tokens=int(mask.sum()),
+    )
 
 
 def scenario_bench(out: dict, overrides) -> None:
@@ -184,7 +211,16 @@ def scenario_bench(out: dict, overrides) -> None:
     n = recipe.rollout.n
     reqs = [{"prompt_token_ids": p} for p in prompts for _ in range(n)]
     r = recipe.rollout
-    sps = [SamplingParams(n=1, temperature=r.temperature, max_tokens=r.max_tokens, logprobs=0, seed=sample_seed(0, 1, i // n, i % n)) for i in range(len(reqs))]
+    sps = [
+        SamplingParams(
+            n=1,
+            temperature=r.temperature,
+            max_tokens=r.max_tokens,
+            logprobs=0,
+            seed=sample_seed(0, 1, i // n, i % n),
+        )
+        for i in range(len(reqs))
+    ]
     eng.generate(prompts, step=0)  # warm-up
     eng.llm.generate(reqs, sps, use_tqdm=False)
     ours, bare = [], []

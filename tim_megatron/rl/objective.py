@@ -58,14 +58,20 @@ def token_weights(
         high=c.high,
     )
     inj = recipe.diagnostics.objective_injection
+    injected = None
     if inj.type == "biased":
-        w = w * biased_distortion(old_logprobs=old, mask=mask, delta=inj.delta, pi_low=inj.pi_low)
+        injected = biased_distortion(old_logprobs=old, mask=mask, delta=inj.delta, pi_low=inj.pi_low)
     elif inj.type == "unbiased":
         # Drawn for the whole step's [N, L], then sliced: the same noise whatever the parallel layout.
         xi = unbiased_noise(
             shape=(total_rows, old.shape[1]), sigma=inj.sigma, seed=step_seed(inj.seed, step, 1)
         )
-        w = w * xi[rows].to(w.device)
+        injected = xi[rows].to(w.device)
+    if injected is not None:
+        w = w * injected
+        v = injected[mask.bool()].double()
+        cstats.add_sum("inj_w", v.sum())
+        cstats.add_sum("inj_w2", (v * v).sum())
     return w * mask, cstats
 
 

@@ -29,7 +29,7 @@ from tim_megatron.algo import (
 )
 from tim_megatron.algo.aggregation import local_denominator
 from tim_megatron.algo.injection import step_seed
-from tim_megatron.algo.stats import Stats, safe_div
+from tim_megatron.algo.stats import Stats, safe_div, std_from_sums
 from tim_megatron.data.rewards import reward as score
 from tim_megatron.data.sources import encode_prompt
 from tim_megatron.rl.batch import StepBatch, broadcast, broadcast_object, from_samples
@@ -224,7 +224,12 @@ def tim_metrics(
     weights, cstats = token_weights(
         r, old=op.old, rollout=op.rollout, mask=mask, step=step, rows=op.rows, total_rows=len(batch)
     )
-    out.update(correction_metrics(_reduce(cstats), mode=r.rl.correction.mode, level=r.rl.correction.level))
+    cstats = _reduce(cstats)
+    out.update(correction_metrics(cstats, mode=r.rl.correction.mode, level=r.rl.correction.level))
+    if "inj_w" in cstats:
+        n = cstats.sum("tokens")
+        out["objective/injection_weight_mean"] = safe_div(cstats.sum("inj_w"), n)
+        out["objective/injection_weight_std"] = std_from_sums(cstats.sum("inj_w"), cstats.sum("inj_w2"), n)
     j = _reduce(
         objective_surrogate(
             advantages=adv[op.rows],
@@ -277,7 +282,7 @@ def update(
     routing = "replay" if replay in ("r2", "r3") and tr.replay_enabled else "off"
     routed = op.trainer_routing if replay == "r2" else local.routed_experts
     loss_stats, current = Stats(), Stats()
-    applied, norms, losses, scales, updates = 0, [], [], [], 0
+    applied, norms, losses, scales, updates, replayed = 0, [], [], [], 0, 0
     for epoch in range(r.rl.ppo_epochs):
         perm = torch.randperm(
             n_local, generator=torch.Generator().manual_seed(step_seed(r.run.seed, step, 100 + epoch))
@@ -293,6 +298,8 @@ def update(
                 r, shard.rows(idx), denominator=den, current_stats=current if epoch == 0 else None
             )
             res = tr.train_step(seq, fn, lr=lr, routing=routing)
+            if routing == "replay":
+                replayed += int(seq.lengths.sum())
             loss_stats.merge(res.stats)
             applied += int(res.applied)
             updates += 1
@@ -323,6 +330,7 @@ def update(
             "actor/updates": updates,
             "actor/updates_skipped": updates - applied,
             "actor/loss_scale": scales[-1] if scales else float("nan"),
+            "remedy/replayed_tokens": float(replayed),
         }
     )
     return out

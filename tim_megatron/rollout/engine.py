@@ -166,8 +166,6 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(r.cpu_kvcache_gib))))
         from vllm import LLM
 
-        from patches.vllm import fp32_lm_head
-
         kwargs = dict(
             model=str(self.model_path),
             dtype=_DTYPE[recipe.rollout_dtype],
@@ -188,14 +186,12 @@ class VLLMEngine:
                 kwargs["enable_return_routed_experts"] = True
                 self._native_capture = True
         if recipe.remedies.fp32_lm_head:
-            kwargs.update(fp32_lm_head.engine_kwargs())
+            kwargs["hf_overrides"] = {"head_dtype": "float32"}  # vLLM's own fp32 head GEMM (no patch needed)
         t = time.perf_counter()
         with _without_launcher_env():
             self.llm = LLM(**kwargs)
         self.load_seconds = time.perf_counter() - t
         self.tokenizer = self.llm.get_tokenizer()
-        if recipe.remedies.fp32_lm_head:
-            fp32_lm_head.apply(self.llm)
         if self.capture and not self._native_capture:
             from patches.vllm import routed_experts_capture
 
@@ -205,9 +201,14 @@ class VLLMEngine:
 
     def check_prompts(self, prompts: list[list[int]], max_tokens: int) -> None:
         limit = self.recipe.rollout.max_model_len
+        cap = self.recipe.data.max_prompt_tokens
         for i, p in enumerate(prompts):
             if not p:
                 raise RolloutInputError(f"rollout: prompt {i} is empty")
+            if len(p) > cap:
+                raise RolloutInputError(
+                    f"rollout: prompt {i} has {len(p)} tokens, more than data.max_prompt_tokens = {cap}"
+                )
             if len(p) + max_tokens > limit:
                 raise RolloutInputError(
                     f"rollout: prompt {i} has {len(p)} tokens; with rollout.max_tokens = {max_tokens} it needs "
@@ -346,6 +347,10 @@ class VLLMEngine:
             res.append(row)
         return res
 
+    def head_dtype(self) -> str:
+        """The dtype vLLM computes the LM head (and logits) in."""
+        return self.llm.collective_rpc(_head_dtype)[0]
+
     # ------------------------------------------------------------------------------------ memory
 
     def sleep(self) -> None:
@@ -365,6 +370,11 @@ class VLLMEngine:
 
             routed_experts_capture.uninstall(self.llm)
         del self.llm
+
+
+def _head_dtype(worker) -> str:
+    lp = worker.model_runner.model.logits_processor
+    return str(lp.head_dtype or worker.model_runner.model_config.dtype)
 
 
 def _layer_key(name: str) -> str:

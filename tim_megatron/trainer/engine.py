@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from patches.megatron import cpu_shims, fp32_lm_head, router_replay
+from patches.megatron import cpu_shims, router_replay
 from tim_megatron.algo.stats import Stats
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
@@ -133,8 +133,6 @@ class MegatronTrainer:
         module = gpt
         if self.dtype != "float32":
             module = Float16Module(gpt.config, gpt)
-        if self.recipe.remedies.fp32_lm_head:
-            self._handles.append(fp32_lm_head.apply(module))
         use_dist_opt = self._use_distributed_optimizer()
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,

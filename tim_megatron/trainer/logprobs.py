@@ -27,7 +27,9 @@ class HeadSpec:
     chunk: int = 1024
     """Sequence positions per chunk."""
     fp32: bool = False
-    """Run the head GEMM in float32 (the FP32 LM head remedy); otherwise in the weight's dtype."""
+    """The FP32 LM head remedy: the head GEMM in float32 from a float32 copy of the (bf16/fp16) head weights,
+    with float32 logits, as vLLM's ``head_dtype=float32`` does on the rollout side. The weights themselves stay
+    in the model dtype on both sides (identical after every sync); the optimizer keeps their fp32 masters."""
 
 
 def _tp():
@@ -42,11 +44,15 @@ def _tp():
     )
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, spec: HeadSpec) -> torch.Tensor:
+def head_gemm(h: torch.Tensor, weight: torch.Tensor, spec: HeadSpec) -> torch.Tensor:
+    """The LM-head GEMM, in float32 with the FP32 head remedy, else in the weight's dtype."""
     if spec.fp32:
-        out = torch.nn.functional.linear(h.float(), weight.float())
-    else:
-        out = torch.nn.functional.linear(h.to(weight.dtype), weight).float()
+        return torch.nn.functional.linear(h.float(), weight.float())
+    return torch.nn.functional.linear(h.to(weight.dtype), weight)
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, spec: HeadSpec) -> torch.Tensor:
+    out = head_gemm(h, weight, spec).float()
     return out / spec.temperature if spec.temperature != 1.0 else out
 
 
