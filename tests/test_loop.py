@@ -420,8 +420,66 @@ def test_two_processes_over_gloo(tmp_path, layout):
     )
     d = run_folder(tmp_path)
     rows = metrics(d)
-    assert len(rows) == 2 and rows[-1]["sync/max_abs_prob_diff"] <= 0.05
+    assert (
+        len(rows) == 2
+        and rows[0]["sync/probe_max_abs_prob_diff"] <= 0.05
+        and rows[1]["sync/data_max_abs_prob_diff"] <= 0.05
+    )
     from tim_megatron.recipe import load_recipe
 
     p = load_recipe(d / "recipe.yaml").recipe.parallel
     assert (p.tp, p.dp) == ((2, 1) if layout else (1, 2))
+
+
+def test_next_step_data_check_catches_a_bad_sync():
+    from types import SimpleNamespace
+
+    import torch
+
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.rl.phases import verify_last_sync
+    from tim_megatron.rollout.sync import WeightSyncError
+
+    r = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml").recipe  # bf16: tolerance 0.05 in probability
+    run = SimpleNamespace(recipe=r, verify_on_next_step=True, last_sync_check=None)
+    mask = torch.tensor([[False, True, True]])
+    old = torch.log(torch.tensor([[0.5, 0.9, 0.6]]))
+    verify_last_sync(
+        run, old=old, rollout=torch.log(torch.tensor([[0.1, 0.89, 0.61]])), mask=mask
+    )  # bf16-sized noise
+    assert run.last_sync_check == pytest.approx(0.01, abs=1e-6) and not run.verify_on_next_step
+    run.verify_on_next_step = True
+    with pytest.raises(WeightSyncError, match=r"differ from the trainer's by up to 0\.4"):
+        verify_last_sync(run, old=old, rollout=torch.log(torch.tensor([[0.5, 0.5, 0.6]])), mask=mask)
+
+
+def test_export_hf_after_training_loads_in_transformers(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    tim_train(
+        ["recipes/tiny-moe/grpo.yaml", "run.steps=2", f"run.output_dir={tmp_path / 'runs'}", *FAST], tmp_path
+    )
+    d = run_folder(tmp_path / "runs")
+    res = subprocess.run(
+        [*TIM, "export-hf", str(d), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.run_setup import model_path_for
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.num_experts == 8
+    new = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    init = load_file(str(model_path_for(load_recipe(d / "recipe.yaml").recipe) / "model.safetensors"))
+    assert new.keys() == init.keys()
+    assert any(
+        not torch.equal(new[k].float(), init[k].float()) for k in new
+    )  # trained weights, not the start
+    assert json.loads((tmp_path / "hf" / "tim_export.json").read_text())["step"] == 2

@@ -187,6 +187,24 @@ def _user_errors() -> tuple[type[Exception], ...]:
     )
 
 
+@app.command("export-hf")
+def export_hf_cmd(
+    run_dir: Path = typer.Argument(..., help="a run folder with checkpoints"),
+    out: Path = typer.Argument(..., help="output folder (an HF checkpoint)"),
+    dtype: str = typer.Option(None, help="cast tensors: float32, bfloat16 or float16 (default: as trained)"),
+) -> None:
+    """Write a run's latest checkpoint as an HF checkpoint (per-expert tensors, config, tokenizer)."""
+    from tim_megatron.export import export_run
+
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        _fail(f"--dtype {dtype!r}: allowed float32, bfloat16, float16")
+    try:
+        path = export_run(run_dir, out, dtype=dtype)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    console.print(f"exported {run_dir} -> {path}", highlight=False)
+
+
 def _launch_local(nproc: int, rd: Path) -> int:
     """Re-run ``tim train`` under torchrun with ``nproc`` ranks on this machine, all on run folder ``rd``."""
     import socket

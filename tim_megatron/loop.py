@@ -57,6 +57,11 @@ class Run:
     """Fallback probe sequences for weight-sync verification (a step's own samples are used when present)."""
     info: dict = field(default_factory=dict)
     """Remedy flags logged with the first step."""
+    synced_once: bool = False
+    verify_on_next_step: bool = False
+    """The last sync is checked against the trainer's logprobs on the next step's samples."""
+    last_sync_check: float | None = None
+    """That check's max |p_vllm - p_trainer|, logged with the step that ran it."""
 
     @property
     def recipe(self):
@@ -83,6 +88,11 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
                     batch, metrics = phases.rollouts(run, step)
                 with t("old_logprobs"):
                     old = phases.old_logprobs(run, batch, step)
+                    if run.last_sync_check is not None:
+                        metrics["sync/data_max_abs_prob_diff"], run.last_sync_check = (
+                            run.last_sync_check,
+                            None,
+                        )
                     adv = phases.advantages(run, batch)
                 with t("metrics"):
                     tim, weights, _ = phases.tim_metrics(run, batch, old, adv, step)
@@ -92,7 +102,7 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
                 with t("update"):
                     metrics.update(phases.update(run, batch, old, adv, weights, lr, step))
                 with t("sync"):
-                    metrics.update(sync_weights(run, batch))
+                    metrics.update(sync_weights(run, batch, last=step == r.run.steps))
                 if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
                     with t("validation"):
                         metrics.update(validate(run, step))
@@ -125,31 +135,39 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
 # ------------------------------------------------------------------------------------ step helpers
 
 
-def sync_weights(run: Run, batch=None) -> dict:
-    """Push the updated weights into the rollout engine and verify them (every step or the first only)."""
+def sync_weights(run: Run, batch=None, *, last: bool = False) -> dict:
+    """Push the updated weights into the rollout engine; verify them now (probe) or on the next step's data."""
     from tim_megatron.rollout.sync import sync_and_verify
 
     r = run.recipe
     if r.diagnostics.vexact == "trainer_sampler":
         return {}
     check = r.rollout.sync_check
-    verify = check == "every" or (check == "first" and not getattr(run, "_verified_once", False))
-    probe = run.probe if verify else None
-    if verify and batch is not None:  # this step's own samples: likely tokens give the check its power
+    first = not run.synced_once
+    eager = check == "probe" or (check in ("every", "first") and first) or (check == "every" and last)
+    probe = None
+    if eager:  # this step's own samples: likely tokens give the check its power
         k = 2 * run.trainer.dp_size
-        probe = [batch.input_ids[i, : int(batch.lengths[i])].tolist() for i in range(min(k, len(batch)))]
+        probe = (
+            [batch.input_ids[i, : int(batch.lengths[i])].tolist() for i in range(min(k, len(batch)))]
+            if batch is not None
+            else run.probe
+        )
     rep = sync_and_verify(
         run.engine, run.trainer, expected=run.manifest, probe=probe, tolerance=r.sync_tolerance, dtype=None
     )
-    run._verified_once = True
-    return {
-        "sync/seconds": rep.seconds,
-        "sync/verify_seconds": rep.verify_seconds,
-        "sync/max_abs_logprob_diff": rep.max_abs_diff,
-        "sync/max_abs_prob_diff": rep.max_abs_prob_diff,
-        "sync/mbytes": rep.bytes / 2**20,
-        "sync/tensors": rep.tensors,
-    }
+    run.synced_once = True
+    run.verify_on_next_step = check == "every" and not last
+    out = {"sync/seconds": rep.seconds, "sync/mbytes": rep.bytes / 2**20, "sync/tensors": rep.tensors}
+    if eager:
+        out.update(
+            {
+                "sync/verify_seconds": rep.verify_seconds,
+                "sync/probe_max_abs_prob_diff": rep.max_abs_prob_diff,
+                "sync/probe_max_abs_logprob_diff": rep.max_abs_diff,
+            }
+        )
+    return out
 
 
 def validate(run: Run, step: int) -> dict:

@@ -101,6 +101,8 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
         sync_and_verify(
             engine, trainer, expected=expected, probe=probe, tolerance=r.sync_tolerance, dtype=None
         )
+        run.synced_once = True  # as in the uninterrupted run at this point
+        run.verify_on_next_step = r.rollout.sync_check == "every"
     run.tracker = Tracker(
         r,
         run_dir=run_dir,

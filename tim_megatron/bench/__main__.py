@@ -1,15 +1,19 @@
 """``python -m tim_megatron.bench [name ...]``: run benchmarks (all when none is named).
 
-Each prints its numbers as ratios against the raw library measured in the same run.
+Each prints its numbers as ratios against the raw library measured in the same run, and runs in its own
+process (megatron-core and vLLM keep process-wide state).
 """
 
 from __future__ import annotations
 
-import importlib
+import subprocess
 import sys
 
 BENCHES = {
     "metrics": "tim_megatron.bench.metrics",
+    "trainer": "tim_megatron.bench.trainer",
+    "rollout": "tim_megatron.bench.rollout",
+    "step": "tim_megatron.bench.step",
 }
 
 
@@ -22,7 +26,7 @@ def main(argv: list[str]) -> int:
         return 2
     rc = 0
     for n in names:
-        rc |= importlib.import_module(BENCHES[n]).main(rest)
+        rc |= subprocess.call([sys.executable, "-m", BENCHES[n], *rest])
     return rc
 
 

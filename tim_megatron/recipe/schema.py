@@ -167,8 +167,10 @@ class RolloutConfig(Section):
     """Skip graph capture/compilation (needed for routed-expert capture hooks on CPU)."""
     sleep_between_steps: bool = False
     """Release vLLM's GPU memory while the trainer runs (no-op on CPU)."""
-    sync_check: Literal["every", "first", "off"] = "every"
-    """Verify each weight sync by comparing vLLM and trainer logprobs on a probe batch."""
+    sync_check: Literal["every", "probe", "first", "off"] = "every"
+    """How weight syncs are verified (the structural check always runs). every: on the next step's own samples,
+    whose trainer logprobs the loop computes anyway (free), plus a probe on the first and last syncs; probe: an
+    extra probe batch after every sync; first: probe the first sync only; off: structure only."""
     sync_tolerance: float | None = None
     """Largest |p_vllm - p_trainer| over probe tokens a verified sync accepts. Unset: 1e-4 in fp32, 0.05 otherwise."""
     capture_routed_experts: bool = False

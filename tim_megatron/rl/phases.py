@@ -155,6 +155,8 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
     else:
         old, ent, recorded, out = local.rollout_logprobs.clone(), None, None, None
     rollout = local.rollout_logprobs.clone()
+    if run.verify_on_next_step and recomputed and run.recipe.diagnostics.vexact != "trainer_sampler":
+        verify_last_sync(run, old=old, rollout=rollout, mask=mask)
     if dg.vexact != "off":
         # Zero mismatch by construction: the rollout logprobs ARE the trainer's, same forward, same layout.
         rollout = old.clone()
@@ -184,6 +186,25 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
         trainer_routing=trainer_routing,
         recomputed=recomputed,
     )
+
+
+def verify_last_sync(run, *, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
+    """The previous step's weight sync, checked on this step's samples: vLLM drew them with the synced
+    weights, and the trainer has just recomputed their logprobs with its own. Costs nothing extra."""
+    from tim_megatron.rollout.sync import WeightSyncError
+
+    r = run.recipe
+    d = ((old.exp() - rollout.exp()).abs() * mask).max() if mask.any() else torch.zeros(())
+    d = d.double().reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+    run.last_sync_check = float(d)
+    run.verify_on_next_step = False
+    if not float(d) <= r.sync_tolerance:
+        raise WeightSyncError(
+            f"the weights synced after the previous step are not the trainer's: on this step's samples vLLM's token "
+            f"probabilities differ from the trainer's by up to {float(d):.3g} (tolerance {r.sync_tolerance:g})"
+        )
 
 
 def advantages(run, batch: StepBatch) -> torch.Tensor:
