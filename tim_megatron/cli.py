@@ -124,9 +124,11 @@ def train_cmd(
             if recipe is not None or overrides:
                 _fail("--resume takes the recipe from the run folder; give no recipe or overrides")
             loaded, rd = load_run(resume), resume
+        elif recipe is None and run_dir is not None and (run_dir / "recipe.yaml").exists():
+            loaded, rd = load_run(run_dir), run_dir  # a prepared run folder (tim submit writes one per job)
         else:
             if recipe is None:
-                _fail("give a recipe (or --resume RUN_DIR)")
+                _fail("give a recipe (or --resume RUN_DIR, or --run-dir of a prepared run folder)")
             ov = list(overrides or [])
             loaded = load_recipe(recipe, ov)
             world = (
@@ -203,6 +205,151 @@ def export_hf_cmd(
     except FileNotFoundError as e:
         _fail(str(e))
     console.print(f"exported {run_dir} -> {path}", highlight=False)
+
+
+# ------------------------------------------------------------------------------------------------ Slurm
+
+
+def _loaded_or_fail(recipe: Path, overrides: list[str] | None, nodes: int | None = None):
+    from tim_megatron.recipe import RecipeError
+    from tim_megatron.slurm.submit import with_nodes
+
+    try:
+        return with_nodes(recipe, list(overrides or []), nodes)
+    except RecipeError as e:
+        _fail(str(e))
+
+
+@app.command("submit")
+def submit_cmd(
+    recipe: Path = typer.Argument(None, help="recipe YAML"),
+    overrides: list[str] = typer.Argument(None, help="dotted key=value overrides"),
+    nodes: int = typer.Option(None, "--nodes", help="cluster.nodes (parallel.dp grows with it unless set)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the job script; submit nothing"),
+    resume: Path = typer.Option(
+        None, "--resume", help="submit this run folder's job again (continues from its checkpoint)"
+    ),
+) -> None:
+    """Validate a recipe, write its Slurm job into a new run folder and sbatch it."""
+    from tim_megatron.slurm.render import RenderError
+    from tim_megatron.slurm.submit import SlurmError, resubmit, submit
+    from tim_megatron.slurm.submit import dry_run as render_only
+
+    try:
+        if resume is not None:
+            sub = resubmit(resume)
+        else:
+            if recipe is None:
+                _fail("give a recipe (or --resume RUN_DIR)")
+            loaded = _loaded_or_fail(recipe, overrides, nodes)
+            if dry_run:
+                sys.stdout.write(render_only(loaded))
+                return
+            sub = submit(loaded)
+    except (RenderError, SlurmError) as e:
+        _fail(str(e))
+    console.print(
+        f"submitted job {sub.job_id}\n  run folder: {sub.run_dir}\n  log:        {sub.log}\n  wandb run:  {sub.wandb_name}",
+        highlight=False,
+    )
+
+
+@app.command("sweep")
+def sweep_cmd(
+    sweep: Path = typer.Argument(..., help="sweep YAML (base_recipe + variants)"),
+    overrides: list[str] = typer.Argument(None, help="overrides applied to every variant"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the job scripts; submit nothing"),
+) -> None:
+    """Submit every variant of a sweep as its own job, all tagged with one sweep id."""
+    from tim_megatron.recipe import RecipeError
+    from tim_megatron.slurm.render import RenderError
+    from tim_megatron.slurm.submit import SlurmError, submit_sweep
+
+    try:
+        sweep_id, subs = submit_sweep(sweep, extra=list(overrides or []), dry=dry_run)
+    except (RecipeError, RenderError, SlurmError) as e:
+        _fail(str(e))
+    if dry_run:
+        for text in subs:
+            sys.stdout.write(text + "\n")
+        return
+    console.print(f"sweep {sweep_id}: {len(subs)} job(s)", highlight=False)
+    for s in subs:
+        console.print(f"  job {s.job_id}  {s.run_dir}", highlight=False)
+
+
+@app.command("jobs")
+def jobs_cmd() -> None:
+    """The project's queued and running Slurm jobs."""
+    from tim_megatron.slurm.submit import SlurmError, active_jobs
+
+    try:
+        rows = active_jobs()
+    except (SlurmError, FileNotFoundError) as e:
+        _fail(str(e))
+    if not rows:
+        console.print("no tim-megatron jobs in the queue", highlight=False)
+    for r in rows:
+        console.print(f"{r['job']:>8}  {r['state']:<10} {r['elapsed']:>10}  {r['name']}", highlight=False)
+
+
+@app.command("logs")
+def logs_cmd(
+    job: str = typer.Argument(..., help="Slurm job id"),
+    lines: int = typer.Option(40, help="lines from the end"),
+) -> None:
+    """The end of a job's log (found through the run folders' run.json)."""
+    from tim_megatron.slurm.submit import find_run
+
+    run = find_run(job)
+    if run is None:
+        _fail(f"no run folder under runs/ records job {job}")
+    log = run / "logs" / f"slurm-{job}.out"
+    if not log.exists():
+        _fail(f"{log} does not exist yet (is the job still pending?)")
+    sys.stdout.write("".join(log.read_text().splitlines(keepends=True)[-lines:]))
+
+
+@app.command("cancel")
+def cancel_cmd(job: str = typer.Argument(..., help="Slurm job id")) -> None:
+    """Cancel a job (the run checkpoints on the SIGTERM; `tim submit --resume RUN_DIR` continues it)."""
+    from tim_megatron.slurm.submit import SlurmError, cancel
+
+    try:
+        cancel(job)
+    except SlurmError as e:
+        _fail(str(e))
+    console.print(f"cancelled {job}", highlight=False)
+
+
+@app.command("plan")
+def plan_cmd(recipe: Path, overrides: list[str] = typer.Argument(None)) -> None:
+    """Per-GPU memory estimate: parameters, gradients, optimizer state, activations, vLLM weights and KV cache."""
+    from tim_megatron.slurm.plan import estimate, format_plan
+
+    loaded = _loaded_or_fail(recipe, overrides)
+    print(format_plan(loaded.recipe, estimate(loaded.recipe), loaded.name))
+
+
+@app.command("new-recipe")
+def new_recipe_cmd(
+    src: Path = typer.Argument(..., help="recipe folder to copy (FROM)"),
+    name: str = typer.Argument(..., help="new folder name under recipes/ (NAME)"),
+    hf: Path = typer.Argument(..., help="HF checkpoint folder or its config.json (HF)"),
+) -> None:
+    """Copy a model's recipe folder for another HF MoE model; dimensions come from its config.json."""
+    from tim_megatron.recipe import RecipeError, load_recipe
+    from tim_megatron.slurm.new_recipe import new_recipe
+    from tim_megatron.slurm.plan import estimate, format_plan
+    from tim_megatron.trainer.hf_config import UnsupportedModelError
+
+    try:
+        dest, files = new_recipe(src, name, hf)
+    except (RecipeError, UnsupportedModelError, FileNotFoundError) as e:
+        _fail(str(e))
+    console.print(f"wrote {dest}: {', '.join(files)}", highlight=False)
+    loaded = load_recipe(dest / "base.yaml")
+    print(format_plan(loaded.recipe, estimate(loaded.recipe), loaded.name))
 
 
 def _launch_local(nproc: int, rd: Path) -> int:

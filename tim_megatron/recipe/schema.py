@@ -185,6 +185,8 @@ class TrainerConfig(Section):
     """Megatron params/compute dtype. Unset: float16 with ``remedies.fp16``, else bfloat16."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; gradients accumulate across micro-batches."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recomputation: full recomputes each layer in the backward pass (inputs kept only)."""
     logprob_chunk: int = Field(1024, ge=1)
     """Sequence positions per chunk when turning logits into logprobs (bounds peak memory)."""
     nan_guard_max: int = Field(3, ge=1)

@@ -104,7 +104,10 @@ class MegatronTrainer:
             recipe.model,
             recipe.parallel,
             BuildOptions(
-                dtype=self.dtype, dispatcher=recipe.trainer.moe_dispatcher, routing_replay=self.replay_enabled
+                dtype=self.dtype,
+                dispatcher=recipe.trainer.moe_dispatcher,
+                routing_replay=self.replay_enabled,
+                recompute=recipe.trainer.recompute,
             ),
         )
         if self.replay_enabled:

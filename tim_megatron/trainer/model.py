@@ -28,6 +28,8 @@ class BuildOptions:
     """Create megatron-core's RouterReplay hooks in every router."""
     use_te: bool | None = None
     """Use transformer-engine layers (unset: when installed and CUDA is present)."""
+    recompute: str = "none"
+    """Activation recomputation: none, or full (every layer, uniformly)."""
 
 
 def te_available() -> bool:
@@ -46,6 +48,12 @@ def apex_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def recompute_kwargs(mode: str) -> dict:
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
 
 
 def transformer_config(
@@ -112,6 +120,7 @@ def transformer_config(
         pipeline_model_parallel_size=parallel.pp,
         sequence_parallel=parallel.tp > 1,
         calculate_per_token_loss=True,  # our losses are pre-normalized by global denominators: sum grads over DP
+        **recompute_kwargs(opts.recompute),
         **moe,
     )
 

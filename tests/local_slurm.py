@@ -1,0 +1,127 @@
+"""A real single-node Slurm cluster on loopback for the tests: munged, slurmctld and slurmd from Debian's
+slurm-wlm, with every file under a temporary folder and non-default ports. Stopped by pid at the end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def available() -> bool:
+    return all(shutil.which(b) for b in ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "squeue"))
+
+
+def _ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class LocalSlurm:
+    def __init__(self, root: Path, *, cpus: int | None = None, memory_mb: int = 16000):
+        self.root = Path(root)
+        self.cpus = cpus or os.cpu_count() or 2
+        self.memory_mb = memory_mb
+        self.conf = self.root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.pids: list[Path] = []
+
+    def start(self, timeout: float = 60) -> LocalSlurm:
+        r = self.root
+        for d in ("state", "spool", "log", "munge"):
+            (r / d).mkdir(parents=True, exist_ok=True)
+        key = r / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        sock = r / "munge" / "munge.socket"
+        subprocess.run(
+            ["munged", "--force", f"--key-file={key}", f"--socket={sock}", f"--pid-file={r / 'munge' / 'munged.pid'}",
+             f"--log-file={r / 'munge' / 'munged.log'}", f"--seed-file={r / 'munge' / 'munged.seed'}"],
+            check=True, capture_output=True,
+        )
+        self.pids.append(r / "munge" / "munged.pid")
+        ctld, slurmd_port = _ports(2)
+        host = socket.gethostname()
+        self.conf.write_text(f"""\
+ClusterName=timtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={sock}
+StateSaveLocation={r / 'state'}
+SlurmdSpoolDir={r / 'spool'}
+SlurmctldPidFile={r / 'slurmctld.pid'}
+SlurmdPidFile={r / 'slurmd.pid'}
+SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
+SlurmdLogFile={r / 'log' / 'slurmd.log'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/builtin
+ReturnToService=2
+JobRequeue=1
+KillWait=60
+MinJobAge=3600
+MpiDefault=none
+NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN
+PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+        subprocess.run(["slurmctld", "-f", str(self.conf)], check=True, env=self.env, capture_output=True)
+        self.pids.append(r / "slurmctld.pid")
+        subprocess.run(["slurmd", "-f", str(self.conf)], check=True, env=self.env, capture_output=True)
+        self.pids.append(r / "slurmd.pid")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
+            if out.returncode == 0 and out.stdout.strip() in ("idle", "mixed", "allocated"):
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"local Slurm did not come up: {out.stdout} {out.stderr}\n" + self.logs())
+
+    def logs(self) -> str:
+        parts = []
+        for f in (self.root / "log").glob("*.log"):
+            parts.append(f"--- {f.name}\n{f.read_text()[-3000:]}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True)
+        for pidfile in reversed(self.pids):
+            try:
+                pid = int(pidfile.read_text().split()[0])
+                os.kill(pid, signal.SIGTERM)
+            except (FileNotFoundError, ValueError, ProcessLookupError):
+                continue
+        time.sleep(1)
+        for pidfile in self.pids:
+            try:
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+            except (FileNotFoundError, ValueError, ProcessLookupError):
+                continue
+
+    def wait(self, job: str, *, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"), timeout: float = 600) -> str:
+        deadline = time.time() + timeout
+        state = None
+        while time.time() < deadline:
+            out = subprocess.run(["scontrol", "show", "job", "-o", job], env=self.env, capture_output=True, text=True)
+            state = next((p.split("=", 1)[1] for p in out.stdout.split() if p.startswith("JobState=")), None)
+            if state in until:
+                return state
+            time.sleep(1)
+        raise TimeoutError(f"job {job} still {state} after {timeout} s")

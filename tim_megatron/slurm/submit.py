@@ -1,0 +1,172 @@
+"""Submit runs and sweeps to Slurm; list, tail and cancel the project's jobs.
+
+A submission creates the run folder (resolved ``recipe.yaml``, ``run.json``, ``logs/``), renders the job
+script into it (``job.sbatch``) and calls ``sbatch``. The job runs ``tim train --run-dir RUN_DIR``, which
+resumes from the folder's latest checkpoint when there is one, so a requeued or resubmitted job continues
+the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tim_megatron.recipe import LoadedRecipe, load_recipe
+from tim_megatron.recipe.sweep import load_sweep
+from tim_megatron.run_dir import META_FILE, new_run_dir, set_status
+from tim_megatron.slurm.render import RenderError, render
+
+JOB_FILE = "job.sbatch"
+
+
+class SlurmError(RuntimeError):
+    pass
+
+
+@dataclass
+class Submission:
+    job_id: str
+    run_dir: Path
+    script: Path
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / "logs" / f"slurm-{self.job_id}.out"
+
+    @property
+    def wandb_name(self) -> str:
+        return f"{self.run_dir.parent.name}/{self.run_dir.name}"
+
+
+def with_nodes(recipe_path: str | Path, overrides: list[str], nodes: int | None) -> LoadedRecipe:
+    """Load a recipe for ``nodes`` nodes: data parallelism grows with the node count unless set explicitly."""
+    loaded = load_recipe(recipe_path, overrides)
+    if nodes is None or nodes == loaded.recipe.cluster.nodes:
+        return loaded
+    c, p = loaded.recipe.cluster, loaded.recipe.parallel
+    extra = [f"cluster.nodes={nodes}"]
+    per_node = c.gpus_per_node or (p.world_size // c.nodes)
+    if "parallel.dp" not in loaded.provenance or loaded.provenance["parallel.dp"] != "command line":
+        world = nodes * per_node
+        if world % (p.tp * p.pp) == 0:
+            extra.append(f"parallel.dp={world // (p.tp * p.pp)}")
+    return load_recipe(recipe_path, [*overrides, *extra])
+
+
+def _sbatch(script: Path, env: dict | None = None) -> str:
+    try:
+        res = subprocess.run(
+            ["sbatch", "--parsable", str(script)],
+            capture_output=True,
+            text=True,
+            env=env or os.environ.copy(),
+            timeout=60,
+        )
+    except FileNotFoundError:
+        raise SlurmError("sbatch not found: is Slurm installed, and SLURM_CONF set?") from None
+    if res.returncode != 0:
+        raise SlurmError(f"sbatch failed: {res.stderr.strip() or res.stdout.strip()}")
+    return res.stdout.strip().split(";")[0]
+
+
+def prepare(loaded: LoadedRecipe, *, output_dir: str | Path | None = None) -> tuple[Path, str]:
+    run_dir = new_run_dir(loaded, root=output_dir)
+    (run_dir / "logs").mkdir()
+    try:
+        script = render(loaded.recipe, run_dir=run_dir, job_name=loaded.name)
+    except RenderError:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    (run_dir / JOB_FILE).write_text(script)
+    return run_dir, script
+
+
+def submit(loaded: LoadedRecipe, *, output_dir: str | Path | None = None) -> Submission:
+    run_dir, _ = prepare(loaded, output_dir=output_dir)
+    job = _sbatch(run_dir / JOB_FILE)
+    _record_job(run_dir, job)
+    return Submission(job, run_dir, run_dir / JOB_FILE)
+
+
+def resubmit(run_dir: str | Path) -> Submission:
+    """Submit the run folder's job again; it resumes from the latest checkpoint."""
+    run_dir = Path(run_dir).resolve()
+    if not (run_dir / JOB_FILE).exists():
+        raise SlurmError(f"{run_dir}: no {JOB_FILE} (was it created by tim submit?)")
+    job = _sbatch(run_dir / JOB_FILE)
+    _record_job(run_dir, job)
+    return Submission(job, run_dir, run_dir / JOB_FILE)
+
+
+def dry_run(loaded: LoadedRecipe, *, output_dir: str | Path | None = None) -> str:
+    """The script ``submit`` would write, for a run folder that is not created."""
+    root = Path(output_dir or loaded.recipe.run.output_dir).resolve()
+    return render(loaded.recipe, run_dir=root / loaded.name / "DRY-RUN", job_name=loaded.name)
+
+
+def _record_job(run_dir: Path, job: str) -> None:
+    meta = json.loads((run_dir / META_FILE).read_text())
+    set_status(run_dir, "submitted", job_ids=[*meta.get("job_ids", []), job])
+
+
+def submit_sweep(
+    sweep_file: str | Path,
+    *,
+    extra: list[str] | None = None,
+    output_dir: str | Path | None = None,
+    dry: bool = False,
+):
+    """One job per variant, all tagged with the same sweep id; returns (sweep id, submissions or scripts)."""
+    sweep = load_sweep(sweep_file)
+    sweep_id = f"{sweep.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = []
+    for v in sweep.variants:
+        loaded = sweep.load_variant(v, extra=extra, sweep_id=sweep_id)
+        out.append(dry_run(loaded, output_dir=output_dir) if dry else submit(loaded, output_dir=output_dir))
+    return sweep_id, out
+
+
+# ------------------------------------------------------------------------------------------------ jobs
+
+
+def job_state(job: str) -> str | None:
+    res = subprocess.run(
+        ["scontrol", "show", "job", "-o", str(job)], capture_output=True, text=True, timeout=30
+    )
+    m = re.search(r"JobState=(\S+)", res.stdout)
+    return m.group(1) if m else None
+
+
+def active_jobs() -> list[dict]:
+    res = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T|%M|%k"], capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        raise SlurmError(f"squeue failed: {res.stderr.strip()}")
+    rows = []
+    for line in res.stdout.splitlines():
+        jid, name, state, elapsed, comment = (line.split("|") + [""] * 5)[:5]
+        if comment == "tim-megatron":
+            rows.append({"job": jid, "name": name, "state": state, "elapsed": elapsed})
+    return rows
+
+
+def find_run(job: str, root: str | Path = "runs") -> Path | None:
+    for meta in Path(root).glob(f"*/*/{META_FILE}"):
+        try:
+            if str(job) in json.loads(meta.read_text()).get("job_ids", []):
+                return meta.parent
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def cancel(job: str) -> None:
+    res = subprocess.run(["scancel", str(job)], capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:
+        raise SlurmError(f"scancel {job} failed: {res.stderr.strip()}")
