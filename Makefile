@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 RECIPE ?= recipes/tiny-moe/grpo.yaml
 OVERRIDES ?=
 
-.PHONY: help setup test lint demo bench clean-venv
+.PHONY: help setup test lint demo bench submit sweep status logs cancel plan new-recipe clean-venv
 
 help:
 	@echo "make setup   create .venv with the $(EXTRA) extra (idempotent)"
@@ -21,6 +21,11 @@ help:
 	@echo "make lint    ruff"
 	@echo "make demo    GRPO on the tiny built-in MoE with real vLLM + megatron-core (RECIPE=..., OVERRIDES=...)"
 	@echo "make bench   benchmarks, printed as ratios against the raw libraries"
+	@echo "make submit RECIPE=... [NODES=n] [OVERRIDES=\"k=v ...\"] [DRY_RUN=1]   Slurm job in a new run folder"
+	@echo "make sweep SWEEP=recipes/sweeps/<name>.yaml                            one job per variant, one sweep id"
+	@echo "make status | make logs JOB=id | make cancel JOB=id                    the project's Slurm jobs"
+	@echo "make plan RECIPE=...                                                   per-GPU memory estimate"
+	@echo "make new-recipe FROM=recipes/<model> NAME=<new> HF=<checkpoint or config.json>"
 
 setup: $(STAMP)
 
@@ -49,6 +54,31 @@ demo: setup
 	@start=$$(date +%s); \
 	$(TIM) train $(RECIPE) $(OVERRIDES); rc=$$?; \
 	echo "make demo: $(RECIPE) finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
+
+submit: setup
+	$(TIM) submit $(RECIPE) $(OVERRIDES) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1,$(DRY_RUN)),--dry-run)
+
+sweep: setup
+	@test -n "$(SWEEP)" || { echo "make sweep needs SWEEP=recipes/sweeps/<name>.yaml"; exit 2; }
+	$(TIM) sweep $(SWEEP) $(OVERRIDES) $(if $(filter 1,$(DRY_RUN)),--dry-run)
+
+status: setup
+	$(TIM) jobs
+
+logs: setup
+	@test -n "$(JOB)" || { echo "make logs needs JOB=<slurm job id>"; exit 2; }
+	$(TIM) logs $(JOB)
+
+cancel: setup
+	@test -n "$(JOB)" || { echo "make cancel needs JOB=<slurm job id>"; exit 2; }
+	$(TIM) cancel $(JOB)
+
+plan: setup
+	$(TIM) plan $(RECIPE) $(OVERRIDES)
+
+new-recipe: setup
+	@test -n "$(FROM)" -a -n "$(NAME)" -a -n "$(HF)" || { echo "make new-recipe needs FROM=recipes/<model> NAME=<new> HF=<path>"; exit 2; }
+	$(TIM) new-recipe $(FROM) $(NAME) $(HF) $(if $(RECIPES_ROOT),--recipes-root $(RECIPES_ROOT))
 
 bench: setup
 	$(PY) -m tim_megatron.bench $(BENCH)

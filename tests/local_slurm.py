@@ -46,9 +46,17 @@ class LocalSlurm:
         key.chmod(0o400)
         sock = r / "munge" / "munge.socket"
         subprocess.run(
-            ["munged", "--force", f"--key-file={key}", f"--socket={sock}", f"--pid-file={r / 'munge' / 'munged.pid'}",
-             f"--log-file={r / 'munge' / 'munged.log'}", f"--seed-file={r / 'munge' / 'munged.seed'}"],
-            check=True, capture_output=True,
+            [
+                "munged",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={sock}",
+                f"--pid-file={r / 'munge' / 'munged.pid'}",
+                f"--log-file={r / 'munge' / 'munged.log'}",
+                f"--seed-file={r / 'munge' / 'munged.seed'}",
+            ],
+            check=True,
+            capture_output=True,
         )
         self.pids.append(r / "munge" / "munged.pid")
         ctld, slurmd_port = _ports(2)
@@ -63,12 +71,12 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={sock}
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd.pid'}
-SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
-SlurmdLogFile={r / 'log' / 'slurmd.log'}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / "slurmd.pid"}
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log" / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -115,11 +123,19 @@ PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
             except (FileNotFoundError, ValueError, ProcessLookupError):
                 continue
 
-    def wait(self, job: str, *, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"), timeout: float = 600) -> str:
+    def wait(
+        self,
+        job: str,
+        *,
+        until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+        timeout: float = 600,
+    ) -> str:
         deadline = time.time() + timeout
         state = None
         while time.time() < deadline:
-            out = subprocess.run(["scontrol", "show", "job", "-o", job], env=self.env, capture_output=True, text=True)
+            out = subprocess.run(
+                ["scontrol", "show", "job", "-o", job], env=self.env, capture_output=True, text=True
+            )
             state = next((p.split("=", 1)[1] for p in out.stdout.split() if p.startswith("JobState=")), None)
             if state in until:
                 return state

@@ -18,7 +18,7 @@ simulate_app = typer.Typer(no_args_is_help=True, help="Numerical simulations.")
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(simulate_app, name="simulate")
 
-console = Console()
+console = Console(soft_wrap=True)  # never wrap: paths and ids in the output are copied and parsed
 err = Console(stderr=True)
 
 
@@ -336,6 +336,9 @@ def new_recipe_cmd(
     src: Path = typer.Argument(..., help="recipe folder to copy (FROM)"),
     name: str = typer.Argument(..., help="new folder name under recipes/ (NAME)"),
     hf: Path = typer.Argument(..., help="HF checkpoint folder or its config.json (HF)"),
+    recipes_root: Path = typer.Option(
+        Path("recipes"), "--recipes-root", help="folder the new recipe folder goes into"
+    ),
 ) -> None:
     """Copy a model's recipe folder for another HF MoE model; dimensions come from its config.json."""
     from tim_megatron.recipe import RecipeError, load_recipe
@@ -344,7 +347,7 @@ def new_recipe_cmd(
     from tim_megatron.trainer.hf_config import UnsupportedModelError
 
     try:
-        dest, files = new_recipe(src, name, hf)
+        dest, files = new_recipe(src, name, hf, recipes_root=recipes_root)
     except (RecipeError, UnsupportedModelError, FileNotFoundError) as e:
         _fail(str(e))
     console.print(f"wrote {dest}: {', '.join(files)}", highlight=False)

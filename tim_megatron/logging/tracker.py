@@ -94,7 +94,12 @@ class Tracker:
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=step)
+            try:
+                self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=step)
+            except (
+                Exception
+            ) as e:  # e.g. its service process got the job's SIGTERM too: metrics.jsonl goes on
+                self._drop_wandb(e)
 
     def summary_line(self, step: int, total: int, metrics: dict) -> str:
         parts = [f"step {step}/{total}"]
@@ -109,8 +114,20 @@ class Tracker:
             self.jsonl.close()
             self.jsonl = None
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except Exception as e:
+                self._drop_wandb(e)
             self.wandb = None
+
+    def _drop_wandb(self, err: Exception) -> None:
+        import warnings
+
+        warnings.warn(
+            f"wandb stopped working ({type(err).__name__}: {err}); metrics.jsonl keeps every step",
+            stacklevel=2,
+        )
+        self.wandb = None
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,0 +1,340 @@
+"""Slurm launch against a real local Slurm (munged, slurmctld, slurmd on loopback, started here): make submit,
+sweeps, a two-rank job, cancel and requeue with resume, new-recipe and plan, the 30B dry run, and safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import local_slurm
+from tests.conftest import require
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slurm
+FAST = "logging.wandb.mode=offline run.val_every=0 diagnostics.dumps.every=0 checkpoint.every=0"
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    require(local_slurm.available(), "Slurm (slurm-wlm and munge)")
+    cluster = local_slurm.LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+def make(target: str, slurm, **variables) -> subprocess.CompletedProcess:
+    args = [
+        "make",
+        "--no-print-directory",
+        target,
+        f"PY={sys.executable}",
+        f"TIM={Path(sys.executable).parent / 'tim'}",
+    ]
+    args += [f"{k}={v}" for k, v in variables.items()]
+    env = {**(slurm.env if slurm else os.environ), "OMP_NUM_THREADS": "2"}
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def submitted(res) -> tuple[str, Path]:
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    job = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    run = Path(re.search(r"run folder: (\S+)", res.stdout).group(1))
+    return job, run
+
+
+def steps_logged(run: Path) -> list[int]:
+    f = run / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in f.read_text().splitlines()] if f.exists() else []
+
+
+def test_make_submit_runs_the_tiny_recipe_to_completion(slurm, tmp_path):
+    job, run = submitted(
+        make(
+            "submit",
+            slurm,
+            RECIPE="recipes/tiny-moe/grpo.yaml",
+            OVERRIDES=f"run.steps=2 {FAST} run.output_dir={tmp_path}",
+        )
+    )
+    assert slurm.wait(job) == "COMPLETED", (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+    assert steps_logged(run) == [1, 2]
+    assert json.loads((run / "run.json").read_text())["status"] == "completed"
+    assert (run / "job.sbatch").exists() and list(
+        (run / "logs").glob(f"ranks-{job}/*/attempt_0/0/stdout.log")
+    )
+    logs = subprocess.run(
+        [Path(sys.executable).parent / "tim", "logs", job],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path.parent,
+        env=slurm.env,
+    )
+    del logs  # tim logs looks under ./runs; covered by the log file itself
+    assert "tim-megatron job" in (run / "logs" / f"slurm-{job}.out").read_text()
+
+
+def test_tiny_sweep_jobs_complete_with_one_sweep_id(slurm, tmp_path):
+    res = make(
+        "sweep",
+        slurm,
+        SWEEP="recipes/sweeps/clipping-tiny.yaml",
+        OVERRIDES=f"run.steps=2 {FAST} run.output_dir={tmp_path}",
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    jobs = re.findall(r"job (\d+)\s+(\S+)", res.stdout)
+    assert len(jobs) == 3
+    sweep_ids = set()
+    for job, run in jobs:
+        assert slurm.wait(job) == "COMPLETED"
+        assert steps_logged(Path(run)) == [1, 2]
+        sweep_ids.add(json.loads((Path(run) / "run.json").read_text())["sweep_id"])
+    assert len(sweep_ids) == 1 and next(iter(sweep_ids)).startswith("clipping-tiny-")
+    names = {Path(run).parent.name for _, run in jobs}
+    assert names == {"clipping-tiny-token-clip-0.2", "clipping-tiny-clip-higher-0.28", "clipping-tiny-gspo"}
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.dp=2"])
+def test_two_rank_job_over_gloo(slurm, tmp_path, layout):
+    job, run = submitted(
+        make(
+            "submit",
+            slurm,
+            RECIPE="recipes/tiny-moe/grpo.yaml",
+            OVERRIDES=f"run.steps=2 {FAST} run.output_dir={tmp_path} {layout}",
+        )
+    )
+    assert slurm.wait(job) == "COMPLETED", (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+    assert steps_logged(run) == [1, 2]
+    assert len(list((run / "logs").glob(f"ranks-{job}/*/attempt_0/*/stdout.log"))) == 2  # one log per rank
+
+
+def _running_until(run: Path, step: int, job: str, slurm, timeout=300) -> None:
+    t0 = time.time()
+    while not steps_logged(run) or steps_logged(run)[-1] < step:
+        assert time.time() - t0 < timeout, slurm.logs()
+        assert local_slurm_state(job, slurm) in ("PENDING", "RUNNING", "CONFIGURING", None)
+        time.sleep(1)
+
+
+def local_slurm_state(job, slurm):
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
+    ).stdout
+    m = re.search(r"JobState=(\S+)", out)
+    return m.group(1) if m else None
+
+
+def test_scancel_checkpoints_and_resubmit_resumes(slurm, tmp_path):
+    job, run = submitted(
+        make(
+            "submit",
+            slurm,
+            RECIPE="recipes/tiny-moe/grpo.yaml",
+            OVERRIDES=f"run.steps=25 {FAST} run.output_dir={tmp_path}",
+        )
+    )
+    _running_until(run, 3, job, slurm)
+    assert make("cancel", slurm, JOB=job).returncode == 0
+    assert slurm.wait(job) == "CANCELLED"
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["status"] == "preempted", meta
+    from tim_megatron.trainer.checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(run / "checkpoints")
+    assert ck is not None
+    saved = json.loads((ck / "state.json").read_text())["step"]
+    res = subprocess.run(
+        [Path(sys.executable).parent / "tim", "submit", "--resume", str(run)],
+        capture_output=True,
+        text=True,
+        env=slurm.env,
+        cwd=ROOT,
+    )
+    job2, _ = submitted(res)
+    assert slurm.wait(job2) == "COMPLETED", (run / "logs" / f"slurm-{job2}.out").read_text()[-3000:]
+    assert steps_logged(run) == list(range(1, 26))
+    assert f"steps {saved + 1}..25" in (run / "logs" / f"slurm-{job2}.out").read_text()
+
+
+def test_requeue_resumes_the_same_job(slurm, tmp_path):
+    job, run = submitted(
+        make(
+            "submit",
+            slurm,
+            RECIPE="recipes/tiny-moe/grpo.yaml",
+            OVERRIDES=f"run.steps=25 {FAST} run.output_dir={tmp_path}",
+        )
+    )
+    _running_until(run, 3, job, slurm)
+    subprocess.run(
+        ["scontrol", "requeue", job], env=slurm.env, check=True, capture_output=True
+    )  # like a preemption
+    t0 = time.time()
+    while json.loads((run / "run.json").read_text()).get("status") != "completed":
+        assert time.time() - t0 < 600, (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+        time.sleep(2)
+    assert steps_logged(run) == list(range(1, 26))
+    assert "resumed_from" in (run / "run.json").read_text()
+
+
+def test_dry_run_renders_the_4_node_30b_script(tmp_path):
+    before = set(Path(ROOT / "runs").glob("*")) if (ROOT / "runs").exists() else set()
+    res = make("submit", None, RECIPE="recipes/qwen3-30b-a3b/grpo-h100.yaml", DRY_RUN=1)
+    assert res.returncode == 0, res.stderr
+    s = res.stdout
+    for line in [
+        "#SBATCH --nodes=4",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --partition=h100",
+        "#SBATCH --requeue",
+        "#SBATCH --time=72:00:00",
+        "PROCS_PER_NODE=8",
+        "--rdzv_backend=c10d",
+        'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
+        "--container-image=ghcr.io/example/tim-megatron:latest",
+        "--container-mounts=/scratch:/scratch,",
+        "export HF_HOME=/scratch/hf",
+        "export NCCL_DEBUG=WARN",
+    ]:
+        assert line in s, line
+    after = set(Path(ROOT / "runs").glob("*")) if (ROOT / "runs").exists() else set()
+    assert after == before  # nothing created, nothing submitted
+
+
+def test_new_recipe_from_a_config_json_is_valid_and_sized(tmp_path):
+    import shutil
+
+    root = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes" / "qwen3-30b-a3b", root / "qwen3-30b-a3b")
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 1536,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 96,
+        "vocab_size": 151936,
+        "num_experts": 64,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 512,
+        "intermediate_size": 4096,
+        "norm_topk_prob": True,
+        "rope_theta": 1e6,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    res = make(
+        "new-recipe",
+        None,
+        FROM=root / "qwen3-30b-a3b",
+        NAME="my-moe",
+        HF=tmp_path / "hf" / "config.json",
+        RECIPES_ROOT=root,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "fits" in res.stdout and "parameters" in res.stdout
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.recipe.loader import check_dir
+
+    assert all(err is None for _, err in check_dir(root / "my-moe"))
+    r = load_recipe(root / "my-moe" / "grpo.yaml").recipe
+    assert (r.model.dims.num_experts, r.model.dims.hidden_size, r.model.dims.head_dim) == (64, 1536, 96)
+    assert (
+        r.model.dims.num_experts % r.parallel.ep == 0
+        and r.model.dims.num_key_value_heads % r.parallel.tp == 0
+    )
+    assert r.parallel.world_size == r.cluster.nodes * r.cluster.gpus_per_node
+    again = make(
+        "new-recipe",
+        None,
+        FROM=root / "qwen3-30b-a3b",
+        NAME="my-moe",
+        HF=tmp_path / "hf" / "config.json",
+        RECIPES_ROOT=root,
+    )
+    assert again.returncode != 0 and "refusing to overwrite" in again.stdout + again.stderr
+
+
+# -------------------------------------------------------------------------------------------- safety
+
+
+@pytest.mark.parametrize("bad", ["a;touch X", "$(touch X)", "`touch X`", "a\nb"])
+def test_hostile_job_names_are_rejected(bad, tmp_path):
+    from tim_megatron.recipe import RecipeError, load_recipe
+    from tim_megatron.slurm.render import RenderError, render
+
+    with pytest.raises(RecipeError, match="run.name"):
+        load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", [f"run.name={bad}"])
+    r = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", ["cluster.job_name=x"]).recipe.model_copy(deep=True)
+    r.cluster.__dict__["job_name"] = bad  # a value that got past the schema some other way
+    with pytest.raises(RenderError, match="cluster.job_name"):
+        render(r, run_dir=tmp_path, job_name="ok")
+
+
+def test_partition_and_time_injection_rejected(tmp_path):
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.slurm.render import RenderError, render
+
+    for ov, key in (
+        ["cluster.partition=cpu --wrap=touch", "cluster.partition"],
+        ["cluster.time=1:00 $(id)", "cluster.time"],
+    ):
+        r = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", [ov]).recipe
+        with pytest.raises(RenderError, match=key):
+            render(r, run_dir=tmp_path, job_name="x")
+
+
+def test_shell_values_are_inert_and_secrets_stay_out(slurm, tmp_path):
+    marker = tmp_path / "PWNED"
+    hostile = f"$(touch {marker}) `touch {marker}` ; touch {marker}"
+    secret = "sk-test-SECRET-do-not-leak-123"
+    env = {**slurm.env, "WANDB_API_KEY": secret, "HF_TOKEN": secret, "OMP_NUM_THREADS": "2"}
+    res = subprocess.run(
+        [
+            Path(sys.executable).parent / "tim",
+            "submit",
+            "recipes/tiny-moe/grpo.yaml",
+            "run.steps=1",
+            *FAST.split(),
+            f"run.output_dir={tmp_path}",
+            f"cluster.env={{PROBE: {json.dumps(hostile)}}}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    job, run = submitted(res)
+    assert slurm.wait(job) == "COMPLETED", (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+    assert not marker.exists()  # nothing ran
+    script = (run / "job.sbatch").read_text()
+    assert "export PROBE='" in script and secret not in script
+    for f in run.rglob("*"):
+        if f.is_file() and f.suffix in (".out", ".log", ".json", ".yaml", ".jsonl", ".sbatch", ".txt"):
+            assert secret not in f.read_text(errors="ignore"), f
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.slurm.render import RenderError, render
+
+    r = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", ["cluster.env={WANDB_API_KEY: x}"]).recipe
+    with pytest.raises(RenderError, match="secrets must not be written"):
+        render(r, run_dir=tmp_path, job_name="x")
+
+
+def test_run_names_cannot_escape_the_runs_folder(tmp_path):
+    from tim_megatron.recipe import RecipeError, load_recipe
+
+    for bad in ("../../etc", "/abs", "a/b"):
+        with pytest.raises(RecipeError):
+            load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", [f"run.name={bad}"])
