@@ -60,8 +60,8 @@ class Run:
     synced_once: bool = False
     verify_on_next_step: bool = False
     """The last sync is checked against the trainer's logprobs on the next step's samples."""
-    last_sync_check: float | None = None
-    """That check's max |p_vllm - p_trainer|, logged with the step that ran it."""
+    last_sync_check: object | None = None
+    """That check's agreement (rollout.sync.Agreement), logged with the step that ran it."""
 
     @property
     def recipe(self):
@@ -89,10 +89,9 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
                 with t("old_logprobs"):
                     old = phases.old_logprobs(run, batch, step)
                     if run.last_sync_check is not None:
-                        metrics["sync/data_max_abs_prob_diff"], run.last_sync_check = (
-                            run.last_sync_check,
-                            None,
-                        )
+                        ag, run.last_sync_check = run.last_sync_check, None
+                        metrics["sync/data_mean_abs_prob_diff"] = ag.mean_abs_prob_diff
+                        metrics["sync/data_max_abs_prob_diff"] = ag.max_abs_prob_diff
                     adv = phases.advantages(run, batch)
                 with t("metrics"):
                     tim, weights, _ = phases.tim_metrics(run, batch, old, adv, step)
@@ -159,12 +158,12 @@ def sync_weights(run: Run, batch=None, *, last: bool = False) -> dict:
     run.synced_once = True
     run.verify_on_next_step = check == "every" and not last
     out = {"sync/seconds": rep.seconds, "sync/mbytes": rep.bytes / 2**20, "sync/tensors": rep.tensors}
-    if eager:
+    if eager and rep.agreement is not None:
         out.update(
             {
                 "sync/verify_seconds": rep.verify_seconds,
-                "sync/probe_max_abs_prob_diff": rep.max_abs_prob_diff,
-                "sync/probe_max_abs_logprob_diff": rep.max_abs_diff,
+                "sync/probe_mean_abs_prob_diff": rep.agreement.mean_abs_prob_diff,
+                "sync/probe_max_abs_prob_diff": rep.agreement.max_abs_prob_diff,
             }
         )
     return out

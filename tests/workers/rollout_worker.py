@@ -109,7 +109,11 @@ def scenario_fp32(out: dict, overrides) -> None:
     except WeightSyncError:
         out["stale_detected"] = True
     rep = sync_and_verify(eng, tr, expected=man, probe=seqs[:4], tolerance=recipe.sync_tolerance, dtype=None)
-    out["sync_report"] = rep.__dict__
+    out["sync_report"] = {
+        "tensors": rep.tensors,
+        "max_abs_logprob_diff": rep.agreement.max_abs_logprob_diff,
+        "mean_abs_prob_diff": rep.agreement.mean_abs_prob_diff,
+    }
     new_lp, _ = tr.logprobs(SeqBatch(ids, lengths))
     scored = eng.score(seqs)
     worst = 0.0

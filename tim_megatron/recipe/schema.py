@@ -172,7 +172,8 @@ class RolloutConfig(Section):
     whose trainer logprobs the loop computes anyway (free), plus a probe on the first and last syncs; probe: an
     extra probe batch after every sync; first: probe the first sync only; off: structure only."""
     sync_tolerance: float | None = None
-    """Largest |p_vllm - p_trainer| over probe tokens a verified sync accepts. Unset: 1e-4 in fp32, 0.05 otherwise."""
+    """Largest mean |p_vllm - p_trainer| over the checked tokens a verified sync accepts. Unset: 1e-4 when both
+    sides are fp32, 0.01 otherwise."""
     capture_routed_experts: bool = False
     """Record the top-k experts vLLM used for every token (needed by R3; derived when R3 is on)."""
 
@@ -582,7 +583,7 @@ class Recipe(Section):
         if self.rollout.sync_tolerance is not None:
             return self.rollout.sync_tolerance
         both_fp32 = self.trainer_dtype == "float32" and self.rollout_dtype == "float32"
-        return 1e-4 if both_fp32 else 0.05
+        return 1e-4 if both_fp32 else 0.01
 
     @property
     def sequences_per_step(self) -> int:

@@ -191,19 +191,17 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
 def verify_last_sync(run, *, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
     """The previous step's weight sync, checked on this step's samples: vLLM drew them with the synced
     weights, and the trainer has just recomputed their logprobs with its own. Costs nothing extra."""
-    from tim_megatron.rollout.sync import WeightSyncError
+    from tim_megatron.rollout.sync import WeightSyncError, agreement
 
     r = run.recipe
-    d = ((old.exp() - rollout.exp()).abs() * mask).max() if mask.any() else torch.zeros(())
-    d = d.double().reshape(1)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(d, op=dist.ReduceOp.MAX)
-    run.last_sync_check = float(d)
+    ag = agreement(a_logprobs=old, b_logprobs=rollout, mask=mask, group=_dp_group())
+    run.last_sync_check = ag
     run.verify_on_next_step = False
-    if not float(d) <= r.sync_tolerance:
+    if not ag.mean_abs_prob_diff <= r.sync_tolerance:
         raise WeightSyncError(
-            f"the weights synced after the previous step are not the trainer's: on this step's samples vLLM's token "
-            f"probabilities differ from the trainer's by up to {float(d):.3g} (tolerance {r.sync_tolerance:g})"
+            f"the weights synced after the previous step are not the trainer's: on this step's {ag.tokens} sampled tokens "
+            f"vLLM's token probabilities differ from the trainer's by {ag.mean_abs_prob_diff:.3g} on average "
+            f"(up to {ag.max_abs_prob_diff:.3g}; tolerance {r.sync_tolerance:g})"
         )
 
 
