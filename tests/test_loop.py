@@ -422,8 +422,8 @@ def test_two_processes_over_gloo(tmp_path, layout):
     rows = metrics(d)
     assert (
         len(rows) == 2
-        and rows[0]["sync/probe_mean_abs_prob_diff"] <= 0.01
-        and rows[1]["sync/data_mean_abs_prob_diff"] <= 0.01
+        and rows[0]["sync/probe_p80_abs_prob_diff"] <= 0.01
+        and rows[1]["sync/data_p80_abs_prob_diff"] <= 0.01
         and rows[1]["sync/data_max_abs_prob_diff"] <= 0.05
     )
     from tim_megatron.recipe import load_recipe
@@ -445,23 +445,24 @@ def test_next_step_data_check_catches_a_bad_sync():
     run = SimpleNamespace(recipe=r, verify_on_next_step=True, last_sync_check=None)
     mask = torch.tensor([[False, True, True]])
     old = torch.log(torch.tensor([[0.5, 0.9, 0.6]]))
-    # bf16-sized noise: fine on average.
+    # bf16-sized noise.
     verify_last_sync(run, old=old, rollout=torch.log(torch.tensor([[0.1, 0.895, 0.605]])), mask=mask)
-    assert (
-        run.last_sync_check.mean_abs_prob_diff == pytest.approx(0.005, abs=1e-6)
-        and not run.verify_on_next_step
-    )
-    # One token of a hundred whose router broke a near-tie differently: reported, not fatal.
+    ag = run.last_sync_check
+    assert ag.mean_abs_prob_diff == pytest.approx(0.005, abs=1e-6) and 0.005 <= ag.p80_abs_prob_diff < 0.0056
+    assert not run.verify_on_next_step
+    # One prompt whose router broke a near-tie differently (a real TIM event, as seen at step 154 of a bf16 GSPO
+    # run): a few tokens far off, reported, not a sync failure.
     many = torch.ones(1, 100, dtype=torch.bool)
     flip = torch.full((1, 100), 0.6).log()
     flip_r = flip.clone()
-    flip_r[0, 0] = torch.tensor(0.3).log()
+    flip_r[0, :8] = torch.tensor(0.02).log()
     run.verify_on_next_step = True
     verify_last_sync(run, old=flip, rollout=flip_r, mask=many)
-    assert run.last_sync_check.max_abs_prob_diff == pytest.approx(0.3, abs=1e-6)
+    assert run.last_sync_check.max_abs_prob_diff == pytest.approx(0.58, abs=1e-6)
+    assert run.last_sync_check.frac_above == pytest.approx(0.08)
     # Most tokens off: a wrong sync.
     run.verify_on_next_step = True
-    with pytest.raises(WeightSyncError, match=r"differ from the trainer's by 0\.2 on average"):
+    with pytest.raises(WeightSyncError, match=r"80% of 2 tokens within 0\.4"):
         verify_last_sync(run, old=old, rollout=torch.log(torch.tensor([[0.5, 0.5, 0.6]])), mask=mask)
 
 

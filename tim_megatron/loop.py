@@ -90,8 +90,10 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
                     old = phases.old_logprobs(run, batch, step)
                     if run.last_sync_check is not None:
                         ag, run.last_sync_check = run.last_sync_check, None
+                        metrics["sync/data_p80_abs_prob_diff"] = ag.p80_abs_prob_diff
                         metrics["sync/data_mean_abs_prob_diff"] = ag.mean_abs_prob_diff
                         metrics["sync/data_max_abs_prob_diff"] = ag.max_abs_prob_diff
+                        metrics["sync/data_frac_above_tolerance"] = ag.frac_above
                     adv = phases.advantages(run, batch)
                 with t("metrics"):
                     tim, weights, _ = phases.tim_metrics(run, batch, old, adv, step)
@@ -162,6 +164,7 @@ def sync_weights(run: Run, batch=None, *, last: bool = False) -> dict:
         out.update(
             {
                 "sync/verify_seconds": rep.verify_seconds,
+                "sync/probe_p80_abs_prob_diff": rep.agreement.p80_abs_prob_diff,
                 "sync/probe_mean_abs_prob_diff": rep.agreement.mean_abs_prob_diff,
                 "sync/probe_max_abs_prob_diff": rep.agreement.max_abs_prob_diff,
             }

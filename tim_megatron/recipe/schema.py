@@ -172,8 +172,8 @@ class RolloutConfig(Section):
     whose trainer logprobs the loop computes anyway (free), plus a probe on the first and last syncs; probe: an
     extra probe batch after every sync; first: probe the first sync only; off: structure only."""
     sync_tolerance: float | None = None
-    """Largest mean |p_vllm - p_trainer| over the checked tokens a verified sync accepts. Unset: 1e-4 when both
-    sides are fp32, 0.01 otherwise."""
+    """A verified sync needs |p_vllm - p_trainer| within this for at least 80% of the checked tokens (a few tokens
+    may differ more: real MoE mismatch, logged). Unset: 1e-4 when both sides are fp32, 0.01 otherwise."""
     capture_routed_experts: bool = False
     """Record the top-k experts vLLM used for every token (needed by R3; derived when R3 is on)."""
 
