@@ -12,8 +12,9 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 RECIPE ?= recipes/tiny-moe/grpo.yaml
 OVERRIDES ?=
+DEFAULT_SWEEP := recipes/sweeps/clipping-qwen3-30b-a3b.yaml
 
-.PHONY: help setup test lint demo bench submit sweep status logs cancel plan new-recipe clean-venv
+.PHONY: help setup test lint demo bench submit sweep status logs cancel plan new-recipe report clean-venv
 
 help:
 	@echo "make setup   create .venv with the $(EXTRA) extra (idempotent)"
@@ -22,9 +23,10 @@ help:
 	@echo "make demo    GRPO on the tiny built-in MoE with real vLLM + megatron-core (RECIPE=..., OVERRIDES=...)"
 	@echo "make bench   benchmarks, printed as ratios against the raw libraries"
 	@echo "make submit RECIPE=... [NODES=n] [OVERRIDES=\"k=v ...\"] [DRY_RUN=1]   Slurm job in a new run folder"
-	@echo "make sweep SWEEP=recipes/sweeps/<name>.yaml                            one job per variant, one sweep id"
+	@echo "make sweep [SWEEP=recipes/sweeps/<name>.yaml]                          one job per variant, one sweep id (default: the 30B clipping sweep)"
 	@echo "make status | make logs JOB=id | make cancel JOB=id                    the project's Slurm jobs"
 	@echo "make plan RECIPE=...                                                   per-GPU memory estimate"
+	@echo "make report [RUNS=\"runs/a/<t> runs/b/<t>\"] [SWEEP=<id>|<file>|latest]    report/<name>/index.html (default: the latest sweep)"
 	@echo "make new-recipe FROM=recipes/<model> NAME=<new> HF=<checkpoint or config.json>"
 
 setup: $(STAMP)
@@ -59,8 +61,7 @@ submit: setup
 	$(TIM) submit $(RECIPE) $(OVERRIDES) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1,$(DRY_RUN)),--dry-run)
 
 sweep: setup
-	@test -n "$(SWEEP)" || { echo "make sweep needs SWEEP=recipes/sweeps/<name>.yaml"; exit 2; }
-	$(TIM) sweep $(SWEEP) $(OVERRIDES) $(if $(filter 1,$(DRY_RUN)),--dry-run)
+	$(TIM) sweep $(or $(SWEEP),$(DEFAULT_SWEEP)) $(OVERRIDES) $(if $(filter 1,$(DRY_RUN)),--dry-run)
 
 status: setup
 	$(TIM) jobs
@@ -79,6 +80,9 @@ plan: setup
 new-recipe: setup
 	@test -n "$(FROM)" -a -n "$(NAME)" -a -n "$(HF)" || { echo "make new-recipe needs FROM=recipes/<model> NAME=<new> HF=<path>"; exit 2; }
 	$(TIM) new-recipe $(FROM) $(NAME) $(HF) $(if $(RECIPES_ROOT),--recipes-root $(RECIPES_ROOT))
+
+report: setup
+	$(TIM) report $(RUNS) $(if $(RUNS),$(if $(SWEEP),--sweep $(SWEEP)),--sweep $(or $(SWEEP),latest)) $(if $(NAME),--name $(NAME)) $(if $(ROOT),--root $(ROOT))
 
 bench: setup
 	$(PY) -m tim_megatron.bench $(BENCH)

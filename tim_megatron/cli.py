@@ -355,6 +355,54 @@ def new_recipe_cmd(
     print(format_plan(loaded.recipe, estimate(loaded.recipe), loaded.name))
 
 
+@app.command("report")
+def report_cmd(
+    runs: list[Path] = typer.Argument(None, help="run folders to compare"),
+    sweep: str = typer.Option(
+        None,
+        "--sweep",
+        help="every run of a sweep (under --root): its id, its YAML file (newest submission), or 'latest'",
+    ),
+    root: Path = typer.Option(Path("runs"), "--root", help="where run folders live"),
+    name: str = typer.Option(None, "--name", help="report name (default: the sweep id, or 'comparison')"),
+    out: Path = typer.Option(None, "--out", help="output folder (default: report/<name>)"),
+    baseline_steps: int = typer.Option(5, help="early warning: steps whose median is the baseline"),
+    window: int = typer.Option(5, help="early warning: recent steps whose median is compared"),
+    threshold: float = typer.Option(2.0, help="early warning: fires at this multiple of the baseline"),
+    collapse_drop: float = typer.Option(0.3, help="collapse: fraction below the best validation (or reward)"),
+) -> None:
+    """Build report/<name>/index.html: curves, scatter, bucket drift, surrogate J, warnings, ranked table."""
+    from tim_megatron.report.analysis import WarningSettings
+    from tim_megatron.report.build import build_report, table_text
+    from tim_megatron.report.runs import resolve_sweep
+
+    paths = list(runs or [])
+    if sweep:
+        try:
+            sweep, found = resolve_sweep(sweep, root)
+        except ValueError as e:
+            _fail(str(e))
+        paths += found
+    if not paths:
+        _fail("give run folders, or --sweep SWEEP_ID | SWEEP_FILE | latest")
+    name = name or sweep or "comparison"
+    res = build_report(
+        paths,
+        out or Path("report") / name,
+        title=name,
+        settings=WarningSettings(
+            baseline_steps=baseline_steps, window=window, threshold=threshold, collapse_drop=collapse_drop
+        ),
+    )
+    print(table_text(res["rows"]))
+    for n in res["notices"]:
+        console.print(f"[yellow]notice[/]: {n}", highlight=False)
+    console.print(
+        f"report: {res['out'] / 'index.html'}  (summary.csv beside it; {res['seconds']:.1f} s)",
+        highlight=False,
+    )
+
+
 def _launch_local(nproc: int, rd: Path) -> int:
     """Re-run ``tim train`` under torchrun with ``nproc`` ranks on this machine, all on run folder ``rd``."""
     import socket

@@ -1,0 +1,185 @@
+"""``tim report``: runs (or a sweep) -> ``report/<name>/index.html`` + PNGs + ``summary.csv``.
+
+The page is static and self-contained (relative image links, inline CSS, no scripts), readable without a
+server. The summary table ranks variants by mismatch growth and also goes to stdout and CSV.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import math
+import time
+from pathlib import Path
+
+from tim_megatron.report import plots
+from tim_megatron.report.analysis import WarningSettings, ranked, summarize
+from tim_megatron.report.runs import load_runs
+
+CSS = """
+body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 24px auto; max-width: 1320px; color: #222; }
+h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 32px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+table { border-collapse: collapse; font-size: 13px; } th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: right; }
+th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(600px, 1fr)); gap: 16px; }
+.wide { display: grid; grid-template-columns: minmax(0, 1100px); gap: 16px; }
+figure { margin: 0; } figure img { width: 100%; border: 1px solid #eee; } figcaption { font-size: 12px; color: #555; }
+.notice { background: #fff7e0; border-left: 4px solid #e0a000; padding: 6px 10px; margin: 4px 0; font-size: 13px; }
+.muted { color: #777; font-size: 13px; }
+"""
+
+COLUMNS = (
+    ("variant", "variant"),
+    ("mismatch_growth_per_step", "mismatch growth / step"),
+    ("first_warning_step", "first warning"),
+    ("length_surge_step", "length surge"),
+    ("first_collapse_step", "first collapse"),
+    ("best_val", "best validation"),
+    ("final_mismatch", "final mismatch"),
+    ("tokens_per_s", "rollout tokens/s"),
+    ("steps", "steps"),
+    ("status", "status"),
+)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "none"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "n/a"
+        return f"{v:.3e}" if (abs(v) < 1e-2 and v != 0) else f"{v:.4g}"
+    return str(v)
+
+
+def table_text(rows: list[dict]) -> str:
+    heads = [h for _, h in COLUMNS]
+    cells = [[_fmt(r[k]) for k, _ in COLUMNS] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(heads)]
+    line = "  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True))
+    body = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join([line, "-" * len(line), *body])
+
+
+def build_report(
+    paths: list[str | Path],
+    out: str | Path,
+    *,
+    title: str | None = None,
+    settings: WarningSettings | None = None,
+) -> dict:
+    t0 = time.perf_counter()
+    settings = settings or WarningSettings()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    notices: list[str] = []
+    runs = load_runs(paths, notices)
+    summaries = {r.name: summarize(r, settings) for r in runs}
+    order = ranked(list(summaries.values()))
+    rows = [s.row() for s in order]
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [k for k, _ in COLUMNS])
+        w.writeheader()
+        w.writerows(rows)
+    figs = {
+        "curves": plots.curve_panels(runs, summaries, out) if runs else [],
+        "scatter": plots.scatter_panels(runs, out) if runs else [],
+        "buckets": plots.bucket_panels(runs, out) if runs else [],
+        "surrogate": plots.surrogate_panel(runs, out) if runs else [],
+    }
+    no_dumps = [r.name for r in runs if not r.dumps]
+    (out / "index.html").write_text(_page(title or out.name, runs, rows, figs, notices, no_dumps, settings))
+    (out / "report.json").write_text(
+        json.dumps(
+            {"runs": [str(r.path) for r in runs], "summary": rows, "notices": notices}, indent=1, default=str
+        )
+    )
+    _wandb_helper(out, runs)
+    return {
+        "rows": rows,
+        "notices": notices,
+        "figures": figs,
+        "seconds": time.perf_counter() - t0,
+        "out": out,
+    }
+
+
+def _img(f: str, cap: str) -> str:
+    return f'<figure><img src="{html.escape(f)}" alt="{html.escape(cap)}"></figure>'
+
+
+def _page(title, runs, rows, figs, notices, no_dumps, s: WarningSettings) -> str:
+    e = html.escape
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}</style></head><body>"
+    ]
+    parts.append(f"<h1>Training-inference mismatch report: {e(title)}</h1>")
+    parts.append(
+        f"<p class='muted'>{len(runs)} run(s), generated {time.strftime('%Y-%m-%d %H:%M')}. Dashed vertical lines: first early "
+        f"warning (median of the last {s.window} mismatch values reaches {s.threshold}x the median of the first "
+        f"{s.baseline_steps}); dotted: response-length surge. Collapse: validation (or reward) {int(s.collapse_drop * 100)}% below its best. "
+        f"Series of {plots.SMOOTH_MIN_POINTS} or more steps: faint per-step values under a rolling median.</p>"
+    )
+    for n in notices:
+        parts.append(f"<div class='notice'>{e(n)}</div>")
+    parts.append("<h2>Variants ranked by mismatch growth</h2>")
+    if rows:
+        parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for _, h in COLUMNS) + "</tr>")
+        for r in rows:
+            parts.append("<tr>" + "".join(f"<td>{e(_fmt(r[k]))}</td>" for k, _ in COLUMNS) + "</tr>")
+        parts.append(
+            "</table><p class='muted'>Mismatch growth: Theil-Sen slope of log(std of rho) per step; "
+            "positive means the mismatch grows. Also in summary.csv.</p>"
+        )
+    else:
+        parts.append("<p>No run with metrics was found.</p>")
+    sections = (
+        ("curves", "Curves by variant", None),
+        ("scatter", "pi_train vs pi_infer, earliest and latest dumps", "no token dumps"),
+        ("buckets", "rho drift by probability bucket", None),
+        ("surrogate", "Surrogate J against step", "J is logged by every run; none had a finite value"),
+    )
+    for key, heading, empty in sections:
+        parts.append(f"<h2>{e(heading)}</h2>")
+        if key == "scatter" and no_dumps:
+            parts.append(
+                f"<p class='muted'>No token dumps for: {e(', '.join(no_dumps))} (diagnostics.dumps.every = 0).</p>"
+            )
+        if figs[key]:
+            cls = "wide" if key == "scatter" else "grid"
+            parts.append(f"<div class='{cls}'>" + "".join(_img(f, c) for f, c in figs[key]) + "</div>")
+        elif empty and key != "scatter":
+            parts.append(f"<p class='muted'>{e(empty)}</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _wandb_helper(out: Path, runs) -> None:
+    """A script that rebuilds the curve panels as a wandb report for runs that were logged online (optional)."""
+    import hashlib
+
+    ids = [hashlib.blake2b(str(r.path.resolve()).encode(), digest_size=6).hexdigest() for r in runs]
+    keys = [k for k, *_ in plots.CURVES]
+    (
+        out / "wandb_report.py"
+    ).write_text(f'''"""Optional: the same comparison as a wandb report, for runs logged online.
+
+Needs `pip install wandb-workspaces` and network access; nothing in tim-megatron depends on it.
+    python wandb_report.py ENTITY PROJECT
+"""
+import sys
+
+import wandb_workspaces.reports.v2 as wr
+
+RUN_IDS = {ids!r}
+METRICS = {keys!r}
+
+entity, project = sys.argv[1], sys.argv[2]
+runset = wr.Runset(entity=entity, project=project, filters="Run.ID in " + repr(RUN_IDS))
+panels = [wr.LinePlot(title=m, x="Step", y=[m]) for m in METRICS]
+report = wr.Report(entity=entity, project=project, title="tim-megatron: {out.name}",
+                   blocks=[wr.PanelGrid(runsets=[runset], panels=panels)])
+report.save()
+print(report.url)
+''')

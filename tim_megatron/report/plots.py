@@ -1,0 +1,268 @@
+"""Report figures (matplotlib, Agg). Every panel is its own PNG with labelled axes and units."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from tim_megatron.report.analysis import RunSummary, pearson
+from tim_megatron.report.runs import RunData, read_dump
+
+# (metric key, title, y label, log scale). Correlations are drawn as 1 - r on a log scale: a drop from
+# 0.9999 to 0.99 is the signal, and a linear axis hides it.
+CURVES = (
+    ("reward/mean", "Training reward", "mean reward", False),
+    ("val/accuracy", "Validation accuracy", "accuracy", False),
+    (
+        "mismatch/old_vs_rollout/rho_std",
+        "Mismatch: std of rho (old vs rollout)",
+        "std of pi_train / pi_infer",
+        True,
+    ),
+    (
+        "mismatch/old_vs_rollout/log_ppl_abs_diff",
+        "log_ppl_abs_diff (old vs rollout)",
+        "nats per sequence",
+        True,
+    ),
+    (
+        "mismatch/old_vs_rollout/prob_pearson",
+        "1 - Pearson(pi_train, pi_infer)",
+        "1 - correlation (0: identical)",
+        True,
+    ),
+    ("mismatch/old_vs_rollout/rho_max", "Max rho (old vs rollout)", "max pi_train / pi_infer", True),
+    ("mismatch/old_vs_rollout/kl_rollout_old_k3", "KL(rollout || old), k3", "nats per token", True),
+    ("response/entropy_mean", "Token entropy", "nats per token", False),
+    ("actor/grad_norm", "Gradient norm", "L2 norm", True),
+    ("response/length_mean", "Response length", "tokens", False),
+    ("actor/clipfrac_token_low", "Clip fraction, token low side", "fraction of tokens", False),
+    ("actor/clipfrac_token_high", "Clip fraction, token high side", "fraction of tokens", False),
+    ("actor/clipfrac_seq", "Clip fraction, sequences (GSPO)", "fraction of sequences", False),
+    ("actor/lr", "Learning rate", "learning rate", True),
+    (
+        "routing/rollout_vs_trainer/exact_match",
+        "Routing agreement (rollout vs trainer)",
+        "exact top-k match",
+        False,
+    ),
+)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:80] or "x"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 8, "figure.dpi": 110})
+    return plt
+
+
+def colors(runs: list[RunData]) -> dict[str, str]:
+    plt = _plt()
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {r.name: cycle[i % len(cycle)] for i, r in enumerate(runs)}
+
+
+SMOOTH_MIN_POINTS = 30
+"""Series with at least this many points are drawn raw (faint) plus a rolling median (solid)."""
+
+
+def rolling_median(y: np.ndarray, window: int) -> np.ndarray:
+    """Centered rolling median; the window shrinks at the ends (no padding values are invented)."""
+    h = window // 2
+    return np.array([np.median(y[max(0, i - h) : i + h + 1]) for i in range(len(y))])
+
+
+def smoothing_window(n: int) -> int:
+    return max(5, (n // 25) | 1)
+
+
+def _draw(ax, x, y, *, color, label):
+    """Short series as points and lines; long ones as faint raw values under a rolling median."""
+    if len(x) < SMOOTH_MIN_POINTS:
+        ax.plot(x, y, label=label, color=color, linewidth=1.2, marker=".")
+        return
+    ax.plot(x, y, color=color, linewidth=0.7, alpha=0.3)
+    ax.plot(x, rolling_median(y, smoothing_window(len(y))), label=label, color=color, linewidth=1.6)
+
+
+def ratio_axis(ax) -> None:
+    """Log y axis for ratios (2x and 0.5x equally far from 1) with plain-number ticks, also on narrow ranges."""
+    from matplotlib import ticker
+
+    ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    if hi / lo < 4:
+        ax.yaxis.set_major_locator(ticker.MaxNLocator(7))
+        fmt = ticker.ScalarFormatter(useOffset=False)
+        fmt.set_scientific(False)
+    else:
+        ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        fmt = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
+    ax.yaxis.set_major_formatter(fmt)
+
+
+def _marks(ax, runs, summaries: dict[str, RunSummary], col):
+    """Vertical marks per run, and gray legend entries saying what the line styles mean."""
+    kinds = set()
+    for r in runs:
+        s = summaries[r.name]
+        if s.first_warning is not None:
+            ax.axvline(s.first_warning, color=col[r.name], linestyle="--", linewidth=1, alpha=0.8)
+            kinds.add("--")
+        if s.length_surge is not None:
+            ax.axvline(s.length_surge, color=col[r.name], linestyle=":", linewidth=1.2, alpha=0.8)
+            kinds.add(":")
+    for style, text in (("--", "first early warning"), (":", "response-length surge")):
+        if style in kinds:
+            ax.plot([], [], color="gray", linestyle=style, linewidth=1, label=text)
+
+
+def curve_panels(runs: list[RunData], summaries: dict[str, RunSummary], out: Path) -> list[tuple[str, str]]:
+    """One PNG per metric that some run logged; returns (file, title)."""
+    plt = _plt()
+    col = colors(runs)
+    made = []
+    for key, title, ylabel, log in CURVES:
+        series = [(r, *r.series(key)) for r in runs]
+        series = [(r, x, 1 - y if key.endswith("pearson") else y) for r, x, y in series if len(x)]
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6.2, 3.6), constrained_layout=True)
+        for r, x, y in series:
+            _draw(ax, x, y, color=col[r.name], label=r.name)
+        _marks(ax, runs, summaries, col)
+        if key.endswith("rho_max"):
+            ratio_axis(ax)
+        elif log and all((y > 0).all() for _, _, y in series):
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", framealpha=0.85)
+        f = f"curve_{slug(key)}.png"
+        fig.savefig(out / f)
+        plt.close(fig)
+        made.append((f, title))
+    return made
+
+
+def scatter_panels(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
+    """pi_train vs pi_infer from each run's earliest and latest token dumps."""
+    plt = _plt()
+    made = []
+    for r in runs:
+        if not r.dumps:
+            continue
+        picks = [r.dumps[0]] if len(r.dumps) == 1 else [r.dumps[0], r.dumps[-1]]
+        fig, axes = plt.subplots(
+            1, len(picks), figsize=(5.6 * len(picks), 5.0), constrained_layout=True, squeeze=False
+        )
+        for ax, path in zip(axes[0], picks, strict=True):
+            d = read_dump(path)
+            x, y = d.get("pi_train"), d.get("pi_infer")
+            step = int(d["step"][0]) if len(d.get("step", [])) else -1
+            ok = np.isfinite(x) & np.isfinite(y) if x is not None else None
+            if x is None or not ok.any():
+                ax.text(
+                    0.5,
+                    0.5,
+                    "no trainer probabilities in this dump",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                )
+                continue
+            x, y = x[ok], y[ok]
+            ax.plot([0, 1], [0, 1], color="red", linestyle="--", linewidth=0.8, zorder=1)
+            if len(x) > 5000:
+                hb = ax.hexbin(
+                    x, y, gridsize=60, bins="log", cmap="viridis", mincnt=1, extent=(0, 1, 0, 1), zorder=2
+                )
+                fig.colorbar(hb, ax=ax, label="tokens (log count)")
+            else:
+                ax.scatter(x, y, s=14, alpha=0.45, edgecolors="none", zorder=2)
+            ax.set_xlim(-0.02, 1.02)  # tokens at p = 1 stay visible
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_xlabel("pi_train (trainer probability)")
+            ax.set_ylabel("pi_infer (rollout probability)")
+            ax.set_title(
+                f"step {step}: PCC = {pearson(x, y):.4f}, {len(x):,} tokens\n"
+                f"max |pi_train - pi_infer| = {np.abs(x - y).max():.2g}",
+                fontsize=10,
+            )
+            ax.set_aspect("equal")
+        fig.suptitle(
+            f"{r.name}: " + ("earliest and latest dump" if len(picks) == 2 else "the only dump so far")
+        )
+        f = f"scatter_{slug(r.name)}.png"
+        fig.savefig(out / f)
+        plt.close(fig)
+        made.append((f, f"{r.name}: pi_train vs pi_infer"))
+    return made
+
+
+def bucket_panels(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
+    """Mean rho per pi_train bucket against step (objective-level-hacking paper, Fig. 7b)."""
+    plt = _plt()
+    made = []
+    for r in runs:
+        keys = sorted(
+            k
+            for k in r.metric_keys()
+            if k.startswith("mismatch/old_vs_rollout/bucket/") and k.endswith("/rho_mean")
+        )
+        if not keys:
+            continue
+        fig, ax = plt.subplots(figsize=(6.2, 3.8), constrained_layout=True)
+        cmap = plt.get_cmap("viridis")
+        for i, k in enumerate(keys):
+            x, y = r.series(k)
+            if len(x):
+                _draw(
+                    ax, x, y, color=cmap(i / max(len(keys) - 1, 1)), label=f"pi_train in {k.split('/')[-2]}"
+                )
+        ax.axhline(1.0, color="red", linestyle="--", linewidth=1)
+        ratio_axis(ax)
+        ax.set_title(f"{r.name}: mean rho by probability bucket")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("mean pi_train / pi_infer")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        f = f"buckets_{slug(r.name)}.png"
+        fig.savefig(out / f)
+        plt.close(fig)
+        made.append((f, f"{r.name}: rho drift by bucket"))
+    return made
+
+
+def surrogate_panel(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
+    """J = sum A (phi - 1) against step, with its Pearson correlation to step (paper, Fig. 6)."""
+    plt = _plt()
+    col = colors(runs)
+    series = [(r, *r.series("objective/J")) for r in runs]
+    series = [(r, x, y) for r, x, y in series if len(x)]
+    if not series:
+        return []
+    fig, ax = plt.subplots(figsize=(6.2, 3.8), constrained_layout=True)
+    for r, x, y in series:
+        ax.scatter(x, y, s=8, color=col[r.name], label=f"{r.name} (PCC with step {pearson(x, y):+.2f})")
+    ax.set_title("Objective-level surrogate J = sum A (phi - 1)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("J (advantage units)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", frameon=False)
+    f = "surrogate_J.png"
+    fig.savefig(out / f)
+    plt.close(fig)
+    return [(f, "Surrogate J against step")]
