@@ -68,7 +68,7 @@ status: setup
 
 logs: setup
 	@test -n "$(JOB)" || { echo "make logs needs JOB=<slurm job id>"; exit 2; }
-	$(TIM) logs $(JOB)
+	$(TIM) logs $(JOB) $(if $(ROOT),--root $(ROOT))
 
 cancel: setup
 	@test -n "$(JOB)" || { echo "make cancel needs JOB=<slurm job id>"; exit 2; }

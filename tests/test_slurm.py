@@ -49,35 +49,43 @@ def submitted(res) -> tuple[str, Path]:
     return job, run
 
 
+def submit_tiny(slurm, out: Path, steps: int, extra: str = "") -> tuple[str, Path]:
+    """`make submit` of the tiny GRPO recipe into ``out``; returns (job id, run folder)."""
+    return submitted(
+        make(
+            "submit",
+            slurm,
+            RECIPE="recipes/tiny-moe/grpo.yaml",
+            OVERRIDES=f"run.steps={steps} {FAST} run.output_dir={out} {extra}".strip(),
+        )
+    )
+
+
+def job_log(run: Path, job: str) -> str:
+    """The end of a job's Slurm log, for assertion messages."""
+    return (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+
+
 def steps_logged(run: Path) -> list[int]:
     f = run / "metrics.jsonl"
     return [json.loads(line)["step"] for line in f.read_text().splitlines()] if f.exists() else []
 
 
 def test_make_submit_runs_the_tiny_recipe_to_completion(slurm, tmp_path):
-    job, run = submitted(
-        make(
-            "submit",
-            slurm,
-            RECIPE="recipes/tiny-moe/grpo.yaml",
-            OVERRIDES=f"run.steps=2 {FAST} run.output_dir={tmp_path}",
-        )
-    )
-    assert slurm.wait(job) == "COMPLETED", (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+    job, run = submit_tiny(slurm, tmp_path, 2)
+    assert slurm.wait(job) == "COMPLETED", job_log(run, job)
     assert steps_logged(run) == [1, 2]
     assert json.loads((run / "run.json").read_text())["status"] == "completed"
     assert (run / "job.sbatch").exists() and list(
         (run / "logs").glob(f"ranks-{job}/*/attempt_0/0/stdout.log")
     )
-    logs = subprocess.run(
-        [Path(sys.executable).parent / "tim", "logs", job],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path.parent,
-        env=slurm.env,
-    )
-    del logs  # tim logs looks under ./runs; covered by the log file itself
-    assert "tim-megatron job" in (run / "logs" / f"slurm-{job}.out").read_text()
+    log = (run / "logs" / f"slurm-{job}.out").read_text()
+    assert "tim-megatron job" in log
+    logs = make("logs", slurm, JOB=job, ROOT=tmp_path)  # finds the run folder through run.json
+    tail = "".join(log.splitlines(keepends=True)[-40:])
+    assert logs.returncode == 0 and logs.stdout.endswith(tail), logs.stdout[-2000:] + logs.stderr
+    missing = make("logs", slurm, JOB="999999", ROOT=tmp_path)
+    assert missing.returncode != 0 and f"no run folder under {tmp_path} records job 999999" in missing.stderr
 
 
 def test_tiny_sweep_jobs_complete_with_one_sweep_id(slurm, tmp_path):
@@ -102,15 +110,8 @@ def test_tiny_sweep_jobs_complete_with_one_sweep_id(slurm, tmp_path):
 
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.dp=2"])
 def test_two_rank_job_over_gloo(slurm, tmp_path, layout):
-    job, run = submitted(
-        make(
-            "submit",
-            slurm,
-            RECIPE="recipes/tiny-moe/grpo.yaml",
-            OVERRIDES=f"run.steps=2 {FAST} run.output_dir={tmp_path} {layout}",
-        )
-    )
-    assert slurm.wait(job) == "COMPLETED", (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+    job, run = submit_tiny(slurm, tmp_path, 2, layout)
+    assert slurm.wait(job) == "COMPLETED", job_log(run, job)
     assert steps_logged(run) == [1, 2]
     assert len(list((run / "logs").glob(f"ranks-{job}/*/attempt_0/*/stdout.log"))) == 2  # one log per rank
 
@@ -132,14 +133,7 @@ def local_slurm_state(job, slurm):
 
 
 def test_scancel_checkpoints_and_resubmit_resumes(slurm, tmp_path):
-    job, run = submitted(
-        make(
-            "submit",
-            slurm,
-            RECIPE="recipes/tiny-moe/grpo.yaml",
-            OVERRIDES=f"run.steps=25 {FAST} run.output_dir={tmp_path}",
-        )
-    )
+    job, run = submit_tiny(slurm, tmp_path, 25)
     _running_until(run, 3, job, slurm)
     assert make("cancel", slurm, JOB=job).returncode == 0
     assert slurm.wait(job) == "CANCELLED"
@@ -158,27 +152,20 @@ def test_scancel_checkpoints_and_resubmit_resumes(slurm, tmp_path):
         cwd=ROOT,
     )
     job2, _ = submitted(res)
-    assert slurm.wait(job2) == "COMPLETED", (run / "logs" / f"slurm-{job2}.out").read_text()[-3000:]
+    assert slurm.wait(job2) == "COMPLETED", job_log(run, job2)
     assert steps_logged(run) == list(range(1, 26))
     assert f"steps {saved + 1}..25" in (run / "logs" / f"slurm-{job2}.out").read_text()
 
 
 def test_requeue_resumes_the_same_job(slurm, tmp_path):
-    job, run = submitted(
-        make(
-            "submit",
-            slurm,
-            RECIPE="recipes/tiny-moe/grpo.yaml",
-            OVERRIDES=f"run.steps=25 {FAST} run.output_dir={tmp_path}",
-        )
-    )
+    job, run = submit_tiny(slurm, tmp_path, 25)
     _running_until(run, 3, job, slurm)
     subprocess.run(
         ["scontrol", "requeue", job], env=slurm.env, check=True, capture_output=True
     )  # like a preemption
     t0 = time.time()
     while json.loads((run / "run.json").read_text()).get("status") != "completed":
-        assert time.time() - t0 < 600, (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+        assert time.time() - t0 < 600, job_log(run, job)
         time.sleep(2)
     assert steps_logged(run) == list(range(1, 26))
     assert "resumed_from" in (run / "run.json").read_text()
@@ -317,7 +304,7 @@ def test_shell_values_are_inert_and_secrets_stay_out(slurm, tmp_path):
         cwd=ROOT,
     )
     job, run = submitted(res)
-    assert slurm.wait(job) == "COMPLETED", (run / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+    assert slurm.wait(job) == "COMPLETED", job_log(run, job)
     assert not marker.exists()  # nothing ran
     script = (run / "job.sbatch").read_text()
     assert "export PROBE='" in script and secret not in script

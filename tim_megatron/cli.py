@@ -297,13 +297,14 @@ def jobs_cmd() -> None:
 def logs_cmd(
     job: str = typer.Argument(..., help="Slurm job id"),
     lines: int = typer.Option(40, help="lines from the end"),
+    root: Path = typer.Option(Path("runs"), "--root", help="where run folders live (run.output_dir)"),
 ) -> None:
     """The end of a job's log (found through the run folders' run.json)."""
     from tim_megatron.slurm.submit import find_run
 
-    run = find_run(job)
+    run = find_run(job, root)
     if run is None:
-        _fail(f"no run folder under runs/ records job {job}")
+        _fail(f"no run folder under {root} records job {job}")
     log = run / "logs" / f"slurm-{job}.out"
     if not log.exists():
         _fail(f"{log} does not exist yet (is the job still pending?)")

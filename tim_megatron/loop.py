@@ -114,10 +114,10 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
             if step == 1:
                 metrics.update(run.info)
             log_step(run, step, metrics, events)
-            if should_checkpoint(run, step):
+            stop = broadcast_object(run.stop.requested)
+            if stop or should_checkpoint(run, step):  # one write when both fall on the same step
                 save(run, step)
-            if broadcast_object(run.stop.requested):
-                save(run, step)
+            if stop:
                 finish(run, step, time.perf_counter() - t_start, status="preempted")
                 return EXIT_PREEMPTED
     except BaseException:

@@ -15,13 +15,14 @@ CURVES = (
 )
 
 
-def _series(rows: list[dict], key: str):
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one metric over ``metrics.jsonl`` rows: finite numbers only (no bools, NaN, Inf)."""
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
-        if isinstance(v, int | float) and math.isfinite(v):
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
             xs.append(r["step"])
-            ys.append(v)
+            ys.append(float(v))
     return xs, ys
 
 
@@ -35,7 +36,7 @@ def write_summary(
 
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
     for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
-        xs, ys = _series(rows, key)
+        xs, ys = series(rows, key)
         ax.plot(xs, ys, marker="." if len(xs) < 40 else None)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
@@ -48,13 +49,13 @@ def write_summary(
     plt.close(fig)
 
     def first_last(key):
-        _, ys = _series(rows, key)
+        _, ys = series(rows, key)
         k = max(1, len(ys) // 5)
         return (sum(ys[:k]) / k, sum(ys[-k:]) / k) if ys else (float("nan"), float("nan"))
 
     r0, r1 = first_last("reward/mean")
     m0, m1 = first_last("mismatch/old_vs_rollout/rho_std")
-    _, val = _series(rows, "val/accuracy")
+    _, val = series(rows, "val/accuracy")
     lines = [
         f"run: {name}",
         f"steps: {rows[-1]['step'] if rows else 0}   wall time: {wall_seconds:.1f} s",

@@ -130,11 +130,23 @@ class Tracker:
         self.wandb = None
 
 
-def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+def read_metrics(path: Path, problems: list[str] | None = None) -> list[dict]:
+    """Rows of a ``metrics.jsonl``, sorted by step; a step written twice (a resumed run) keeps its last row.
+
+    A corrupt line (a run killed mid-write, a row without an integer ``step``) is skipped; when ``problems``
+    is given, a message naming the file and line number is appended to it.
+    """
+    by_step: dict[int, dict] = {}
+    for i, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
             continue
-    return rows
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            if problems is not None:
+                problems.append(f"{path}:{i}: skipped a corrupt line ({e})")
+            continue
+        by_step[row["step"]] = row
+    return [by_step[k] for k in sorted(by_step)]

@@ -4,49 +4,57 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from tim_megatron.report.analysis import RunSummary, pearson
 from tim_megatron.report.runs import RunData, read_dump
 
-# (metric key, title, y label, log scale). Correlations are drawn as 1 - r on a log scale: a drop from
-# 0.9999 to 0.99 is the signal, and a linear axis hides it.
+
+class Curve(NamedTuple):
+    key: str
+    title: str
+    ylabel: str
+    scale: str = "linear"
+    """linear; log (when every value is > 0); ratio (log axis, plain ticks: 2x and 0.5x equally far from 1);
+    one_minus (1 - value on a log axis: correlations, where 0.9999 -> 0.99 is the signal)."""
+
+
 CURVES = (
-    ("reward/mean", "Training reward", "mean reward", False),
-    ("val/accuracy", "Validation accuracy", "accuracy", False),
-    (
+    Curve("reward/mean", "Training reward", "mean reward"),
+    Curve("val/accuracy", "Validation accuracy", "accuracy"),
+    Curve(
         "mismatch/old_vs_rollout/rho_std",
         "Mismatch: std of rho (old vs rollout)",
         "std of pi_train / pi_infer",
-        True,
+        "log",
     ),
-    (
+    Curve(
         "mismatch/old_vs_rollout/log_ppl_abs_diff",
         "log_ppl_abs_diff (old vs rollout)",
         "nats per sequence",
-        True,
+        "log",
     ),
-    (
+    Curve(
         "mismatch/old_vs_rollout/prob_pearson",
         "1 - Pearson(pi_train, pi_infer)",
         "1 - correlation (0: identical)",
-        True,
+        "one_minus",
     ),
-    ("mismatch/old_vs_rollout/rho_max", "Max rho (old vs rollout)", "max pi_train / pi_infer", True),
-    ("mismatch/old_vs_rollout/kl_rollout_old_k3", "KL(rollout || old), k3", "nats per token", True),
-    ("response/entropy_mean", "Token entropy", "nats per token", False),
-    ("actor/grad_norm", "Gradient norm", "L2 norm", True),
-    ("response/length_mean", "Response length", "tokens", False),
-    ("actor/clipfrac_token_low", "Clip fraction, token low side", "fraction of tokens", False),
-    ("actor/clipfrac_token_high", "Clip fraction, token high side", "fraction of tokens", False),
-    ("actor/clipfrac_seq", "Clip fraction, sequences (GSPO)", "fraction of sequences", False),
-    ("actor/lr", "Learning rate", "learning rate", True),
-    (
+    Curve("mismatch/old_vs_rollout/rho_max", "Max rho (old vs rollout)", "max pi_train / pi_infer", "ratio"),
+    Curve("mismatch/old_vs_rollout/kl_rollout_old_k3", "KL(rollout || old), k3", "nats per token", "log"),
+    Curve("response/entropy_mean", "Token entropy", "nats per token"),
+    Curve("actor/grad_norm", "Gradient norm", "L2 norm", "log"),
+    Curve("response/length_mean", "Response length", "tokens"),
+    Curve("actor/clipfrac_token_low", "Clip fraction, token low side", "fraction of tokens"),
+    Curve("actor/clipfrac_token_high", "Clip fraction, token high side", "fraction of tokens"),
+    Curve("actor/clipfrac_seq", "Clip fraction, sequences (GSPO)", "fraction of sequences"),
+    Curve("actor/lr", "Learning rate", "learning rate", "log"),
+    Curve(
         "routing/rollout_vs_trainer/exact_match",
         "Routing agreement (rollout vs trainer)",
         "exact top-k match",
-        False,
     ),
 )
 
@@ -111,6 +119,19 @@ def ratio_axis(ax) -> None:
     ax.yaxis.set_major_formatter(fmt)
 
 
+def _label(ax, title: str, ylabel: str, xlabel: str = "RL step") -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def _save(plt, fig, out: Path, name: str) -> str:
+    fig.savefig(out / name)
+    plt.close(fig)
+    return name
+
+
 def _marks(ax, runs, summaries: dict[str, RunSummary], col):
     """Vertical marks per run, and gray legend entries saying what the line styles mean."""
     kinds = set()
@@ -132,28 +153,22 @@ def curve_panels(runs: list[RunData], summaries: dict[str, RunSummary], out: Pat
     plt = _plt()
     col = colors(runs)
     made = []
-    for key, title, ylabel, log in CURVES:
-        series = [(r, *r.series(key)) for r in runs]
-        series = [(r, x, 1 - y if key.endswith("pearson") else y) for r, x, y in series if len(x)]
+    for c in CURVES:
+        series = [(r, *r.series(c.key)) for r in runs]
+        series = [(r, x, 1 - y if c.scale == "one_minus" else y) for r, x, y in series if len(x)]
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(6.2, 3.6), constrained_layout=True)
         for r, x, y in series:
             _draw(ax, x, y, color=col[r.name], label=r.name)
         _marks(ax, runs, summaries, col)
-        if key.endswith("rho_max"):
+        if c.scale == "ratio":
             ratio_axis(ax)
-        elif log and all((y > 0).all() for _, _, y in series):
+        elif c.scale in ("log", "one_minus") and all((y > 0).all() for _, _, y in series):
             ax.set_yscale("log")
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
+        _label(ax, c.title, c.ylabel)
         ax.legend(loc="best", framealpha=0.85)
-        f = f"curve_{slug(key)}.png"
-        fig.savefig(out / f)
-        plt.close(fig)
-        made.append((f, title))
+        made.append((_save(plt, fig, out, f"curve_{slug(c.key)}.png"), c.title))
     return made
 
 
@@ -205,10 +220,7 @@ def scatter_panels(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
         fig.suptitle(
             f"{r.name}: " + ("earliest and latest dump" if len(picks) == 2 else "the only dump so far")
         )
-        f = f"scatter_{slug(r.name)}.png"
-        fig.savefig(out / f)
-        plt.close(fig)
-        made.append((f, f"{r.name}: pi_train vs pi_infer"))
+        made.append((_save(plt, fig, out, f"scatter_{slug(r.name)}.png"), f"{r.name}: pi_train vs pi_infer"))
     return made
 
 
@@ -234,15 +246,9 @@ def bucket_panels(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
                 )
         ax.axhline(1.0, color="red", linestyle="--", linewidth=1)
         ratio_axis(ax)
-        ax.set_title(f"{r.name}: mean rho by probability bucket")
-        ax.set_xlabel("RL step")
-        ax.set_ylabel("mean pi_train / pi_infer")
-        ax.grid(alpha=0.3)
+        _label(ax, f"{r.name}: mean rho by probability bucket", "mean pi_train / pi_infer")
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-        f = f"buckets_{slug(r.name)}.png"
-        fig.savefig(out / f)
-        plt.close(fig)
-        made.append((f, f"{r.name}: rho drift by bucket"))
+        made.append((_save(plt, fig, out, f"buckets_{slug(r.name)}.png"), f"{r.name}: rho drift by bucket"))
     return made
 
 
@@ -257,12 +263,6 @@ def surrogate_panel(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
     fig, ax = plt.subplots(figsize=(6.2, 3.8), constrained_layout=True)
     for r, x, y in series:
         ax.scatter(x, y, s=8, color=col[r.name], label=f"{r.name} (PCC with step {pearson(x, y):+.2f})")
-    ax.set_title("Objective-level surrogate J = sum A (phi - 1)")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("J (advantage units)")
-    ax.grid(alpha=0.3)
+    _label(ax, "Objective-level surrogate J = sum A (phi - 1)", "J (advantage units)")
     ax.legend(loc="best", frameon=False)
-    f = "surrogate_J.png"
-    fig.savefig(out / f)
-    plt.close(fig)
-    return [(f, "Surrogate J against step")]
+    return [(_save(plt, fig, out, "surrogate_J.png"), "Surrogate J against step")]

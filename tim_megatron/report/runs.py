@@ -8,12 +8,14 @@ purpose, runs still in progress (reported as far as they got).
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from tim_megatron.logging.summary import series
+from tim_megatron.logging.tracker import read_metrics
 
 MISMATCH = "mismatch/old_vs_rollout/rho_std"
 
@@ -40,12 +42,7 @@ class RunData:
         return self.meta.get("status", "unknown")
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        xs, ys = [], []
-        for r in self.rows:
-            v = r.get(key)
-            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-                xs.append(r["step"])
-                ys.append(float(v))
+        xs, ys = series(self.rows, key)
         return np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
 
     def metric_keys(self) -> set[str]:
@@ -56,25 +53,13 @@ class RunData:
 
 
 def read_jsonl(path: Path, notices: list[str]) -> list[dict]:
-    rows = []
-    for i, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("no integer 'step'")
-        except (json.JSONDecodeError, ValueError) as e:
-            msg = f"{path}:{i}: skipped a corrupt line ({e})"
-            warnings.warn(msg, stacklevel=2)
-            notices.append(msg)
-            continue
-        rows.append(row)
-    rows.sort(key=lambda r: r["step"])
-    dedup: dict[int, dict] = {}
-    for r in rows:  # a resumed run may have rewritten a step: keep the last
-        dedup[r["step"]] = r
-    return list(dedup.values())
+    """:func:`~tim_megatron.logging.tracker.read_metrics`, with each skipped line also a warning."""
+    problems: list[str] = []
+    rows = read_metrics(path, problems)
+    for msg in problems:
+        warnings.warn(msg, stacklevel=2)
+    notices.extend(problems)
+    return rows
 
 
 def load_run(path: str | Path, notices: list[str]) -> RunData | None:
