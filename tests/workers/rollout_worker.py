@@ -196,11 +196,33 @@ def scenario_precision(out: dict, overrides) -> None:
         mask[i, p : p + len(s.response_ids)] = True
         roll[i, p : p + len(s.response_ids)] = torch.tensor(s.logprobs)
     m = compute_mismatch(train_logprobs=lp.logprobs, infer_logprobs=roll, mask=mask)
+    # The same comparison on fixed sequences, which no sampler chose: every task prompt followed by every
+    # single-digit answer and end-of-text, scored by both engines at T = 1 (vLLM's prompt logprobs).
+    from tim_megatron.data.arithmetic import all_problems
+
+    eos = eng.tokenizer.eos_token_id
+    fixed = [
+        eng.tokenizer.encode(p.prompt) + eng.tokenizer.encode(str(d)) + [eos]
+        for p in all_problems(_recipe.data.task)
+        for d in range(9)
+    ]
+    fids, flen = padded(fixed)
+    head = tr.head
+    tr.with_head(temperature=1.0)
+    tlp, _ = tr.logprobs(SeqBatch(fids, flen))
+    tr.head = head
+    vlp = torch.zeros(fids.shape)
+    for i, row in enumerate(eng.score(fixed)):
+        vlp[i, : len(row)] = torch.tensor(row)
+    pos = torch.arange(fids.shape[1])[None]
+    fmask = (pos >= flen[:, None] - 2) & (pos < flen[:, None])  # the answer digit and end-of-text
     out.update(
         rho_std=m["mismatch/old_vs_rollout/rho_std"],
         kl=m["mismatch/old_vs_rollout/kl_rollout_old_k3"],
         vllm_head_dtype=eng.head_dtype(),
         tokens=int(mask.sum()),
+        fixed_abs_log_ratio=float((tlp.logprobs - vlp)[fmask].abs().mean()),
+        fixed_tokens=int(fmask.sum()),
     )
 
 

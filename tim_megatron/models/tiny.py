@@ -146,11 +146,18 @@ def _build(folder: Path, *, dims: ModelDims, seed: int, warmup_steps: int, task:
 
     cfg = hf_config(dims)
     tokenizer = build_tokenizer(dims.vocab_size)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        if warmup_steps:
-            _warmup(model, tokenizer, steps=warmup_steps, seed=seed, task=task)
+    threads = torch.get_num_threads()
+    # One thread: the warm-up's float sums then run in one order whatever OMP_NUM_THREADS says, so a
+    # checkpoint built by a 2-thread `tim train` equals one built by a 1-thread test worker.
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            if warmup_steps:
+                _warmup(model, tokenizer, steps=warmup_steps, seed=seed, task=task)
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

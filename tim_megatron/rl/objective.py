@@ -90,10 +90,11 @@ def make_loss_fn(
     def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor, s: int):
         sub = shard.rows(rows)
         old, roll, mask, w = sub.old[:, :s], sub.rollout[:, :s], sub.mask[:, :s], sub.weights[:, :s]
-        if logprobs.shape[1] > s:
-            logprobs = logprobs[:, :s]
-        elif logprobs.shape[1] < s:
-            raise ValueError(f"micro-batch logprobs have {logprobs.shape[1]} positions, expected {s}")
+        if logprobs.shape[1] != s or old.shape[1] != s:
+            raise ValueError(
+                f"micro-batch logprobs have {logprobs.shape[1]} positions and its rows {old.shape[1]}; "
+                f"both must be the {s} the trainer passed"
+            )
         kw = dict(
             logprobs=logprobs,
             old_logprobs=old,

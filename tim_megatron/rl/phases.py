@@ -109,6 +109,7 @@ def rollouts(run, step: int) -> tuple[StepBatch, dict]:
             "reward/std": float(batch.rewards.std(unbiased=False)),
             "reward/max": float(batch.rewards.max()),
             "reward/groups_all_equal_frac": float((rw.max(-1).values == rw.min(-1).values).float().mean()),
+            "batch/width": float(batch.input_ids.shape[1]),
         }
     )
     return batch, metrics

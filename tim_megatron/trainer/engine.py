@@ -68,7 +68,11 @@ class StepResult:
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, Stats]]
-"""(logprobs ``[n, s]`` of a micro-batch, the micro-batch's row indices into the batch, s) -> (loss, stats)."""
+"""(logprobs ``[n, w]`` of a micro-batch, the micro-batch's row indices into the batch, w) -> (loss, stats).
+
+``w`` is never more than the batch's own width: positions the trainer pads on for its layout (a multiple of
+TP for sequence parallelism, the longest micro-batch across ranks for expert-parallel dispatch) are cut off
+before the loss sees them, so the loss can slice every ``[n, L]`` tensor of the batch with ``[:, :w]``."""
 
 
 def _round_up(x: int, m: int) -> int:
@@ -365,11 +369,13 @@ class MegatronTrainer:
         stats = Stats()
         total_loss = 0.0
         t0 = time.perf_counter()
+        width = batch.input_ids.shape[1]
         for rows in self._micro_batches(len(batch)):
             mb, s = self._trimmed(batch, rows)
+            keep = min(s, width)  # the layout's padding never reaches the loss
             with self._routing(routing, mb):
                 out = self._forward(mb.input_ids)
-                loss, st = loss_fn(out.logprobs.float(), rows, s)
+                loss, st = loss_fn(out.logprobs[:, :keep].float(), rows, keep)
                 with cpu_shims.cuda_placement_to_cpu():
                     scaled = self.optimizer.scale_loss(loss)
                 scaled.backward()
