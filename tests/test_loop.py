@@ -460,37 +460,52 @@ def test_two_processes_over_gloo(tmp_path, layout):
 
 
 def test_next_step_data_check_catches_a_bad_sync():
-    from types import SimpleNamespace
-
     import torch
 
     from tim_megatron.recipe import load_recipe
-    from tim_megatron.rl.phases import verify_last_sync
-    from tim_megatron.rollout.sync import WeightSyncError
+    from tim_megatron.rollout.sync import WeightSync, WeightSyncError
 
-    r = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml").recipe  # bf16: mean |dp| tolerance 0.01
-    run = SimpleNamespace(recipe=r, verify_on_next_step=True, last_sync_check=None)
+    r = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml").recipe  # bf16: |dp| tolerance 0.01 for 80% of tokens
+    sync = WeightSync(r, expected={}, rank=0)
+
+    def check(old, rollout, mask):
+        sync.pending = True
+        eng = torch.zeros(mask.shape[0], dtype=torch.long)
+        return sync.check_samples(
+            trainer_logprobs=old, rollout_logprobs=rollout, mask=mask, engine=eng, engines=1
+        )
+
     mask = torch.tensor([[False, True, True]])
     old = torch.log(torch.tensor([[0.5, 0.9, 0.6]]))
     # bf16-sized noise.
-    verify_last_sync(run, old=old, rollout=torch.log(torch.tensor([[0.1, 0.895, 0.605]])), mask=mask)
-    ag = run.last_sync_check
-    assert ag.mean_abs_prob_diff == pytest.approx(0.005, abs=1e-6) and 0.005 <= ag.p80_abs_prob_diff < 0.0056
-    assert not run.verify_on_next_step
+    m = check(old, torch.log(torch.tensor([[0.1, 0.895, 0.605]])), mask)
+    assert m["sync/engine0/mean_abs_prob_diff"] == pytest.approx(0.005, abs=1e-6)
+    assert 0.005 <= m["sync/data_p80_abs_prob_diff"] < 0.0056
+    assert not sync.pending
+    assert check(old, old, mask)["sync/data_p80_abs_prob_diff"] == 0.0
+    sync.pending = False  # nothing to check: no metrics, no verdict
+    assert (
+        sync.check_samples(
+            trainer_logprobs=old,
+            rollout_logprobs=old * 0,
+            mask=mask,
+            engine=torch.zeros(1, dtype=torch.long),
+            engines=1,
+        )
+        == {}
+    )
     # One prompt whose router broke a near-tie differently (a real TIM event, as seen at step 154 of a bf16 GSPO
     # run): a few tokens far off, reported, not a sync failure.
     many = torch.ones(1, 100, dtype=torch.bool)
     flip = torch.full((1, 100), 0.6).log()
     flip_r = flip.clone()
     flip_r[0, :8] = torch.tensor(0.02).log()
-    run.verify_on_next_step = True
-    verify_last_sync(run, old=flip, rollout=flip_r, mask=many)
-    assert run.last_sync_check.max_abs_prob_diff == pytest.approx(0.58, abs=1e-6)
-    assert run.last_sync_check.frac_above == pytest.approx(0.08)
+    m = check(flip, flip_r, many)
+    assert m["sync/engine0/max_abs_prob_diff"] == pytest.approx(0.58, abs=1e-6)
+    assert m["sync/data_frac_above_tolerance"] == pytest.approx(0.08)
     # Most tokens off: a wrong sync.
-    run.verify_on_next_step = True
-    with pytest.raises(WeightSyncError, match=r"80% of 2 tokens within 0\.4"):
-        verify_last_sync(run, old=old, rollout=torch.log(torch.tensor([[0.5, 0.5, 0.6]])), mask=mask)
+    with pytest.raises(WeightSyncError, match=r"engine 0: 80% of 2 tokens within 0\.4"):
+        check(old, torch.log(torch.tensor([[0.5, 0.5, 0.6]])), mask)
 
 
 def test_export_hf_after_training_loads_in_transformers(tmp_path):

@@ -39,29 +39,28 @@ class StopRequest:
 
 @dataclass
 class Run:
+    """What the steps share: the recipe, the trainer, the rollout side (engine and weight sync), data, logging."""
+
     loaded: LoadedRecipe
     run_dir: Path
     trainer: object
-    engine: object | None
+    rollout: object
+    """This rank's rollout engine (tim_megatron.rollout.base.RolloutEngine): every rank has one."""
+    sync: object
+    """The weight-sync state machine (tim_megatron.rollout.sync.WeightSync)."""
     source: object
     tokenizer: object
     schedule: object
     warnings: EarlyWarning
     tracker: object
-    manifest: dict | None
     stop: StopRequest
     capture_agreement: bool
     start_step: int = 1
     sample_texts: list = field(default_factory=list)
     probe: list = field(default_factory=list)
-    """Fallback probe sequences for weight-sync verification (a step's own samples are used when present)."""
+    """Fallback probe prompts for the eager sync check (a step's own samples are used when present)."""
     info: dict = field(default_factory=dict)
-    """Remedy flags logged with the first step."""
-    synced_once: bool = False
-    verify_on_next_step: bool = False
-    """The last sync is checked against the trainer's logprobs on the next step's samples."""
-    last_sync_check: object | None = None
-    """That check's agreement (rollout.sync.Agreement), logged with the step that ran it."""
+    """Remedy flags and the fleet layout, logged with the first step."""
 
     @property
     def recipe(self):
@@ -76,7 +75,11 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
     """Run (or resume) the recipe in ``run_dir``; returns the process exit code."""
     from tim_megatron.run_setup import setup
 
-    run = setup(loaded, run_dir, resume=resume, console=console)
+    return run_steps(setup(loaded, run_dir, resume=resume, console=console))
+
+
+def run_steps(run: Run) -> int:
+    """The steps of a prepared run, from ``run.start_step``: generate, score, recompute, update, sync, log."""
     r = run.recipe
     t_start = time.perf_counter()
     step = run.start_step - 1
@@ -86,14 +89,10 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
             with t("step"):
                 with t("rollout"):
                     batch, metrics = phases.rollouts(run, step)
+                    run.rollout.sleep(level=2)  # the update replaces the weights: nothing to keep
                 with t("old_logprobs"):
                     old = phases.old_logprobs(run, batch, step)
-                    if run.last_sync_check is not None:
-                        ag, run.last_sync_check = run.last_sync_check, None
-                        metrics["sync/data_p80_abs_prob_diff"] = ag.p80_abs_prob_diff
-                        metrics["sync/data_mean_abs_prob_diff"] = ag.mean_abs_prob_diff
-                        metrics["sync/data_max_abs_prob_diff"] = ag.max_abs_prob_diff
-                        metrics["sync/data_frac_above_tolerance"] = ag.frac_above
+                    metrics.update(old.sync)
                     adv = phases.advantages(run, batch)
                 with t("metrics"):
                     tim, weights, _ = phases.tim_metrics(run, batch, old, adv, step)
@@ -111,7 +110,7 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
                     events = [e.as_dict() for e in run.warnings.update(step, metrics)]
                     dump_tokens(run, step, batch, old, adv)
             metrics.update(t.times)
-            if step == 1:
+            if step == run.start_step:
                 metrics.update(run.info)
             log_step(run, step, metrics, events)
             stop = broadcast_object(run.stop.requested)
@@ -124,7 +123,7 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
         from tim_megatron.run_dir import set_status
 
         if run.is_rank0:
-            set_status(run_dir, "failed", step=step)
+            set_status(run.run_dir, "failed", step=step)
         run.tracker.close()
         raise
     if r.run.steps >= run.start_step:
@@ -137,69 +136,47 @@ def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=
 
 
 def sync_weights(run: Run, batch=None, *, last: bool = False) -> dict:
-    """Push the updated weights into the rollout engine; verify them now (probe) or on the next step's data."""
-    from tim_megatron.rollout.sync import sync_and_verify
+    """Push the updated weights into every engine and verify them (now on a probe, or on the next step's data)."""
 
-    r = run.recipe
-    if r.diagnostics.vexact == "trainer_sampler":
-        return {}
-    check = r.rollout.sync_check
-    first = not run.synced_once
-    eager = check == "probe" or (check in ("every", "first") and first) or (check == "every" and last)
-    probe = None
-    if eager:  # this step's own samples: likely tokens give the check its power
-        probe = (
-            [
-                batch.input_ids[i, : int(batch.lengths[i])].tolist()
-                for i in probe_rows(len(batch), batch.group_size, run.trainer.dp_size)
-            ]
-            if batch is not None
-            else run.probe
-        )
-    rep = sync_and_verify(
-        run.engine, run.trainer, expected=run.manifest, probe=probe, tolerance=r.sync_tolerance, dtype=None
-    )
-    run.synced_once = True
-    run.verify_on_next_step = check == "every" and not last
-    out = {"sync/seconds": rep.seconds, "sync/mbytes": rep.bytes / 2**20, "sync/tensors": rep.tensors}
-    if eager and rep.agreement is not None:
-        out.update(
-            {
-                "sync/verify_seconds": rep.verify_seconds,
-                "sync/probe_p80_abs_prob_diff": rep.agreement.p80_abs_prob_diff,
-                "sync/probe_mean_abs_prob_diff": rep.agreement.mean_abs_prob_diff,
-                "sync/probe_max_abs_prob_diff": rep.agreement.max_abs_prob_diff,
-            }
-        )
-    return out
+    def probe() -> list[list[int]]:  # this engine's own rows: likely tokens give the check its power
+        if batch is None:
+            return run.probe
+        return [
+            batch.input_ids[i, : int(batch.lengths[i])].tolist()
+            for i in probe_rows(len(batch), batch.group_size)
+        ]
+
+    return run.sync.push(run.rollout, run.trainer, probe=probe, last=last)
 
 
-def probe_rows(n: int, group_size: int, dp: int, want: int = 8) -> list[int]:
-    """Rows of a step for an eager sync check: one sample of each of up to ``want`` prompts, a multiple of ``dp``.
+def probe_rows(n: int, group_size: int, want: int = 8) -> list[int]:
+    """Rows for an eager sync check: one sample of each of up to ``want`` prompts.
 
     Distinct prompts, because a router near-tie on one prompt moves all of its samples together and would
     decide the verdict alone."""
-    firsts = list(range(0, n, group_size))[:want]
-    k = len(firsts) // dp * dp
-    return firsts[:k] if k else list(range(min(n, dp)))
+    return list(range(0, n, max(group_size, 1)))[:want]
 
 
 def validate(run: Run, step: int) -> dict:
-    """Greedy accuracy on the validation prompts (rank 0 generates; everyone gets the number)."""
+    """Greedy accuracy on the validation prompts, each engine taking its block of them."""
     from tim_megatron.data.rewards import reward
     from tim_megatron.data.sources import encode_prompt
+    from tim_megatron.rl.phases import _sum_over_engines
 
-    acc = None
     items = run.source.validation_items(run.recipe.data.val_prompts)
-    if run.engine is not None and items:
-        prompts = [encode_prompt(run.tokenizer, it.prompt) for it in items]
-        groups, _ = run.engine.generate(prompts, step=step, n=1, greedy=True)
-        acc = sum(
-            reward(it.reward, run.tokenizer.decode(g[0].response_ids, skip_special_tokens=True), it.answer)
-            for it, g in zip(items, groups, strict=True)
-        ) / len(items)
-    acc = broadcast_object(acc)
-    return {} if acc is None else {"val/accuracy": acc}
+    if not items:
+        return {}
+    ro = run.rollout
+    block = ro.layout.block(len(items), ro.engine_index)
+    mine = [items[i] for i in block]
+    prompts = [encode_prompt(run.tokenizer, it.prompt) for it in mine]
+    groups, _ = ro.generate(prompts, step=step, first_index=block.start, n=1, greedy=True)
+    correct = sum(
+        reward(it.reward, run.tokenizer.decode(g[0].response_ids, skip_special_tokens=True), it.answer)
+        for it, g in zip(mine, groups, strict=True)
+    )
+    (total,) = _sum_over_engines(ro, [float(correct)])
+    return {"val/accuracy": total / len(items)}
 
 
 def dump_tokens(run: Run, step: int, batch, old, adv) -> None:
@@ -210,41 +187,72 @@ def dump_tokens(run: Run, step: int, batch, old, adv) -> None:
         step % d.every and step != 1
     ):  # the first step too: the report compares early and late
         return
-    gathered = _gather_rows(
-        run.trainer, {"train": old.old if old.recomputed else None, "infer": old.rollout, "old": old.old}
-    )
+    local = {
+        "row": batch.row,
+        "engine": batch.engine,
+        "finish": batch.finish,
+        "mask": batch.response_mask,
+        "input_ids": batch.input_ids,
+        "train": old.old if old.recomputed else None,
+        "infer": old.rollout,
+        "old": old.old,
+        "adv": adv,
+        "rewards": batch.rewards,
+        "routed": batch.routed_experts if d.routed_experts else None,
+    }
+    rows = _gather_rows(run.trainer, local)
     if run.is_rank0:
         write_dump(
             run.run_dir / "dumps" / f"step_{step:08d}.parquet",
             step=step,
-            mask=batch.response_mask,
-            input_ids=batch.input_ids,
-            train_lp=gathered["train"],
-            infer_lp=gathered["infer"],
-            old_lp=gathered["old"],
-            advantages=adv,
-            rewards=batch.rewards,
-            routed=batch.routed_experts if d.routed_experts else None,
+            mask=rows["mask"],
+            input_ids=rows["input_ids"],
+            train_lp=rows["train"],
+            infer_lp=rows["infer"],
+            old_lp=rows["old"],
+            advantages=rows["adv"],
+            rewards=rows["rewards"],
+            rows=rows["row"],
+            group_size=batch.group_size,
+            engine=rows["engine"],
+            finish=rows["finish"],
+            routed=rows["routed"],
             max_tokens=d.max_tokens,
             seed=run.recipe.run.seed,
         )
 
 
-def _gather_rows(tr, tensors: dict) -> dict:
+def _gather_rows(tr, local: dict) -> dict:
+    """Every data-parallel rank's rows on rank 0, in global row order, padded to the widest (None elsewhere)."""
     import torch.distributed as dist
 
-    if not (dist.is_initialized() and tr.dp_size > 1):
-        return tensors
-    from megatron.core import parallel_state as ps
+    parts = [local]
+    if dist.is_initialized() and tr.dp_size > 1:
+        from megatron.core import parallel_state as ps
 
-    out = {}
-    for k, v in tensors.items():
-        if v is None:
-            out[k] = None
-            continue
-        parts = [torch.empty_like(v) for _ in range(tr.dp_size)]
-        dist.all_gather(parts, v.contiguous(), group=ps.get_data_parallel_group())
-        out[k] = torch.cat(parts)
+        parts = [None] * tr.dp_size
+        dist.all_gather_object(parts, local, group=ps.get_data_parallel_group())
+    width = max(p["mask"].shape[1] for p in parts)
+
+    def cat(key: str):
+        vals = [p[key] for p in parts]
+        if vals[0] is None:
+            return None
+        dim = {"routed": 2}.get(key, 1)
+        padded = []
+        for v in vals:
+            if v.dim() > dim and v.shape[dim] < width:
+                shape = list(v.shape)
+                shape[dim] = width - v.shape[dim]
+                v = torch.cat([v, torch.zeros(shape, dtype=v.dtype)], dim)
+            padded.append(v)
+        return torch.cat(padded, 1 if key == "routed" else 0)
+
+    out = {k: cat(k) for k in local}
+    order = torch.argsort(out["row"])
+    for k, v in out.items():
+        if v is not None:
+            out[k] = v[:, order] if k == "routed" else v[order]
     return out
 
 

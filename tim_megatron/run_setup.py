@@ -38,6 +38,24 @@ def model_path_for(recipe) -> Path:
     raise FileNotFoundError(f"model.path = {recipe.model.path}: no such checkpoint folder")
 
 
+def build_rollout(recipe, trainer, *, model_path: Path, tokenizer):
+    """This rank's rollout engine: its share of the vLLM fleet, or the trainer-side sampler."""
+    from tim_megatron.rollout.base import FleetLayout
+    from tim_megatron.rollout.engine import VLLMEngine
+    from tim_megatron.rollout.trainer_sampler import TrainerSampler
+
+    if recipe.diagnostics.vexact == "trainer_sampler":
+        return TrainerSampler(trainer, eos_id=tokenizer.eos_token_id)
+    layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=recipe.rollout.tensor_parallel_size)
+    return VLLMEngine(
+        recipe,
+        model_path=model_path,
+        layout=layout,
+        rank=trainer.rank,
+        num_moe_layers=trainer.num_moe_layers(),
+    )
+
+
 def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     import torch
     from transformers import AutoTokenizer
@@ -45,8 +63,8 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.logging.tracker import Tracker, truncate_jsonl
     from tim_megatron.loop import Run, StopRequest, new_schedule, new_warnings
-    from tim_megatron.rollout.engine import VLLMEngine, check_model_for_engine
-    from tim_megatron.rollout.sync import manifest, sync_and_verify
+    from tim_megatron.rollout.engine import check_model_for_engine
+    from tim_megatron.rollout.sync import WeightSync, manifest
     from tim_megatron.run_dir import set_status
     from tim_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
     from tim_megatron.trainer.engine import MegatronTrainer
@@ -59,14 +77,14 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     source = PromptSource(r.data, seed=r.run.seed)  # bad data fails here, before any engine starts
     tokenizer = AutoTokenizer.from_pretrained(path)
     trainer = MegatronTrainer(r, model_path=path)
-    engine = None
-    if trainer.is_rank0 and r.diagnostics.vexact != "trainer_sampler":
-        engine = VLLMEngine(
-            r,
-            model_path=path,
-            num_moe_layers=trainer.num_moe_layers(),
-            separate_process=trainer.env.world_size > 1,
+    rollout = build_rollout(r, trainer, model_path=path, tokenizer=tokenizer)
+    fault = r.diagnostics.sync_fault
+    if fault.kind != "off" and fault.engine >= rollout.layout.engines:
+        raise ValueError(
+            f"diagnostics.sync_fault.engine = {fault.engine}: this job has rollout engines "
+            f"0..{rollout.layout.engines - 1}"
         )
+    sync = WeightSync(r, expected=manifest(path), rank=trainer.rank)
     schedule, warnings = new_schedule(r), new_warnings(r)
     start = 1
     ckpt = latest_checkpoint(run_dir / "checkpoints") if resume else None
@@ -77,32 +95,29 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
         start = meta["step"] + 1
         if trainer.is_rank0:
             truncate_jsonl(run_dir / "metrics.jsonl", after_step=meta["step"])
-    probe_items = source.step_items(1, 2 * trainer.dp_size)
-    probe = [encode_prompt(tokenizer, it.prompt) for it in probe_items]
-    expected = manifest(path) if engine is not None else None
+    items = source.step_items(1, r.data.prompts_per_step)
+    block = rollout.layout.block(len(items), rollout.engine_index)
+    probe = [encode_prompt(tokenizer, items[i].prompt) for i in block][:8]
     run = Run(
         loaded=loaded,
         run_dir=run_dir,
         trainer=trainer,
-        engine=engine,
+        rollout=rollout,
+        sync=sync,
         source=source,
         tokenizer=tokenizer,
         schedule=schedule,
         warnings=warnings,
         tracker=None,
-        manifest=expected,
         stop=stop,
         capture_agreement=r.capture_routed_experts and trainer.dims.is_moe,
         start_step=start,
     )
     run.probe = probe
-    run.info = remedy_info(run)
-    if ckpt is not None and r.diagnostics.vexact != "trainer_sampler":
-        sync_and_verify(
-            engine, trainer, expected=expected, probe=probe, tolerance=r.sync_tolerance, dtype=None
-        )
-        run.synced_once = True  # as in the uninterrupted run at this point
-        run.verify_on_next_step = r.rollout.sync_check == "every"
+    layout = fleet_description(rollout)
+    run.info = {**remedy_info(run), "rollout/engines": float(rollout.layout.engines)}
+    if ckpt is not None:  # the engines start from the checkpoint on disk: load the resumed weights
+        sync.push(rollout, trainer, probe=lambda: probe)
     run.tracker = Tracker(
         r,
         run_dir=run_dir,
@@ -119,7 +134,26 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
                 f" (trainer {trainer.dtype}, rollout {r.rollout_dtype}, world {trainer.env.world_size})",
                 highlight=False,
             )
+            for line in layout:
+                console.print(line, highlight=False)
     return run
+
+
+def fleet_description(rollout) -> list[str]:
+    """One line per engine: its ranks and their devices (gathered from every rank; all ranks call)."""
+    import torch.distributed as dist
+
+    me = rollout.describe()
+    everyone = [me]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, me)
+    lines = []
+    for k in range(rollout.layout.engines):
+        ranks = [d for d in everyone if d["engine"] == k]
+        where = ", ".join(f"rank {d['rank']} on {d['device']}" for d in ranks)
+        lines.append(f"  rollout engine {k} of {rollout.layout.engines}: {where}")
+    return lines
 
 
 def _run_id(run_dir: Path) -> str:
@@ -132,7 +166,6 @@ def remedy_info(run) -> dict:
     """Numbers that show, in the first logged step, which precision remedies are really in force."""
     import torch
 
-    from tim_megatron.rl.batch import broadcast_object
     from tim_megatron.trainer.logprobs import head_weight
 
     tr = run.trainer
@@ -150,7 +183,6 @@ def remedy_info(run) -> dict:
         "remedy/trainer_head_fp32": float(head_fp32),
         "remedy/router_replay_hooks": float(tr.replay_enabled),
     }
-    if run.engine is not None:
-        info["remedy/rollout_head_fp32"] = float(run.engine.head_dtype() == "torch.float32")
-        info["remedy/rollout_fp16"] = float(run.recipe.rollout_dtype == "float16")
-    return broadcast_object(info)
+    info["remedy/rollout_head_fp32"] = float(run.rollout.head_dtype() == "torch.float32")
+    info["remedy/rollout_fp16"] = float(run.recipe.rollout_dtype == "float16")
+    return info

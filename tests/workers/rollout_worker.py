@@ -17,8 +17,9 @@ sys.path.insert(0, str(ROOT))
 from tim_megatron.algo import compute_mismatch  # noqa: E402
 from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
+from tim_megatron.rollout.base import FleetLayout  # noqa: E402
 from tim_megatron.rollout.engine import VLLMEngine  # noqa: E402
-from tim_megatron.rollout.sync import WeightSyncError, manifest, push_weights, sync_and_verify, verify_sync  # noqa: E402
+from tim_megatron.rollout.sync import WeightSync, WeightSyncError, manifest, verdict  # noqa: E402
 from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
@@ -34,7 +35,12 @@ def build(overrides):
         task=recipe.data.task,
     )
     tr = MegatronTrainer(recipe, model_path=ck)
-    eng = VLLMEngine(recipe, model_path=ck, num_moe_layers=tr.num_moe_layers())
+    eng = VLLMEngine(
+        recipe,
+        model_path=ck,
+        layout=FleetLayout(world=1, ranks_per_engine=1),
+        num_moe_layers=tr.num_moe_layers(),
+    )
     return recipe, ck, tr, eng
 
 
@@ -103,16 +109,22 @@ def scenario_fp32(out: dict, overrides) -> None:
 
     tr.train_step(SeqBatch(ids, lengths), lambda lp_, rows, s: (-lp_[:, 1:].mean(), Stats()), lr=1e-3)
     man = manifest(ck)
+    ws = WeightSync(recipe, expected=man, rank=0)
+
+    def verify(probe):
+        verdict(ws.probe_agreements(eng, tr, probe), recipe.sync_tolerance, where="probe")
+
     try:
-        verify_sync(eng, tr, seqs[:4], tolerance=recipe.sync_tolerance)
+        verify(seqs[:4])
         out["stale_detected"] = False
     except WeightSyncError:
         out["stale_detected"] = True
-    rep = sync_and_verify(eng, tr, expected=man, probe=seqs[:4], tolerance=recipe.sync_tolerance, dtype=None)
+    ws.check = "probe"  # every push verified on the probe
+    rep = ws.push(eng, tr, probe=lambda: seqs[:4])
     out["sync_report"] = {
-        "tensors": rep.tensors,
-        "max_abs_logprob_diff": rep.agreement.max_abs_logprob_diff,
-        "mean_abs_prob_diff": rep.agreement.mean_abs_prob_diff,
+        "tensors": rep["sync/tensors"],
+        "max_abs_prob_diff": rep["sync/probe_max_abs_prob_diff"],
+        "mean_abs_prob_diff": rep["sync/probe_mean_abs_prob_diff"],
     }
     new_lp, _ = tr.logprobs(SeqBatch(ids, lengths))
     scored = eng.score(seqs)
@@ -128,7 +140,7 @@ def scenario_fp32(out: dict, overrides) -> None:
                 yield name, t
 
     try:
-        push_weights(eng, dropped(), expected=man)
+        ws.load(eng, dropped())
         out["dropped_caught"] = None
     except WeightSyncError as e:
         out["dropped_caught"] = str(e)
@@ -137,15 +149,13 @@ def scenario_fp32(out: dict, overrides) -> None:
         for name, t in tr.export_hf():
             yield name, (t.t().contiguous() if name == "model.layers.0.self_attn.q_proj.weight" else t)
 
-    push_weights(eng, transposed(), expected=man)  # well-shaped: the structural check cannot see it
+    ws.load(eng, transposed())  # well-shaped: the structural check cannot see it
     try:
-        verify_sync(eng, tr, seqs[:4], tolerance=recipe.sync_tolerance)
+        verify(seqs[:4])
         out["transposed_caught"] = None
     except WeightSyncError as e:
         out["transposed_caught"] = str(e)
-    sync_and_verify(
-        eng, tr, expected=man, probe=seqs[:4], tolerance=recipe.sync_tolerance, dtype=None
-    )  # repaired
+    ws.push(eng, tr, probe=lambda: seqs[:4])  # repaired
     out["repaired"] = True
     # VeXact recompute: the rollout logprobs ARE the trainer's (same forward): rho == 1 bitwise.
     ids2, len2 = padded(seqs)
@@ -259,12 +269,13 @@ def scenario_bench(out: dict, overrides) -> None:
         bare.append((sum(len(o.outputs[0].token_ids) for o in res), time.perf_counter() - t))
     out["ours_tok_s"] = sum(x for x, _ in ours) / sum(t for _, t in ours)
     out["bare_tok_s"] = sum(x for x, _ in bare) / sum(t for _, t in bare)
-    man = manifest(ck)
+    ws = WeightSync(recipe, expected=manifest(ck), rank=0)
+    ws.check, ws.tolerance = "probe", 1.0
     seqs = [prompts[0] + [5, 0]] * 2
     times = []
     for _ in range(5):
-        rep = sync_and_verify(eng, tr, expected=man, probe=seqs, tolerance=1.0, dtype=None)
-        times.append(rep.seconds + rep.verify_seconds)
+        rep = ws.push(eng, tr, probe=lambda: seqs)
+        times.append(rep["sync/seconds"] + rep["sync/verify_seconds"])
     out["sync_s"] = min(times)
 
 

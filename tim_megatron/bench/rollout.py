@@ -18,15 +18,21 @@ def run(*, rounds: int = 5, demo_step_s: float | None = None, overrides: list[st
 
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.recipe import load_recipe
+    from tim_megatron.rollout.base import FleetLayout
     from tim_megatron.rollout.engine import VLLMEngine, sample_seed
-    from tim_megatron.rollout.sync import manifest, sync_and_verify
+    from tim_megatron.rollout.sync import WeightSync, manifest
     from tim_megatron.run_setup import model_path_for
     from tim_megatron.trainer.engine import MegatronTrainer
 
     recipe = load_recipe("recipes/tiny-moe/grpo.yaml", overrides or []).recipe
     path = model_path_for(recipe)
     tr = MegatronTrainer(recipe, model_path=path)
-    eng = VLLMEngine(recipe, model_path=path, num_moe_layers=tr.num_moe_layers())
+    eng = VLLMEngine(
+        recipe,
+        model_path=path,
+        layout=FleetLayout(world=1, ranks_per_engine=1),
+        num_moe_layers=tr.num_moe_layers(),
+    )
     src = PromptSource(recipe.data, seed=0)
     prompts = [
         encode_prompt(eng.tokenizer, it.prompt) for it in src.step_items(1, recipe.data.prompts_per_step)
@@ -58,21 +64,23 @@ def run(*, rounds: int = 5, demo_step_s: float | None = None, overrides: list[st
         t = time.perf_counter()
         res = eng.llm.generate(reqs, bare_params(step), use_tqdm=False)
         bare.append((sum(len(o.outputs[0].token_ids) for o in res), time.perf_counter() - t))
-    man = manifest(path)
+    ws = WeightSync(recipe, expected=manifest(path), rank=0)
     probe = [prompts[0] + [3, 0], prompts[1] + [3, 0]]
     sync, verified = [], []
     for _ in range(rounds):
-        rep = sync_and_verify(eng, tr, expected=man, probe=None, tolerance=recipe.sync_tolerance, dtype=None)
-        sync.append(rep.seconds)
-        rep = sync_and_verify(eng, tr, expected=man, probe=probe, tolerance=recipe.sync_tolerance, dtype=None)
-        verified.append(rep.seconds + rep.verify_seconds)
+        ws.check = "off"
+        rep = ws.push(eng, tr, probe=None)
+        sync.append(rep["sync/seconds"])
+        ws.check = "probe"
+        rep = ws.push(eng, tr, probe=lambda: probe)
+        verified.append(rep["sync/seconds"] + rep["sync/verify_seconds"])
     out = {
         "ours_tok_s": sum(x for x, _ in ours) / sum(t for _, t in ours),
         "bare_tok_s": sum(x for x, _ in bare) / sum(t for _, t in bare),
         "sync_s": statistics.median(sync),
         "sync_probe_s": statistics.median(verified),
         "demo_step_s": demo_step_s,
-        "bytes": rep.bytes,
+        "bytes": rep["sync/mbytes"] * 2**20,
     }
     return out  # no tr.close(): vLLM's exit hook still needs torch.distributed
 

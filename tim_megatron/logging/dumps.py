@@ -1,8 +1,9 @@
 """Token dumps: one parquet file per dump step, one row per response token, for the report.
 
-Columns: step, seq, position, token_id, pi_train (trainer, old weights), pi_infer (rollout engine), pi_old
-(the old policy the loss used: pi_train, or pi_infer in bypass mode), advantage, reward, and optionally
-routed_experts (rollout's expert ids, ``layers x top_k`` flattened).
+Columns: step, seq (the global row: prompt x group size + sample), prompt, sample, engine (the rollout engine
+that generated it), finish (0 stop, 1 length, 2 other), position, token_id, pi_train (trainer, old weights),
+pi_infer (rollout engine), pi_old (the old policy the loss used: pi_train, or pi_infer in bypass mode),
+advantage, reward, and optionally routed_experts (rollout's expert ids, ``layers x top_k`` flattened).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def write_dump(
     old_lp: torch.Tensor,
     advantages: torch.Tensor,
     rewards: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    group_size: int = 1,
+    engine: torch.Tensor | None = None,
+    finish: torch.Tensor | None = None,
     routed: torch.Tensor | None = None,
     max_tokens: int = 200_000,
     seed: int = 0,
@@ -38,9 +43,14 @@ def write_dump(
             torch.randperm(n, generator=torch.Generator().manual_seed(seed + step))[:max_tokens].sort().values
         )
         seq, pos = seq[keep], pos[keep]
+    row = (rows if rows is not None else torch.arange(mask.shape[0]))[seq]
     cols = {
         "step": np.full(seq.numel(), step, dtype=np.int32),
-        "seq": seq.numpy().astype(np.int32),
+        "seq": row.numpy().astype(np.int32),
+        "prompt": (row // group_size).numpy().astype(np.int32),
+        "sample": (row % group_size).numpy().astype(np.int32),
+        "engine": (engine[seq] if engine is not None else torch.zeros_like(seq)).numpy().astype(np.int16),
+        "finish": (finish[seq] if finish is not None else torch.zeros_like(seq)).numpy().astype(np.int8),
         "position": pos.numpy().astype(np.int32),
         "token_id": input_ids[seq, pos].numpy().astype(np.int32),
         "pi_train": (

@@ -119,6 +119,9 @@ class ParallelismConfig(Section):
     """Data-parallel size. World size = tp * pp * dp."""
     expert_tp: int | None = Field(None, ge=1)
     """Tensor-parallel size inside each expert (megatron-core's expert_tensor_parallel_size). Unset: tp."""
+    timeout_minutes: float = Field(60.0, gt=0, le=24 * 60)
+    """Process-group timeout: a collective that waits longer aborts the job. It must exceed the longest wait of
+    one rank for the others in a step (the slowest engine's generation, a checkpoint write)."""
 
     @property
     def world_size(self) -> int:
@@ -162,7 +165,8 @@ class RolloutConfig(Section):
     cpu_kvcache_gib: float = Field(1.0, gt=0)
     """KV-cache size on CPU, GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """vLLM's own tensor-parallel size."""
+    """R: ranks per vLLM engine (vLLM's own tensor-parallel size). The job runs world / R engines, engine k on
+    ranks [kR, kR+R) and their GPUs, each generating its own block of the step's prompts."""
     enforce_eager: bool = True
     """Skip graph capture/compilation (needed for routed-expert capture hooks on CPU)."""
     sleep_between_steps: bool = False
@@ -207,8 +211,8 @@ class TrainerConfig(Section):
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-6, gt=0)
-    """Initial (peak) learning rate."""
+    lr: float = Field(1e-6, ge=0)
+    """Initial (peak) learning rate (0 freezes the weights: layout-equivalence tests)."""
     weight_decay: float = Field(0.01, ge=0)
     """AdamW weight decay."""
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -371,6 +375,15 @@ class EarlyWarningConfig(Section):
     """Fires when median(recent) >= threshold x baseline."""
 
 
+class SyncFault(Section):
+    kind: Literal["off", "skip", "corrupt"] = "off"
+    """A deliberate fault in the weight sync into one engine, to prove that verification catches it (tests,
+    preflight): ``skip`` loads nothing (the engine keeps stale weights), ``corrupt`` loads a well-shaped but wrong
+    tensor (attention output rows rotated). Off in every real run."""
+    engine: int = Field(0, ge=0)
+    """The engine the fault hits."""
+
+
 class DiagnosticsConfig(Section):
     vexact: Literal["off", "recompute", "trainer_sampler"] = "off"
     """Zero-mismatch mode: rollout logprobs from the trainer itself (recompute), or sampling by it too."""
@@ -390,6 +403,8 @@ class DiagnosticsConfig(Section):
     """Token dumps for the report."""
     early_warning: EarlyWarningConfig = EarlyWarningConfig()
     """Early-warning detector settings."""
+    sync_fault: SyncFault = SyncFault()
+    """Deliberate weight-sync fault on one engine (verification tests only)."""
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -704,6 +719,30 @@ def _check(r: Recipe) -> None:
             ["rollout.max_model_len", "model.dims.max_position_embeddings"],
             f"rollout.max_model_len = {r.rollout.max_model_len} exceeds model.dims.max_position_embeddings = {d.max_position_embeddings}",
         )
+
+    # The rollout fleet.
+    R = r.rollout.tensor_parallel_size
+    gpn = r.cluster.gpus_per_node
+    if gpn and gpn % R:
+        raise RecipeValueError(
+            ["rollout.tensor_parallel_size", "cluster.gpus_per_node"],
+            f"rollout.tensor_parallel_size = {R} must divide cluster.gpus_per_node = {gpn}: an engine's ranks "
+            "never cross a node",
+        )
+    if r.data.prompts_per_step % p.dp:
+        raise RecipeValueError(
+            ["data.prompts_per_step", "parallel.dp"],
+            f"data.prompts_per_step = {r.data.prompts_per_step} must be a multiple of parallel.dp = {p.dp}: each "
+            "data-parallel rank trains whole prompt groups",
+        )
+    if r.diagnostics.vexact != "trainer_sampler" and p.world_size % R == 0:
+        engines = p.world_size // R
+        if r.data.prompts_per_step < engines:
+            raise RecipeValueError(
+                ["data.prompts_per_step", "rollout.tensor_parallel_size", "parallel.dp"],
+                f"data.prompts_per_step = {r.data.prompts_per_step} leaves some of the {engines} rollout engines "
+                f"(world {p.world_size} / rollout.tensor_parallel_size {R}) without a prompt",
+            )
 
     # Diagnostics.
     dg = r.diagnostics

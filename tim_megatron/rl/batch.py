@@ -1,4 +1,11 @@
-"""A step's rollouts as padded tensors, identical on every rank."""
+"""A step's rollouts as padded tensors: an engine's block, then this rank's share of the training rows.
+
+Rows are numbered globally (prompt index x group size + sample index), so every layout orders them the same
+way. Each engine builds a :class:`StepBatch` of its own block (:func:`from_samples`); :func:`trainer_shard`
+turns it into the rows this data-parallel rank trains. When every rank's rows lie inside its own engine's block
+(the usual layout: rollout and trainer tensor-parallel sizes equal) nothing moves between ranks; otherwise the
+engines' blocks are gathered once and each rank keeps its rows.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +14,46 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from tim_megatron.rollout.engine import Sample
+from tim_megatron.rollout.base import Sample
+
+FINISH = {"stop": 0, "length": 1, "abort": 2}
+"""Finish reasons as small integers (dumps and cross-layout comparisons)."""
 
 
 @dataclass
 class StepBatch:
     input_ids: torch.Tensor
-    """``[N, L]`` prompt + response token ids, right-padded with 0."""
+    """``[n, L]`` prompt + response token ids, right-padded with 0 (L: the longest of these rows)."""
     lengths: torch.Tensor
-    """``[N]`` prompt + response lengths."""
+    """``[n]`` prompt + response lengths."""
     prompt_lens: torch.Tensor
-    """``[N]``."""
+    """``[n]``."""
     response_mask: torch.Tensor
-    """``[N, L]`` True at response token positions."""
+    """``[n, L]`` True at response token positions."""
     rollout_logprobs: torch.Tensor
-    """``[N, L]`` the rollout engine's logprob of each response token (0 elsewhere)."""
+    """``[n, L]`` the rollout engine's logprob of each response token (0 elsewhere)."""
     rewards: torch.Tensor
-    """``[N]``."""
+    """``[n]``."""
     truncated: torch.Tensor
-    """``[N]`` the response hit the generation budget."""
+    """``[n]`` the response hit the generation budget."""
+    row: torch.Tensor
+    """``[n]`` global row index: prompt index x group size + sample index."""
+    engine: torch.Tensor
+    """``[n]`` the rollout engine that generated each row."""
+    finish: torch.Tensor
+    """``[n]`` finish reason (see ``FINISH``)."""
     group_size: int
+    total_rows: int
+    """Rows in the whole step (all engines)."""
     routed_experts: torch.Tensor | None = None
-    """``[layers, N, L, top_k]`` experts the rollout used for each input position, when captured."""
+    """``[layers, n, L, top_k]`` experts the rollout used for each input position, when captured."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
 
     def rows(self, idx) -> StepBatch:
         kw = {}
@@ -43,15 +65,34 @@ class StepBatch:
                 kw[f.name] = v[idx]
             else:
                 kw[f.name] = v
+        return StepBatch(**kw).trimmed()
+
+    def trimmed(self) -> StepBatch:
+        """The same rows, with the padding beyond the longest one cut off."""
+        w = int(self.lengths.max()) if len(self) else 0
+        if w == self.width:
+            return self
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("input_ids", "response_mask", "rollout_logprobs"):
+            kw[k] = kw[k][:, :w]
+        if self.routed_experts is not None:
+            kw["routed_experts"] = self.routed_experts[:, :, :w]
         return StepBatch(**kw)
 
 
 def from_samples(
-    groups: list[list[Sample]], rewards: list[list[float]], *, num_moe_layers: int = 0, top_k: int = 0
+    groups: list[list[Sample]],
+    rewards: list[list[float]],
+    *,
+    total_rows: int,
+    num_moe_layers: int = 0,
+    top_k: int = 0,
 ) -> StepBatch:
+    """One engine's block (whole prompt groups, each sample knowing its global prompt and sample index)."""
     flat = [s for g in groups for s in g]
     n = len(flat)
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in flat)
+    group_size = len(groups[0]) if groups else 0
+    width = max((len(s.prompt_ids) + len(s.response_ids) for s in flat), default=0)
     ids = torch.zeros(n, width, dtype=torch.long)
     mask = torch.zeros(n, width, dtype=torch.bool)
     lp = torch.zeros(n, width)
@@ -78,19 +119,73 @@ def from_samples(
         response_mask=mask,
         rollout_logprobs=lp,
         rewards=torch.tensor([x for g in rewards for x in g], dtype=torch.float32),
-        truncated=torch.tensor([s.truncated for s in flat]),
-        group_size=len(groups[0]),
+        truncated=torch.tensor([s.truncated for s in flat], dtype=torch.bool),
+        row=torch.tensor([s.prompt_index * group_size + s.sample_index for s in flat], dtype=torch.long),
+        engine=torch.tensor([s.engine for s in flat], dtype=torch.long),
+        finish=torch.tensor([FINISH.get(s.finish_reason, 2) for s in flat], dtype=torch.long),
+        group_size=group_size,
+        total_rows=total_rows,
         routed_experts=routed,
     )
 
 
-def broadcast(batch: StepBatch | None, src: int = 0) -> StepBatch:
-    """Rank ``src``'s batch on every rank (a no-op without a process group)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return batch
-    box = [batch if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+def concat(parts: list[StepBatch]) -> StepBatch:
+    """Rows of several batches (same step), padded to the widest."""
+    parts = [p for p in parts if len(p)]
+    width = max(p.width for p in parts)
+
+    def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+        if t.shape[dim] == width:
+            return t
+        shape = list(t.shape)
+        shape[dim] = width - t.shape[dim]
+        return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim)
+
+    kw = {}
+    for f in fields(StepBatch):
+        vals = [getattr(p, f.name) for p in parts]
+        if f.name in ("input_ids", "response_mask", "rollout_logprobs"):
+            kw[f.name] = torch.cat([pad(v, 1) for v in vals])
+        elif f.name == "routed_experts":
+            kw[f.name] = None if vals[0] is None else torch.cat([pad(v, 2) for v in vals], 1)
+        elif isinstance(vals[0], torch.Tensor):
+            kw[f.name] = torch.cat(vals)
+        else:
+            kw[f.name] = vals[0]
+    return StepBatch(**kw)
+
+
+def trainer_shard(block: StepBatch, *, layout, rank: int, dp_rank: int, dp_size: int) -> StepBatch:
+    """The rows data-parallel rank ``dp_rank`` trains: rows [d N / D, (d + 1) N / D) of the step, in row order.
+
+    Gathers the engines' blocks only when some rank's rows are not all inside its own engine's block (the
+    decision is the same on every rank). Groups never straddle ranks: the recipe keeps prompts_per_step a multiple
+    of parallel.dp.
+    """
+    n = block.total_rows
+    per = n // dp_size
+    need = range(dp_rank * per, (dp_rank + 1) * per)
+    have = set(block.row.tolist())
+    local = torch.tensor([1.0 if set(need) <= have else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MIN)
+    if local.item() > 0:
+        source = block
+    else:
+        box = [None] * dist.get_world_size()
+        dist.all_gather_object(box, block if layout.is_leader(rank) else None)
+        source = concat([b for b in box if b is not None])
+    pos = {int(r): i for i, r in enumerate(source.row.tolist())}
+    idx = torch.tensor([pos[r] for r in need], dtype=torch.long)
+    return source.rows(idx)
+
+
+def global_width(batch: StepBatch) -> int:
+    """The step's widest row over all ranks (what a single engine's batch would be padded to)."""
+    w = torch.tensor([batch.width], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(w, op=dist.ReduceOp.MAX)
+    return int(w.item())
 
 
 def broadcast_object(obj, src: int = 0):

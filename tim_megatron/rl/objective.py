@@ -42,8 +42,9 @@ def token_weights(
     rollout: torch.Tensor,
     mask: torch.Tensor,
     step: int,
-    rows: slice,
+    rows: torch.Tensor,
     total_rows: int,
+    global_width: int,
 ) -> tuple[torch.Tensor, Stats]:
     """Rollout correction (TIS/MIS/IcePop) times the objective injection (phi or xi), for this rank's rows."""
     c = recipe.rl.correction
@@ -62,11 +63,12 @@ def token_weights(
     if inj.type == "biased":
         injected = biased_distortion(old_logprobs=old, mask=mask, delta=inj.delta, pi_low=inj.pi_low)
     elif inj.type == "unbiased":
-        # Drawn for the whole step's [N, L], then sliced: the same noise whatever the parallel layout.
+        # Drawn for the whole step's [N, L], then cut to this rank's rows (``rows``: their global indices) and
+        # width: the same noise whatever the parallel layout.
         xi = unbiased_noise(
-            shape=(total_rows, old.shape[1]), sigma=inj.sigma, seed=step_seed(inj.seed, step, 1)
+            shape=(total_rows, global_width), sigma=inj.sigma, seed=step_seed(inj.seed, step, 1)
         )
-        injected = xi[rows].to(w.device)
+        injected = xi[rows, : old.shape[1]].to(w.device)
     if injected is not None:
         w = w * injected
         v = injected[mask.bool()].double()

@@ -1,8 +1,9 @@
 """The phases of one RL step. ``tim_megatron.loop`` calls them in order; each returns its metrics.
 
-Every rank runs every phase (the trainer's work is collective); rank 0 alone owns the rollout engine.
-Metrics are reduced over the data-parallel group from sufficient statistics, so every rank ends a phase
-with the same numbers.
+Every rank runs every phase and calls the same methods: its rollout engine generates its engine's block of
+the step's prompts (:mod:`tim_megatron.rollout.base`), and the rows this rank trains stay with it
+(:func:`tim_megatron.rl.batch.trainer_shard`). Metrics are reduced over the data-parallel group from
+sufficient statistics, so every rank ends a phase with the same numbers whatever the layout.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch.distributed as dist
 
 from tim_megatron.algo import (
     add_drift,
-    add_noise,
     correction_metrics,
     group_advantages,
     mismatch_metrics,
@@ -32,7 +32,7 @@ from tim_megatron.algo.injection import step_seed
 from tim_megatron.algo.stats import Stats, safe_div, std_from_sums
 from tim_megatron.data.rewards import reward as score
 from tim_megatron.data.sources import encode_prompt
-from tim_megatron.rl.batch import StepBatch, broadcast, broadcast_object, from_samples
+from tim_megatron.rl.batch import StepBatch, from_samples, global_width, trainer_shard
 from tim_megatron.rl.objective import Shard, make_loss_fn, token_weights
 from tim_megatron.trainer.engine import SeqBatch
 
@@ -69,49 +69,85 @@ def _reduce(s: Stats) -> Stats:
 # ------------------------------------------------------------------------------------------- rollouts
 
 
-def rollouts(run, step: int) -> tuple[StepBatch, dict]:
-    """Sample ``rollout.n`` responses for each of the step's prompts and score them (rank 0), then broadcast."""
-    r = run.recipe
-    items = run.source.step_items(step, r.data.prompts_per_step)
-    metrics = {}
-    batch = None
-    if r.diagnostics.vexact == "trainer_sampler":
-        from tim_megatron.trainer.sampler import sample_with_trainer
+def _sum_over_dp(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    g = _dp_group()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, group=g)
+    return t.tolist()
 
-        prompts = [encode_prompt(run.tokenizer, it.prompt) for it in items]
-        groups = sample_with_trainer(run.trainer, prompts, step=step, eos_id=run.tokenizer.eos_token_id)
-        rewards = [
-            [score(it.reward, _text(run, s), it.answer) for s in g]
-            for it, g in zip(items, groups, strict=True)
-        ]
-        batch = from_samples(groups, rewards)
-    elif run.engine is not None:
-        prompts = [encode_prompt(run.tokenizer, it.prompt) for it in items]
-        groups, gen = run.engine.generate(prompts, step=step)
-        rewards = [
-            [score(it.reward, _text(run, s), it.answer) for s in g]
-            for it, g in zip(items, groups, strict=True)
-        ]
-        batch = from_samples(
-            groups,
-            rewards,
-            num_moe_layers=run.trainer.num_moe_layers(),
-            top_k=run.trainer.dims.num_experts_per_tok,
-        )
-        metrics = {"rollout/tokens_per_s": gen.tokens_per_s, "rollout/response_tokens": gen.response_tokens}
-        run.sample_texts = [(items[0].prompt, _text(run, groups[0][0]), items[0].answer)]
-    batch = broadcast(batch)
-    metrics = broadcast_object(metrics)
-    rw = batch.rewards.view(-1, batch.group_size)
-    metrics.update(
-        {
-            "reward/mean": float(batch.rewards.mean()),
-            "reward/std": float(batch.rewards.std(unbiased=False)),
-            "reward/max": float(batch.rewards.max()),
-            "reward/groups_all_equal_frac": float((rw.max(-1).values == rw.min(-1).values).float().mean()),
-            "batch/width": float(batch.input_ids.shape[1]),
-        }
+
+def _sum_over_engines(rollout, values: list[float]) -> list[float]:
+    """Each engine's numbers counted once: only its first rank contributes."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if not rollout.layout.is_leader(_rank()):
+        t.zero_()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _max_over_world(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rollouts(run, step: int) -> tuple[StepBatch, dict]:
+    """Every engine samples ``rollout.n`` responses for its block of the step's prompts and scores them where they
+    are; this rank keeps the rows it trains."""
+    r = run.recipe
+    tr = run.trainer
+    ro = run.rollout
+    total = r.data.prompts_per_step
+    items = run.source.step_items(step, total)
+    block = ro.layout.block(total, ro.engine_index)
+    mine = [items[i] for i in block]
+    prompts = [encode_prompt(run.tokenizer, it.prompt) for it in mine]
+    groups, gen = ro.generate(prompts, step=step, first_index=block.start)
+    rewards = [
+        [score(it.reward, _text(run, s), it.answer) for s in g] for it, g in zip(mine, groups, strict=True)
+    ]
+    blk = from_samples(
+        groups,
+        rewards,
+        total_rows=total * r.rollout.n,
+        num_moe_layers=tr.num_moe_layers(),
+        top_k=tr.dims.num_experts_per_tok,
     )
+    if groups and _rank() == 0:
+        run.sample_texts = [(mine[0].prompt, _text(run, groups[0][0]), mine[0].answer)]
+    batch = trainer_shard(blk, layout=ro.layout, rank=_rank(), dp_rank=tr.dp_rank, dp_size=tr.dp_size)
+    tokens, prompt_tokens = _sum_over_engines(ro, [gen.response_tokens, gen.prompt_tokens])
+    (slowest,) = _max_over_world([gen.seconds])
+    rw = batch.rewards.view(-1, batch.group_size)
+    n, s, s2, equal = _sum_over_dp(
+        [
+            float(len(batch)),
+            float(batch.rewards.sum()),
+            float((batch.rewards.double() ** 2).sum()),
+            float((rw.max(-1).values == rw.min(-1).values).sum()),
+        ]
+    )
+    rmax, neg_rmin = _max_over_world([float(batch.rewards.max()), -float(batch.rewards.min())])
+    mean = s / n
+    metrics = {
+        "rollout/tokens_per_s": tokens / slowest if slowest > 0 else float("nan"),
+        "rollout/response_tokens": tokens,
+        "rollout/prompt_tokens": prompt_tokens,
+        "rollout/seconds_slowest_engine": slowest,
+        "reward/mean": mean,
+        "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
+        "reward/max": rmax,
+        "reward/min": -neg_rmin,
+        "reward/groups_all_equal_frac": equal / (n / batch.group_size),
+        "batch/width": float(global_width(batch)),
+    }
     return batch, metrics
 
 
@@ -124,7 +160,6 @@ def _text(run, s) -> str:
 
 @dataclass
 class OldPass:
-    rows: slice
     old: torch.Tensor
     """``[n, L]`` trainer logprobs at the old weights for this rank's rows (NaN-free; 0 off-response)."""
     rollout: torch.Tensor
@@ -132,41 +167,54 @@ class OldPass:
     entropy: torch.Tensor | None
     trainer_routing: torch.Tensor | None
     recomputed: bool
+    sync: dict = field(default_factory=dict)
+    """Metrics of the previous sync's check on these samples (when one ran)."""
+
+
+def _grid_noise(batch: StepBatch, *, seed: int, width: int) -> torch.Tensor:
+    """Standard normal noise drawn for the whole step's ``[rows, width]`` grid and cut to this rank's rows, so an
+    injection does not depend on the layout."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn((batch.total_rows, width), generator=g, dtype=torch.float32)
+    return z[batch.row, : batch.width]
 
 
 def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
-    """Recompute the old policy's logprobs on this rank's rows; apply VeXact and logprob injections."""
+    """Recompute the old policy's logprobs on this rank's rows; check the last sync; apply VeXact and injections."""
     r = run.recipe
     tr = run.trainer
-    rows = tr.shard(len(batch))
-    local = batch.rows(rows)
-    mask = local.response_mask
+    mask = batch.response_mask
     dg = r.diagnostics
     replay = r.remedies.router_replay
     routing = {"r3": "replay", "r2": "record"}.get(replay, "record" if run.capture_agreement else "off")
-    seq = SeqBatch(local.input_ids, local.lengths, local.routed_experts if replay == "r3" else None)
+    seq = SeqBatch(batch.input_ids, batch.lengths, batch.routed_experts if replay == "r3" else None)
     inj = dg.logprob_injection
     quant = inj.mantissa_bits if inj.type == "precision" else None
     recomputed = not (r.rl.correction.bypass and dg.vexact == "off")
+    sync_metrics: dict = {}
     if recomputed:
         out, recorded = tr.logprobs(
             seq, with_entropy=True, quantize_bits=quant, routing=routing if tr.replay_enabled else "off"
         )
         old, ent = out.logprobs * mask, out.entropy
+        sync_metrics = run.sync.check_samples(
+            trainer_logprobs=old,
+            rollout_logprobs=batch.rollout_logprobs,
+            mask=mask,
+            engine=batch.engine,
+            engines=run.rollout.layout.engines,
+        )
     else:
-        old, ent, recorded, out = local.rollout_logprobs.clone(), None, None, None
-    rollout = local.rollout_logprobs.clone()
-    if run.verify_on_next_step and recomputed and run.recipe.diagnostics.vexact != "trainer_sampler":
-        verify_last_sync(run, old=old, rollout=rollout, mask=mask)
+        old, ent, recorded, out = batch.rollout_logprobs.clone(), None, None, None
+    rollout = batch.rollout_logprobs.clone()
     if dg.vexact != "off":
         # Zero mismatch by construction: the rollout logprobs ARE the trainer's, same forward, same layout.
         rollout = old.clone()
     if inj.type == "precision":
         rollout = out.quantized * mask
     elif inj.type == "noise":
-        rollout = (
-            add_noise(logprobs=rollout, std=inj.std, seed=step_seed(inj.seed, step, 2) + rows.start) * mask
-        )
+        z = _grid_noise(batch, seed=step_seed(inj.seed, step, 2), width=global_width(batch))
+        rollout = (rollout + inj.std * z).clamp(max=0.0) * mask
     elif inj.type == "drift":
         rollout = (
             add_drift(logprobs=rollout, drift=inj.drift, reference_logprobs=old, pi_low=inj.drift_pi_low)
@@ -175,36 +223,18 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
     if r.rl.correction.bypass:
         old = rollout.clone()
     trainer_routing = recorded
-    if replay == "r3" and run.capture_agreement and local.routed_experts is not None:
+    if replay == "r3" and run.capture_agreement and batch.routed_experts is not None:
         _, trainer_routing = tr.logprobs(
-            SeqBatch(local.input_ids, local.lengths), routing="record"
+            SeqBatch(batch.input_ids, batch.lengths), routing="record"
         )  # free routing, for the metric
     return OldPass(
-        rows=rows,
         old=old,
         rollout=rollout,
         entropy=ent,
         trainer_routing=trainer_routing,
         recomputed=recomputed,
+        sync=sync_metrics,
     )
-
-
-def verify_last_sync(run, *, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
-    """The previous step's weight sync, checked on this step's samples: vLLM drew them with the synced
-    weights, and the trainer has just recomputed their logprobs with its own. Costs nothing extra."""
-    from tim_megatron.rollout.sync import WeightSyncError, agreement, describe, failed
-
-    r = run.recipe
-    ag = agreement(
-        a_logprobs=old, b_logprobs=rollout, mask=mask, tolerance=r.sync_tolerance, group=_dp_group()
-    )
-    run.last_sync_check = ag
-    run.verify_on_next_step = False
-    if failed(ag, r.sync_tolerance):
-        raise WeightSyncError(
-            f"the weights synced after the previous step are not the trainer's: on this step's samples {describe(ag)}; "
-            f"tolerance {r.sync_tolerance:g} for 80% of tokens"
-        )
 
 
 def advantages(run, batch: StepBatch) -> torch.Tensor:
@@ -221,7 +251,7 @@ def tim_metrics(
 ) -> tuple[dict, torch.Tensor, Stats]:
     """Mismatch, correction, surrogate, routing and response metrics; returns the per-token loss weights too."""
     r, dg = run.recipe, run.recipe.diagnostics
-    local = batch.rows(op.rows)
+    local = batch
     mask = local.response_mask
     out: dict = {}
     if op.recomputed:
@@ -243,7 +273,14 @@ def tim_metrics(
             )
         )
     weights, cstats = token_weights(
-        r, old=op.old, rollout=op.rollout, mask=mask, step=step, rows=op.rows, total_rows=len(batch)
+        r,
+        old=op.old,
+        rollout=op.rollout,
+        mask=mask,
+        step=step,
+        rows=batch.row,
+        total_rows=batch.total_rows,
+        global_width=global_width(batch),
     )
     cstats = _reduce(cstats)
     out.update(correction_metrics(cstats, mode=r.rl.correction.mode, level=r.rl.correction.level))
@@ -253,7 +290,7 @@ def tim_metrics(
         out["objective/injection_weight_std"] = std_from_sums(cstats.sum("inj_w"), cstats.sum("inj_w2"), n)
     j = _reduce(
         objective_surrogate(
-            advantages=adv[op.rows],
+            advantages=adv,
             old_logprobs=op.old,
             mask=mask,
             delta=dg.surrogate_delta,
@@ -293,12 +330,10 @@ def update(
     """
     r = run.recipe
     tr = run.trainer
-    local = batch.rows(op.rows)
+    local = batch
     n_local = len(local)
     per = n_local // r.rl.minibatches
-    shard = Shard(
-        old=op.old, rollout=op.rollout, mask=local.response_mask, advantages=adv[op.rows], weights=weights
-    )
+    shard = Shard(old=op.old, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights)
     replay = r.remedies.router_replay
     routing = "replay" if replay in ("r2", "r3") and tr.replay_enabled else "off"
     routed = op.trainer_routing if replay == "r2" else local.routed_experts
@@ -310,8 +345,7 @@ def update(
         )
         for m in range(r.rl.minibatches):
             idx = perm[m * per : (m + 1) * per].sort().values
-            global_rows = torch.cat([idx + k * n_local for k in range(tr.dp_size)])
-            den = local_denominator(mask=batch.response_mask[global_rows], mode=r.rl.aggregation)
+            (den,) = _sum_over_dp([local_denominator(mask=local.response_mask[idx], mode=r.rl.aggregation)])
             seq = SeqBatch(
                 local.input_ids[idx], local.lengths[idx], routed[:, idx] if routing == "replay" else None
             )

@@ -1,12 +1,19 @@
-"""The vLLM rollout engine: a thin, in-process wrapper around ``vllm.LLM``.
+"""The vLLM rollout engine: one ``vllm.LLM`` per group of ``rollout.tensor_parallel_size`` ranks, in-process.
 
+* Fleet: with more than one rank, every rank builds its engine with vLLM's ``external_launcher`` executor
+  (SPMD, in-process, over the trainer's own torch.distributed world). Ranks [k R, k R + R) form engine k
+  (vLLM tensor parallelism inside it); each engine generates its own block of the step's prompts
+  (:class:`tim_megatron.rollout.base.FleetLayout`). The ranks of one engine submit identical requests.
 * Sampling: ``n`` responses per prompt, each a separate request with its own seed derived from
-  (run seed, step, prompt, sample), so samples differ within a group and a step is reproducible whatever
-  the batching. (vLLM gives every child of an ``n > 1`` request the same seed, hence identical samples.)
+  (run seed, step, global prompt index, sample), so a step is reproducible whatever the batching and the number
+  of engines. (vLLM gives every child of an ``n > 1`` request the same seed, hence identical samples.)
 * Logprobs: the sampled token's logprob, after temperature (``logprobs_mode="processed_logprobs"``) when
   ``rollout.logprobs_after_temperature`` is on; the trainer divides its logits by the same temperature.
 * Routed experts (R3): vLLM's native capture on GPU where available, else the CPU capture patch.
-* Weight updates and their verification: :mod:`tim_megatron.rollout.sync`.
+* Weights: loaded in place from the trainer's export, by reference (same process, same device); verified by
+  :mod:`tim_megatron.rollout.sync`.
+* Memory: ``sleep``/``wake_up`` release and retake accelerator memory around the trainer's work (GPU with
+  ``rollout.sleep_between_steps``; vLLM makes them no-ops on CPU).
 
 Everything that can be checked before the engine starts is checked first: a missing checkpoint, a head
 size vLLM's CPU attention rejects, prompts that do not fit.
@@ -14,59 +21,33 @@ size vLLM's CPU attention rejects, prompts that do not fit.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
-import shutil
-import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tim_megatron.recipe.schema import Recipe
+from tim_megatron.rollout.base import (
+    FleetLayout,
+    GenerationStats,
+    RolloutInputError,
+    Sample,
+    sample_seed,
+)
+
+__all__ = [
+    "GenerationStats",
+    "RolloutInputError",
+    "Sample",
+    "VLLMEngine",
+    "check_model_for_engine",
+    "sample_seed",
+]
 
 _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-class RolloutInputError(ValueError):
-    pass
-
-
-@dataclass
-class Sample:
-    """One sampled response."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    """Rollout logprob of each response token."""
-    finish_reason: str
-    routed_experts: np.ndarray | None = None
-    """``[len(prompt) + len(response) - 1, layers, top_k]``: experts used at each input position."""
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
-
-
-@dataclass
-class GenerationStats:
-    seconds: float
-    prompt_tokens: int
-    response_tokens: int
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.response_tokens / self.seconds if self.seconds > 0 else float("nan")
-
-
-def sample_seed(base: int, step: int, prompt: int, sample: int) -> int:
-    h = hashlib.blake2b(f"{base}:{step}:{prompt}:{sample}".encode(), digest_size=4).digest()
-    return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
 def cpu_head_sizes() -> list[int]:
@@ -98,71 +79,36 @@ def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
     return cfg
 
 
-_LAUNCHER_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_NAME",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-)
-
-
-@contextlib.contextmanager
-def _without_launcher_env():
-    """vLLM must not mistake our trainer's torchrun/Slurm ranks for its own."""
-    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
 class VLLMEngine:
-    """Rank 0's rollout engine.
+    """This rank's share of the vLLM fleet: an in-process ``vllm.LLM`` (see the module docstring)."""
 
-    With one trainer process the engine runs in-process (weights reach it by reference). With several,
-    torch.distributed already spans the trainer's ranks and vLLM would try to build its groups over them,
-    so the engine core runs in its own processes (vLLM's multiprocessing mode) with the launcher's
-    variables hidden, and weights travel through shared-memory safetensors files.
-    """
+    shares_trainer_weights = False
 
     def __init__(
         self,
         recipe: Recipe,
         *,
         model_path: str | Path,
+        layout: FleetLayout,
+        rank: int = 0,
         num_moe_layers: int = 0,
-        separate_process: bool = False,
     ):
         self.recipe = recipe
         self.model_path = Path(model_path)
+        self.layout = layout
+        self.rank = rank
+        self.engine_index = layout.engine_of(rank)
         self.on_gpu = torch.cuda.is_available()
         self.hf_config = check_model_for_engine(self.model_path, on_gpu=self.on_gpu)
         self.num_moe_layers = num_moe_layers
         self.capture = recipe.capture_routed_experts and num_moe_layers > 0
         self._native_capture = False
-        self.sleeping = False
+        self.asleep = 0
+        """0: awake; else the level of the last sleep (until both weights and KV cache are back)."""
+        self._awake_tags: set[str] = {"weights", "kv_cache"}
         r = recipe.rollout
-        self.separate_process = separate_process
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
-        if separate_process:
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = (
-                "1"  # our worker-side functions travel by cloudpickle
-            )
+        # In-process always: one engine core per rank, weights passed by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(r.cpu_kvcache_gib))))
         from vllm import LLM
 
@@ -172,10 +118,13 @@ class VLLMEngine:
             max_model_len=r.max_model_len,
             seed=recipe.run.seed,
             enforce_eager=r.enforce_eager,
-            tensor_parallel_size=r.tensor_parallel_size,
+            tensor_parallel_size=layout.ranks_per_engine,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs" if r.logprobs_after_temperature else "raw_logprobs",
         )
+        if layout.world > 1:
+            # SPMD over the trainer's torch.distributed world: vLLM builds its groups from the existing one.
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if not self.on_gpu:
             kwargs.update(gpu_memory_utilization=r.cpu_memory_utilization)  # on CPU it means host memory
         else:
@@ -188,14 +137,24 @@ class VLLMEngine:
         if recipe.remedies.fp32_lm_head:
             kwargs["hf_overrides"] = {"head_dtype": "float32"}  # vLLM's own fp32 head GEMM (no patch needed)
         t = time.perf_counter()
-        with _without_launcher_env():
-            self.llm = LLM(**kwargs)
+        self.llm = LLM(**kwargs)
         self.load_seconds = time.perf_counter() - t
         self.tokenizer = self.llm.get_tokenizer()
         if self.capture and not self._native_capture:
             from patches.vllm import routed_experts_capture
 
             routed_experts_capture.install(self.llm, num_moe_layers)
+
+    def describe(self) -> dict:
+        dev = f"cuda:{torch.cuda.current_device()}" if self.on_gpu else "cpu"
+        return {
+            "engine": self.engine_index,
+            "ranks": list(self.layout.ranks_of(self.engine_index)),
+            "rank": self.rank,
+            "device": dev,
+            "tensor_parallel_size": self.layout.ranks_per_engine,
+            "load_seconds": round(self.load_seconds, 2),
+        }
 
     # ------------------------------------------------------------------------------------ generation
 
@@ -224,19 +183,19 @@ class VLLMEngine:
         prompts: list[list[int]],
         *,
         step: int,
+        first_index: int = 0,
         n: int | None = None,
-        temperature: float | None = None,
-        max_tokens: int | None = None,
         greedy: bool = False,
     ) -> tuple[list[list[Sample]], GenerationStats]:
-        """``n`` samples for each prompt (token ids), grouped per prompt."""
+        """``n`` samples for each prompt (token ids), grouped per prompt; ``first_index`` is the global index of
+        ``prompts[0]`` in the step (it seeds the samples, so they do not depend on how prompts are split)."""
         from vllm import SamplingParams
 
         r = self.recipe.rollout
         n = r.n if n is None else n
-        max_tokens = r.max_tokens if max_tokens is None else max_tokens
+        max_tokens = r.max_tokens
         self.check_prompts(prompts, max_tokens)
-        temp = 0.0 if greedy else (r.temperature if temperature is None else temperature)
+        temp = 0.0 if greedy else r.temperature
         reqs, params = [], []
         for i, p in enumerate(prompts):
             for j in range(n):
@@ -250,7 +209,7 @@ class VLLMEngine:
                         max_tokens=max_tokens,
                         stop=list(r.stop) or None,
                         logprobs=0,
-                        seed=sample_seed(self.recipe.run.seed, step, i, j),
+                        seed=sample_seed(self.recipe.run.seed, step, first_index + i, j),
                         **({"return_routed_experts": True} if self._native_capture else {}),
                     )
                 )
@@ -260,7 +219,7 @@ class VLLMEngine:
 
             routed_experts_capture.begin(self.llm)
         t = time.perf_counter()
-        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        outs = self.llm.generate(reqs, params, use_tqdm=False) if reqs else []
         seconds = time.perf_counter() - t
         captured = routed_experts_capture.end(self.llm) if capture else {}
         samples: list[list[Sample]] = [[] for _ in prompts]
@@ -269,7 +228,15 @@ class VLLMEngine:
         for idx, o in enumerate(outs):
             c = o.outputs[0]
             lp = [d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs, strict=True)]
-            s = Sample(list(o.prompt_token_ids), list(c.token_ids), lp, c.finish_reason or "stop")
+            s = Sample(
+                list(o.prompt_token_ids),
+                list(c.token_ids),
+                lp,
+                c.finish_reason or "stop",
+                prompt_index=first_index + idx // n,
+                sample_index=idx % n,
+                engine=self.engine_index,
+            )
             if self._native_capture:
                 s.routed_experts = np.asarray(c.routed_experts)
             elif capture:
@@ -286,50 +253,26 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------- weights
 
-    def reload(self, weights) -> None:
-        """Load ``(hf_name, tensor)`` pairs in place (checkpoint layout). Verify with sync.verify_sync."""
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        """Load ``(hf_name, tensor)`` pairs in place (checkpoint layout; None: re-read the checkpoint on disk).
+
+        In the trainer's process, so the tensors are passed by reference: on GPU they never leave the device.
+        Verify the result with :mod:`tim_megatron.rollout.sync`."""
         from patches.vllm import cpu_moe_reload
 
         if weights is None:
-            self.llm.collective_rpc("reload_weights")  # from the checkpoint on disk
-        elif self.separate_process:
-            self._reload_via_files(weights)
+            self.llm.collective_rpc("reload_weights")
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         if cpu_moe_reload.needed() and self.num_moe_layers:
             fixed = cpu_moe_reload.after_reload(self.llm)
             if fixed != self.num_moe_layers:
                 raise RuntimeError(
                     f"re-prepacked {fixed} CPU MoE layers after a reload; the model has {self.num_moe_layers}"
                 )
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
-    def _reload_via_files(self, weights) -> None:
-        """Stream ``weights`` into shared-memory files, one per layer, then one reload over all of them."""
-        from safetensors.torch import save_file
-
-        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        folder = Path(tempfile.mkdtemp(prefix="tim-sync-", dir=root))
-        try:
-            paths, chunk, key = [], {}, None
-            for name, t in weights:
-                k = _layer_key(name)
-                if chunk and k != key:
-                    paths.append(self._write(save_file, folder, len(paths), chunk))
-                    chunk = {}
-                chunk[name] = t.detach().contiguous().cpu()
-                key = k
-            if chunk:
-                paths.append(self._write(save_file, folder, len(paths), chunk))
-            self.llm.collective_rpc(_reload_from_files, args=([str(p) for p in paths],))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    @staticmethod
-    def _write(save_file, folder: Path, i: int, chunk: dict) -> Path:
-        p = folder / f"{i:05d}.safetensors"
-        save_file(chunk, str(p))
-        return p
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
     # -------------------------------------------------------------------------------------- scoring
 
@@ -353,16 +296,25 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------ memory
 
-    def sleep(self) -> None:
-        """Free GPU memory while the trainer runs (no-op on CPU)."""
-        if self.on_gpu and self.recipe.rollout.sleep_between_steps and not self.sleeping:
-            self.llm.sleep(level=1)
-            self.sleeping = True
+    def sleep(self, level: int) -> None:
+        """Release accelerator memory while the trainer works (``rollout.sleep_between_steps``; a no-op in
+        vLLM on CPU, which keeps everything in host memory)."""
+        if level not in (1, 2):
+            raise ValueError(f"vLLM sleep level {level}: allowed 1 (offload weights) or 2 (discard them)")
+        if self.recipe.rollout.sleep_between_steps and not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep = level
+            self._awake_tags = set()
 
-    def wake_up(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if not self.asleep:
+            return
+        want = set(tags or ("weights", "kv_cache")) - self._awake_tags
+        if want:
+            self.llm.wake_up(tags=sorted(want))
+            self._awake_tags |= want
+        if self._awake_tags >= {"weights", "kv_cache"}:
+            self.asleep = 0
 
     def close(self) -> None:
         if self.capture and not self._native_capture:
@@ -375,24 +327,6 @@ class VLLMEngine:
 def _head_dtype(worker) -> str:
     lp = worker.model_runner.model.logits_processor
     return str(lp.head_dtype or worker.model_runner.model_config.dtype)
-
-
-def _layer_key(name: str) -> str:
-    parts = name.split(".")
-    return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else name
-
-
-def _reload_from_files(worker, paths: list[str]) -> None:
-    """Runs inside vLLM's worker: one in-place reload that reads the files lazily, in order."""
-    from safetensors import safe_open
-
-    def stream():
-        for p in paths:
-            with safe_open(p, "pt") as f:
-                for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    yield k, f.get_tensor(k)
-
-    worker.model_runner.reload_weights(weights_iterator=stream())
 
 
 def _native_capture_supported() -> bool:

@@ -1,23 +1,29 @@
-"""Weight sync from the Megatron trainer into the running vLLM engine, verified every time.
+"""Weight sync from the Megatron trainer into every rollout engine, verified engine by engine.
 
-The trainer's export (HF checkpoint names and shapes, gathered over TP/EP one parameter at a time) is
-streamed into vLLM's in-place ``reload_weights`` as one lazy iterator, so peak extra memory is one full
-parameter and vLLM processes each layer as soon as its last tensor arrives. Every rank runs the export
-(it is collective); rank 0, which hosts the engine, consumes it.
+The trainer's export (HF checkpoint names and shapes, gathered over TP/EP one parameter at a time) runs on
+every rank (it is collective), and every rank loads it into its own engine in place, by reference: trainer and
+engine share the process, so on GPU the tensors never leave the device. Peak extra memory is one full
+parameter, and vLLM processes each layer as soon as its last tensor arrives.
 
-Two checks, both loud:
+Two checks, both loud, both per engine:
 
-1. structure: the stream must carry every tensor of the checkpoint manifest exactly once, with the
-   manifest's shape (a dropped, duplicated, renamed or reshaped tensor fails);
-2. numbers: vLLM's token probabilities must equal the trainer's within the recipe's tolerance for at least 80%
-   of the checked tokens
-   (a transposed square matrix or any other wrong-but-well-shaped load fails).
+1. structure, on every rank: the stream must carry every tensor of the checkpoint manifest exactly once, with the
+   manifest's shape (a dropped, duplicated, renamed or reshaped tensor fails). The verdict is all-reduced, so every
+   rank stops together and the error names the engine(s);
+2. numbers: each engine's token probabilities must equal the trainer's within the recipe's tolerance for at least
+   80% of the tokens that ENGINE produced (a transposed square matrix, a stale or skipped load fails). Judged on the
+   next step's own samples (free: the trainer recomputes them anyway), and on a probe right after the first and
+   the last sync, in which every engine scores rows of its own block. One stale engine among eight is 12.5% of a
+   step's tokens: a global percentile would pass it, a per-engine one does not.
+
+:class:`WeightSync` owns the state between steps (whether the next step's samples must be checked, the
+agreement to log); the loop only calls :meth:`WeightSync.push` and :meth:`WeightSync.check_samples`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,18 +32,7 @@ import torch.distributed as dist
 
 
 class WeightSyncError(RuntimeError):
-    """The rollout engine does not hold the trainer's weights."""
-
-
-@dataclass
-class SyncReport:
-    tensors: int
-    bytes: int
-    seconds: float
-    verify_seconds: float = 0.0
-    agreement: Agreement | None = None
-    """The probe verification's result, when one ran."""
-    tolerance: float = float("nan")
+    """A rollout engine does not hold the trainer's weights."""
 
 
 def manifest(model_path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -55,7 +50,7 @@ def manifest(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
-class _Checked:
+class Checked:
     """Wraps the weight stream, recording what passes through."""
 
     def __init__(self, stream: Iterable[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]]):
@@ -92,29 +87,11 @@ class _Checked:
         return out
 
 
-def push_weights(
-    engine, stream: Iterable[tuple[str, torch.Tensor]], *, expected: dict[str, tuple[int, ...]] | None
-) -> SyncReport:
-    """Load ``stream`` into ``engine`` (rank 0) or just drain it (other ranks, for the collectives)."""
-    t = time.perf_counter()
-    if engine is None:
-        n = 0
-        for _ in stream:
-            n += 1
-        return SyncReport(tensors=n, bytes=0, seconds=time.perf_counter() - t)
-    checked = _Checked(stream, expected or {})
-    engine.wake_up()
-    engine.reload(iter(checked))
-    problems = checked.problems()
-    if problems:
-        raise WeightSyncError("weight sync is partial or malformed: " + "; ".join(problems))
-    return SyncReport(
-        tensors=sum(checked.seen.values()), bytes=checked.bytes, seconds=time.perf_counter() - t
-    )
+# ------------------------------------------------------------------------------------------ agreement
 
 
 QUANTILE = 0.8
-"""A sync passes when at most 20% of the checked tokens disagree by more than the tolerance."""
+"""A sync passes when at most 20% of an engine's checked tokens disagree by more than the tolerance."""
 _EDGES = torch.logspace(-12, 0, 12 * 24 + 1, dtype=torch.float64)  # |dp| histogram: 24 bins per decade
 
 
@@ -136,37 +113,74 @@ class Agreement:
     tokens: int
 
 
-def agreement(
-    *, a_logprobs: torch.Tensor, b_logprobs: torch.Tensor, mask: torch.Tensor, tolerance: float, group=None
-) -> Agreement:
-    """Token-probability agreement over the masked tokens, reduced over ``group`` from sums, maxima and a histogram."""
+def engine_agreements(
+    *,
+    a_logprobs: torch.Tensor,
+    b_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    engine: torch.Tensor,
+    engines: int,
+    tolerance: float,
+    group=None,
+) -> list[Agreement]:
+    """One :class:`Agreement` per engine over the masked tokens of the rows it produced (``engine [n]``), reduced
+    over ``group`` from sums, maxima and a histogram (exact whatever the split of rows over ranks)."""
     m = mask.bool()
-    a, b = a_logprobs.double()[m], b_logprobs.double()[m]
-    dp = (a.exp() - b.exp()).abs()
-    sums = torch.tensor([float(dp.sum()), float(m.sum()), float((dp > tolerance).sum())], dtype=torch.float64)
-    hist = torch.bincount(torch.bucketize(dp, _EDGES), minlength=len(_EDGES) + 1).double()
-    mx = torch.tensor(
-        [float(dp.max()) if dp.numel() else 0.0, float((a - b).abs().max()) if dp.numel() else 0.0],
-        dtype=torch.float64,
-    )
+    dp_all = (a_logprobs.double().exp() - b_logprobs.double().exp()).abs()
+    dl_all = (a_logprobs.double() - b_logprobs.double()).abs()
+    bins = len(_EDGES) + 1
+    sums = torch.zeros(engines, 3, dtype=torch.float64)
+    hist = torch.zeros(engines, bins, dtype=torch.float64)
+    mx = torch.zeros(engines, 2, dtype=torch.float64)
+    for k in range(engines):
+        sel = m & (engine.view(-1, 1) == k)
+        dp, dl = dp_all[sel], dl_all[sel]
+        if dp.numel():
+            sums[k] = torch.tensor([float(dp.sum()), float(dp.numel()), float((dp > tolerance).sum())])
+            hist[k] = torch.bincount(torch.bucketize(dp, _EDGES), minlength=bins).double()
+            mx[k] = torch.tensor([float(dp.max()), float(dl.max())])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums, group=group)
         dist.all_reduce(hist, group=group)
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
-    n = int(sums[1])
-    p80 = 0.0
-    if n:
-        k = int(torch.searchsorted(torch.cumsum(hist, 0), QUANTILE * n))
-        p80 = (
-            float(_EDGES[min(k, len(_EDGES) - 1)]) if k > 0 else 0.0
-        )  # the bin's upper edge: never an underestimate
-    return Agreement(
-        p80, float(sums[0]) / max(n, 1), float(mx[0]), float(mx[1]), float(sums[2]) / max(n, 1), n
-    )
+    out = []
+    for k in range(engines):
+        n = int(sums[k, 1])
+        p80 = 0.0
+        if n:
+            j = int(torch.searchsorted(torch.cumsum(hist[k], 0), QUANTILE * n))
+            p80 = float(_EDGES[min(j, len(_EDGES) - 1)]) if j > 0 else 0.0  # the bin's upper edge
+        out.append(
+            Agreement(
+                p80,
+                float(sums[k, 0]) / max(n, 1),
+                float(mx[k, 0]),
+                float(mx[k, 1]),
+                float(sums[k, 2]) / max(n, 1),
+                n,
+            )
+        )
+    return out
+
+
+def agreement(
+    *, a_logprobs: torch.Tensor, b_logprobs: torch.Tensor, mask: torch.Tensor, tolerance: float, group=None
+) -> Agreement:
+    """Token-probability agreement over all masked tokens, as if one engine had produced them."""
+    return engine_agreements(
+        a_logprobs=a_logprobs,
+        b_logprobs=b_logprobs,
+        mask=mask,
+        engine=torch.zeros(mask.shape[0], dtype=torch.long),
+        engines=1,
+        tolerance=tolerance,
+        group=group,
+    )[0]
 
 
 def failed(ag: Agreement, tolerance: float) -> bool:
-    return not ag.p80_abs_prob_diff <= tolerance
+    """Not judged (no tokens) counts as failed: an engine that was never checked is not verified."""
+    return ag.tokens == 0 or not ag.p80_abs_prob_diff <= tolerance
 
 
 def describe(ag: Agreement) -> str:
@@ -176,54 +190,221 @@ def describe(ag: Agreement) -> str:
     )
 
 
-def verify_sync(engine, trainer, probe: list[list[int]], *, tolerance: float) -> tuple[Agreement, float]:
-    """Compare vLLM's and the trainer's probabilities of every token of ``probe`` (all ranks call).
+def verdict(agreements: list[Agreement], tolerance: float, *, where: str) -> None:
+    """Raise naming every engine that fails (the same on every rank: the agreements are already reduced)."""
+    bad = [(k, ag) for k, ag in enumerate(agreements) if failed(ag, tolerance)]
+    if bad:
+        lines = "; ".join(f"engine {k}: {describe(ag)}" for k, ag in bad)
+        names = ", ".join(str(k) for k, _ in bad)
+        raise WeightSyncError(
+            f"rollout engine {names} does not hold the trainer's weights ({where}; tolerance {tolerance:g} for 80% "
+            f"of each engine's tokens): {lines}"
+        )
 
-    The verdict is on the 80th percentile of |p_vllm - p_trainer| (see :class:`Agreement`). Returns
-    (agreement, seconds); raises WeightSyncError on every rank when it exceeds ``tolerance``.
-    """
-    from tim_megatron.trainer.engine import SeqBatch
 
-    t = time.perf_counter()
-    width = max(len(s) for s in probe)
-    ids = torch.zeros(len(probe), width, dtype=torch.long)
-    for i, s in enumerate(probe):
-        ids[i, : len(s)] = torch.tensor(s)
-    lengths = torch.tensor([len(s) for s in probe])
-    head = trainer.head
-    trainer.with_head(temperature=1.0)  # vLLM's prompt logprobs are at T = 1
-    try:
-        rows = trainer.shard(len(probe))
-        lp, _ = trainer.logprobs(SeqBatch(ids[rows], lengths[rows]))
-    finally:
-        trainer.head = head
-    scored = torch.zeros(len(probe), width, dtype=torch.float64)
-    if engine is not None:
-        for i, row in enumerate(engine.score(probe)):
-            scored[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(scored, src=0)
-    mask = (torch.arange(width)[None] >= 1) & (torch.arange(width)[None] < lengths[:, None])
+def agreement_metrics(prefix: str, agreements: list[Agreement]) -> dict[str, float]:
+    """``sync/engine<k>/...`` per engine, and the worst engine under ``sync/<prefix>_...``."""
+    out: dict[str, float] = {}
+    for k, ag in enumerate(agreements):
+        out[f"sync/engine{k}/p80_abs_prob_diff"] = ag.p80_abs_prob_diff
+        out[f"sync/engine{k}/mean_abs_prob_diff"] = ag.mean_abs_prob_diff
+        out[f"sync/engine{k}/max_abs_prob_diff"] = ag.max_abs_prob_diff
+    worst = max(agreements, key=lambda ag: ag.p80_abs_prob_diff)
+    out[f"sync/{prefix}_p80_abs_prob_diff"] = worst.p80_abs_prob_diff
+    out[f"sync/{prefix}_mean_abs_prob_diff"] = max(ag.mean_abs_prob_diff for ag in agreements)
+    out[f"sync/{prefix}_max_abs_prob_diff"] = max(ag.max_abs_prob_diff for ag in agreements)
+    out[f"sync/{prefix}_frac_above_tolerance"] = max(ag.frac_above for ag in agreements)
+    return out
+
+
+# --------------------------------------------------------------------------------------- faults (tests)
+
+
+def faulty(stream: Iterable[tuple[str, torch.Tensor]], kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``diagnostics.sync_fault``: what a broken transport would deliver. ``corrupt`` swaps the two halves of every
+    attention output projection (well-shaped, so only the numbers can tell); ``skip`` is handled by the caller."""
+    for name, t in stream:
+        if kind == "corrupt" and name.endswith("self_attn.o_proj.weight"):
+            t = torch.roll(t, shifts=t.shape[0] // 2, dims=0)
+        yield name, t
+
+
+# ------------------------------------------------------------------------------------------ the object
+
+
+@dataclass
+class SyncReport:
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def _leaders_gather(obj, layout, rank: int) -> list:
+    """Each engine's ``obj`` (from its first rank), in engine order, on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj if layout.is_leader(rank) else None)
+    return [box[layout.ranks_of(k)[0]] for k in range(layout.engines)]
+
+
+class WeightSync:
+    """Pushes the trainer's weights into every engine and verifies each engine; owns the state between steps."""
+
+    def __init__(self, recipe, *, expected: dict[str, tuple[int, ...]], rank: int):
+        self.recipe = recipe
+        self.expected = expected
+        self.rank = rank
+        self.tolerance = recipe.sync_tolerance
+        self.check = recipe.rollout.sync_check
+        self.fault = recipe.diagnostics.sync_fault
+        self.syncs = 0
+        self.pending = False
+        """The last sync is to be checked on the next step's samples."""
+
+    # ------------------------------------------------------------------------------------- push
+
+    def push(
+        self, rollout, trainer, *, probe: Callable[[], list[list[int]]] | None, last: bool = False
+    ) -> dict[str, float]:
+        """Load the trainer's weights into every engine, check the structure everywhere, and run the eager probe
+        check when due (``probe()`` gives this engine's probe sequences, the same on all its ranks)."""
+        if rollout.shares_trainer_weights:
+            return {}
+        first = self.syncs == 0
+        eager = self.check == "probe" or (self.check in ("every", "first") and first)
+        eager = eager or (self.check == "every" and last)
+        trainer.release_memory()  # the trainer's cached blocks go back before vLLM takes its memory again
+        rollout.wake_up(tags=["weights"])
+        rep = self.load(rollout, trainer.export_hf())
+        rollout.wake_up(tags=["kv_cache"])
+        rollout.reset_prefix_cache()  # cached KV was computed with the old weights
+        self.syncs += 1
+        self.pending = self.check == "every" and not last
+        out = self._report_metrics(rollout, rep)
+        if eager and probe is not None:
+            t = time.perf_counter()
+            ags = self.probe_agreements(rollout, trainer, probe())
+            out.update(agreement_metrics("probe", ags))
+            out["sync/verify_seconds"] = time.perf_counter() - t
+            verdict(ags, self.tolerance, where="probe batch right after the sync")
+        return out
+
+    def load(self, rollout, stream: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Load ``stream`` (collective on every rank) into this rank's engine; the structural verdict is shared."""
+        t = time.perf_counter()
+        checked = Checked(stream, self.expected)
+        fault = self.fault.kind if self.fault.engine == rollout.engine_index else "off"
+        if fault == "skip":
+            for _ in checked:  # the export is collective: drain it, load nothing
+                pass
+        else:
+            rollout.update_weights(faulty(checked, fault) if fault != "off" else checked)
+        problems = checked.problems()
+        layout = rollout.layout
+        flags = torch.zeros(layout.engines, dtype=torch.float64)
+        if problems:
+            flags[rollout.engine_index] = 1.0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags.any():
+            bad = [k for k in range(layout.engines) if flags[k] > 0]
+            mine = f" here (rank {self.rank}): " + "; ".join(problems) if problems else ""
+            raise WeightSyncError(
+                f"weight sync into rollout engine {', '.join(map(str, bad))} is partial or malformed{mine}"
+            )
+        return SyncReport(sum(checked.seen.values()), checked.bytes, time.perf_counter() - t)
+
+    def _report_metrics(self, rollout, rep: SyncReport) -> dict[str, float]:
+        layout = rollout.layout
+        per = torch.zeros(layout.engines, 2, dtype=torch.float64)
+        if layout.is_leader(self.rank):
+            per[rollout.engine_index] = torch.tensor([rep.seconds, rep.bytes / 2**20], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(per)
+        out = {"sync/tensors": float(rep.tensors)}
+        for k in range(layout.engines):
+            out[f"sync/engine{k}/seconds"] = float(per[k, 0])
+            out[f"sync/engine{k}/mbytes"] = float(per[k, 1])
+        out["sync/seconds"] = float(per[:, 0].max())
+        out["sync/mbytes"] = float(per[:, 1].sum())
+        return out
+
+    def probe_agreements(self, rollout, trainer, seqs: list[list[int]]) -> list[Agreement]:
+        """Every engine scores its own probe rows; the trainer scores all of them; judged per engine."""
+        from tim_megatron.trainer.engine import SeqBatch
+
+        layout = rollout.layout
+        scored = rollout.score(seqs) if seqs else []
+        blocks = _leaders_gather((seqs, scored), layout, self.rank)
+        rows, vllm, engine = [], [], []
+        for k, (s, sc) in enumerate(blocks):
+            rows += s
+            vllm += sc
+            engine += [k] * len(s)
+        i = 0
+        while len(rows) % trainer.dp_size:  # a multiple of the data-parallel size; repeats count twice
+            rows.append(rows[i])
+            vllm.append(vllm[i])
+            engine.append(engine[i])
+            i += 1
+        width = max(len(s) for s in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        scores = torch.zeros(len(rows), width, dtype=torch.float64)
+        for i, (s, sc) in enumerate(zip(rows, vllm, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            scores[i, : len(sc)] = torch.tensor(sc, dtype=torch.float64)
+        lengths = torch.tensor([len(s) for s in rows])
+        mask = (torch.arange(width)[None] >= 1) & (torch.arange(width)[None] < lengths[:, None])
+        head = trainer.head
+        trainer.with_head(temperature=1.0)  # vLLM's prompt logprobs are at T = 1
+        try:
+            mine = trainer.shard(len(rows))
+            lp, _ = trainer.logprobs(SeqBatch(ids[mine], lengths[mine]))
+        finally:
+            trainer.head = head
+        return engine_agreements(
+            a_logprobs=lp.logprobs,
+            b_logprobs=scores[mine],
+            mask=mask[mine],
+            engine=torch.tensor(engine)[mine],
+            engines=layout.engines,
+            tolerance=self.tolerance,
+            group=_dp_group(),
+        )
+
+    # ----------------------------------------------------------------------------- next-step data
+
+    def check_samples(
+        self,
+        *,
+        trainer_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        engine: torch.Tensor,
+        engines: int,
+    ) -> dict[str, float]:
+        """The previous sync, checked on this step's own samples (this rank's rows; all ranks call): each engine
+        drew them with the synced weights, and the trainer has just recomputed their logprobs with its own."""
+        if not self.pending:
+            return {}
+        self.pending = False
+        ags = engine_agreements(
+            a_logprobs=trainer_logprobs,
+            b_logprobs=rollout_logprobs,
+            mask=mask,
+            engine=engine,
+            engines=engines,
+            tolerance=self.tolerance,
+            group=_dp_group(),
+        )
+        verdict(
+            ags, self.tolerance, where="the weights synced after the previous step, on this step's samples"
+        )
+        return agreement_metrics("data", ags)
+
+
+def _dp_group():
     from megatron.core import parallel_state as ps
 
-    group = ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
-    ag = agreement(
-        a_logprobs=lp.logprobs, b_logprobs=scored[rows], mask=mask[rows], tolerance=tolerance, group=group
-    )
-    seconds = time.perf_counter() - t
-    if failed(ag, tolerance):
-        raise WeightSyncError(
-            f"after the weight sync vLLM's token probabilities differ from the trainer's on the probe batch "
-            f"({describe(ag)}), tolerance {tolerance:g}: the rollout engine does not hold the trainer's weights"
-        )
-    return ag, seconds
-
-
-def sync_and_verify(
-    engine, trainer, *, expected, probe: list[list[int]] | None, tolerance: float, dtype: torch.dtype | None
-) -> SyncReport:
-    report = push_weights(engine, trainer.export_hf(dtype=dtype), expected=expected)
-    if probe:
-        report.agreement, report.verify_seconds = verify_sync(engine, trainer, probe, tolerance=tolerance)
-        report.tolerance = tolerance
-    return report
+    return ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None

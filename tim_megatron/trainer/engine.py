@@ -90,7 +90,12 @@ class MegatronTrainer:
         self._handles = []
         if cpu_shims.needed():
             self._handles.append(cpu_shims.apply())
-        self.env: DistEnv = init_parallel(recipe.parallel, seed=recipe.run.seed, environ=environ)
+        self.env: DistEnv = init_parallel(
+            recipe.parallel,
+            seed=recipe.run.seed,
+            environ=environ,
+            timeout_minutes=recipe.parallel.timeout_minutes,
+        )
         from megatron.core import parallel_state as ps
 
         self.ps = ps
@@ -441,6 +446,11 @@ class MegatronTrainer:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Weights (or, with ``grads``, the reduced gradients) in HF checkpoint names and shapes."""
         return export_hf(self.model, family=self.family, dims=self.dims, dtype=dtype, grads=grads)
+
+    def release_memory(self) -> None:
+        """Give the allocator's cached blocks back (before the rollout engine takes its memory again)."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def with_head(self, **changes) -> None:
         self.head = replace(self.head, **changes)

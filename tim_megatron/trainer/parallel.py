@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -69,9 +70,16 @@ def backend_for_device() -> str:
 
 
 def init_parallel(
-    parallel: ParallelismConfig, *, seed: int = 1234, environ: dict[str, str] | None = None
+    parallel: ParallelismConfig,
+    *,
+    seed: int = 1234,
+    environ: dict[str, str] | None = None,
+    timeout_minutes: float = 60.0,
 ) -> DistEnv:
-    """Initialize torch.distributed (if needed) and megatron-core's parallel groups for ``parallel``."""
+    """Initialize torch.distributed (if needed) and megatron-core's parallel groups for ``parallel``.
+
+    The process group gets an explicit timeout (``parallel.timeout_minutes``): PyTorch's default (10 minutes
+    for NCCL's watchdog) is shorter than a long step's slowest phase."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -89,6 +97,7 @@ def init_parallel(
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     elif dist.get_world_size() != env.world_size:
         raise RuntimeError(
@@ -97,6 +106,7 @@ def init_parallel(
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
+        distributed_timeout_minutes=int(max(1, timeout_minutes)),
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,

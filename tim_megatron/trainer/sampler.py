@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tim_megatron.rollout.engine import Sample, sample_seed
+from tim_megatron.rollout.base import Sample, sample_seed
 from tim_megatron.trainer.logprobs import _logits, head_weight
 from tim_megatron.trainer.model import final_hidden_states
 
@@ -37,12 +37,23 @@ def _last_logits(trainer, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     return local.float().cpu()
 
 
-def sample_with_trainer(trainer, prompts: list[list[int]], *, step: int, eos_id: int) -> list[list[Sample]]:
+def sample_with_trainer(
+    trainer,
+    prompts: list[list[int]],
+    *,
+    step: int,
+    eos_id: int,
+    first_index: int = 0,
+    n: int | None = None,
+    greedy: bool = False,
+) -> list[list[Sample]]:
+    """``n`` samples of each prompt; ``first_index`` is the global index of ``prompts[0]`` (it seeds the samples).
+    ``greedy`` takes the most likely token (validation)."""
     r = trainer.recipe.rollout
-    n = r.n
+    n = r.n if n is None else n
     seqs = [list(p) for p in prompts for _ in range(n)]
     gens = [
-        torch.Generator().manual_seed(sample_seed(trainer.recipe.run.seed, step, i // n, i % n))
+        torch.Generator().manual_seed(sample_seed(trainer.recipe.run.seed, step, first_index + i // n, i % n))
         for i in range(len(seqs))
     ]
     plen = [len(s) for s in seqs]
@@ -60,7 +71,10 @@ def sample_with_trainer(trainer, prompts: list[list[int]], *, step: int, eos_id:
         logp = torch.log_softmax(_last_logits(trainer, ids, lengths), -1)
         still = []
         for row, i in enumerate(active):
-            tok = int(torch.multinomial(logp[row].exp(), 1, generator=gens[i]))
+            if greedy:
+                tok = int(logp[row].argmax())
+            else:
+                tok = int(torch.multinomial(logp[row].exp(), 1, generator=gens[i]))
             seqs[i].append(tok)
             lps[i].append(float(logp[row, tok]))
             if tok == eos_id:
@@ -68,5 +82,8 @@ def sample_with_trainer(trainer, prompts: list[list[int]], *, step: int, eos_id:
             else:
                 still.append(i)
         active = still
-    samples = [Sample(s[:p], s[p:], lp, f) for s, p, lp, f in zip(seqs, plen, lps, finish, strict=True)]
+    samples = [
+        Sample(s[:p], s[p:], lp, f, prompt_index=first_index + k // n, sample_index=k % n)
+        for k, (s, p, lp, f) in enumerate(zip(seqs, plen, lps, finish, strict=True))
+    ]
     return [samples[k * n : (k + 1) * n] for k in range(len(prompts))]

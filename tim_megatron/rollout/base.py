@@ -1,0 +1,156 @@
+"""What the RL loop needs from a rollout engine, whichever implementation serves it.
+
+Two implementations: the vLLM fleet (:mod:`tim_megatron.rollout.engine`, one vLLM engine per group of
+``rollout.tensor_parallel_size`` ranks, in the trainer's own processes) and the trainer-side sampler
+(:mod:`tim_megatron.rollout.trainer_sampler`, the Megatron model samples itself). Every rank holds one and
+calls the same methods in the same order: there is no rank-0-only branch in the loop.
+
+The fleet splits a step's prompts into contiguous blocks of whole prompt groups, one block per engine
+(:class:`FleetLayout`). Sample seeds depend on (run seed, step, global prompt index, sample index) only, so the
+samples do not depend on the number of engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class RolloutInputError(ValueError):
+    """Input the rollout engine refuses before generating (empty or too long prompts, a bad checkpoint)."""
+
+
+@dataclass
+class Sample:
+    """One sampled response."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    """Rollout logprob of each response token."""
+    finish_reason: str
+    routed_experts: np.ndarray | None = None
+    """``[len(prompt) + len(response) - 1, layers, top_k]``: experts used at each input position."""
+    prompt_index: int = 0
+    """Index of the prompt in the whole step (not in the engine's block)."""
+    sample_index: int = 0
+    """Index of the sample in its prompt's group."""
+    engine: int = 0
+    """The engine that generated it."""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class GenerationStats:
+    seconds: float
+    prompt_tokens: int
+    response_tokens: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.response_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def sample_seed(base: int, step: int, prompt: int, sample: int) -> int:
+    """The seed of one sample: a function of the run seed, the step and the GLOBAL prompt and sample index."""
+    h = hashlib.blake2b(f"{base}:{step}:{prompt}:{sample}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class FleetLayout:
+    """Which ranks form which rollout engine: engine k runs on ranks [k R, k R + R)."""
+
+    world: int
+    """Ranks in the job."""
+    ranks_per_engine: int
+    """R: vLLM's tensor-parallel size (1 for the trainer-side sampler's per-rank view is not used: it spans all)."""
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_engine < 1 or self.world % self.ranks_per_engine:
+            raise ValueError(
+                f"rollout.tensor_parallel_size = {self.ranks_per_engine} must divide the job's {self.world} ranks"
+            )
+
+    @property
+    def engines(self) -> int:
+        return self.world // self.ranks_per_engine
+
+    def engine_of(self, rank: int) -> int:
+        return rank // self.ranks_per_engine
+
+    def ranks_of(self, engine: int) -> range:
+        return range(engine * self.ranks_per_engine, (engine + 1) * self.ranks_per_engine)
+
+    def is_leader(self, rank: int) -> bool:
+        """The first rank of its engine (the one that speaks for it in gathers)."""
+        return rank % self.ranks_per_engine == 0
+
+    def block(self, items: int, engine: int) -> range:
+        """The contiguous block of ``items`` (prompts) that ``engine`` generates; blocks differ by at most one."""
+        base, extra = divmod(items, self.engines)
+        start = engine * base + min(engine, extra)
+        return range(start, start + base + (1 if engine < extra else 0))
+
+
+class RolloutEngine(Protocol):
+    """The loop's view of a rollout engine. Every rank calls every method, in the same order."""
+
+    layout: FleetLayout
+    engine_index: int
+    """The engine this rank belongs to."""
+    shares_trainer_weights: bool
+    """True when the engine samples with the trainer's own parameters (nothing to sync or verify)."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        step: int,
+        first_index: int,
+        n: int | None = None,
+        greedy: bool = False,
+    ) -> tuple[list[list[Sample]], GenerationStats]:
+        """``n`` samples of each prompt of this engine's block; ``first_index`` is the block's first global
+        prompt index (it seeds the samples)."""
+        ...
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The engine's logprob of every token of each sequence given its prefix (position 0: 0.0), at T = 1."""
+        ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(hf_name, tensor)`` pairs in place; the caller verifies them."""
+        ...
+
+    def sleep(self, level: int) -> None:
+        """Free accelerator memory while the trainer works: level 1 keeps the weights in host memory, level 2
+        discards them (a weight update follows)."""
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take memory back: ``["weights"]``, then ``["kv_cache"]`` (None: both)."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV computed with older weights."""
+        ...
+
+    def head_dtype(self) -> str:
+        """The dtype the LM head and logits are computed in."""
+        ...
+
+    def describe(self) -> dict:
+        """Where this rank's engine runs: engine index, its ranks, this rank's device."""
+        ...
+
+    def close(self) -> None: ...
