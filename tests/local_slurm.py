@@ -141,3 +141,195 @@ PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
                 return state
             time.sleep(1)
         raise TimeoutError(f"job {job} still {state} after {timeout} s")
+
+
+class TwoNodeSlurm:
+    """A real two-node Slurm cluster on this one machine: two network namespaces that this object creates, joined
+    by a veth pair (addresses 10.201.x.1 and .2 inside them, nothing else), slurmctld and slurmd ``node1`` in the
+    first, slurmd ``node2`` in the second. munged's socket is a file, shared by both. Clients (sbatch, scontrol,
+    make submit) run inside the first namespace through :attr:`prefix`. Needs root (``ip netns``)."""
+
+    IFACE = "tim0"
+    """The interface name inside both namespaces (jobs set GLOO_SOCKET_IFNAME to it)."""
+
+    def __init__(self, root: Path, *, cpus_per_node: int = 1, memory_mb: int = 8000):
+        self.root = Path(root)
+        self.cpus = cpus_per_node
+        self.memory_mb = memory_mb
+        self.conf = self.root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        tag = f"{os.getpid() % 100000}"
+        self.ns = (f"timA{tag}", f"timB{tag}")
+        subnet = 1 + os.getpid() % 250
+        self.addr = (f"10.201.{subnet}.1", f"10.201.{subnet}.2")
+        self.pids: list[tuple[Path, tuple[str, ...]]] = []
+        self._netns_made = False
+
+    @staticmethod
+    def enter(ns: str) -> list[str]:
+        """Run in namespace ``ns``: only the network namespace changes (``ip netns exec`` would also remount /sys,
+        hiding the cgroup file system slurmd needs)."""
+        return ["nsenter", f"--net=/var/run/netns/{ns}"]
+
+    @property
+    def prefix(self) -> list[str]:
+        return self.enter(self.ns[0])
+
+    @staticmethod
+    def available() -> bool:
+        return available() and shutil.which("ip") is not None and os.geteuid() == 0
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def _netns(self) -> None:
+        a, b = self.ns
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            self._ip("netns", "add", ns)
+        self._netns_made = True
+        va, vb = f"va{a[4:]}", f"vb{b[4:]}"
+        self._ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        for ns, dev, addr in ((a, va, self.addr[0]), (b, vb, self.addr[1])):
+            self._ip("link", "set", dev, "netns", ns)
+            self._ip("-n", ns, "link", "set", dev, "name", self.IFACE)
+            self._ip("-n", ns, "addr", "add", f"{addr}/24", "dev", self.IFACE)
+            self._ip("-n", ns, "link", "set", self.IFACE, "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+
+    def start(self, timeout: float = 90) -> TwoNodeSlurm:
+        r = self.root
+        for d in ("state", "spool", "log", "munge"):
+            (r / d).mkdir(parents=True, exist_ok=True)
+        self._netns()
+        key = r / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        sock = r / "munge" / "munge.socket"
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={sock}",
+                f"--pid-file={r / 'munge' / 'munged.pid'}",
+                f"--log-file={r / 'munge' / 'munged.log'}",
+                f"--seed-file={r / 'munge' / 'munged.seed'}",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        self.pids.append((r / "munge" / "munged.pid", ()))
+        ctld, slurmd_port = 6817, 6818  # each namespace has its own ports
+        nodes = "\n".join(
+            f"NodeName=node{i + 1} NodeAddr={self.addr[i]} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
+            for i in range(2)
+        )
+        self.conf.write_text(f"""\
+ClusterName=timtest2
+SlurmctldHost={socket.gethostname()}({self.addr[0]})
+SlurmctldPort={ctld}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={sock}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}/%n
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / "slurmd-%n.pid"}
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log" / "slurmd-%n.log"}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/builtin
+ReturnToService=2
+JobRequeue=1
+KillWait=60
+MinJobAge=3600
+MpiDefault=none
+{nodes}
+PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+""")
+        a, _ = self.ns
+        subprocess.run(
+            [*self.enter(a), "slurmctld", "-f", str(self.conf)], check=True, env=self.env, capture_output=True
+        )
+        self.pids.append((r / "slurmctld.pid", ()))
+        for i, ns in enumerate(self.ns):
+            (r / "spool" / f"node{i + 1}").mkdir(parents=True, exist_ok=True)
+            subprocess.run(
+                [*self.enter(ns), "slurmd", "-f", str(self.conf), "-N", f"node{i + 1}"],
+                check=True,
+                env=self.env,
+                capture_output=True,
+            )
+            self.pids.append((r / f"slurmd-node{i + 1}.pid", ()))
+        deadline = time.time() + timeout
+        out = None
+        while time.time() < deadline:
+            out = self.run(["sinfo", "-h", "-o", "%T %D"])
+            states = out.stdout.split()
+            if out.returncode == 0 and states and states[0] == "idle" and states[-1] == "2":
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"two-node Slurm did not come up: {out and out.stdout} {out and out.stderr}\n" + self.logs()
+        )
+
+    def run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        """A client command inside the controller's namespace."""
+        return subprocess.run([*self.prefix, *cmd], env=self.env, capture_output=True, text=True, **kw)
+
+    def logs(self) -> str:
+        parts = []
+        for f in sorted((self.root / "log").glob("*.log")):
+            parts.append(f"--- {f.name}\n{f.read_text()[-3000:]}")
+        return "\n".join(parts)
+
+    def wait(
+        self,
+        job: str,
+        *,
+        until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+        timeout: float = 600,
+    ) -> str:
+        deadline = time.time() + timeout
+        state = None
+        while time.time() < deadline:
+            out = self.run(["scontrol", "show", "job", "-o", job])
+            state = next((p.split("=", 1)[1] for p in out.stdout.split() if p.startswith("JobState=")), None)
+            if state in until:
+                return state
+            time.sleep(1)
+        raise TimeoutError(f"job {job} still {state} after {timeout} s")
+
+    def stop(self) -> None:
+        self.run(["scancel", "--full", "-u", "root"])
+        time.sleep(1)
+        for pidfile, _ in reversed(self.pids):
+            try:
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
+            except (FileNotFoundError, ValueError, ProcessLookupError):
+                continue
+        time.sleep(1)
+        for pidfile, _ in self.pids:
+            try:
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+            except (FileNotFoundError, ValueError, ProcessLookupError):
+                continue
+        if self._netns_made:
+            for ns in self.ns:
+                # Processes still inside (a job's leftovers) die with the namespace's last reference.
+                pids = subprocess.run(
+                    ["ip", "netns", "pids", ns], capture_output=True, text=True
+                ).stdout.split()
+                for p in pids:
+                    try:
+                        os.kill(int(p), signal.SIGKILL)
+                    except (ValueError, ProcessLookupError):
+                        continue
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)

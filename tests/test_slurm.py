@@ -39,7 +39,8 @@ def make(target: str, slurm, **variables) -> subprocess.CompletedProcess:
     ]
     args += [f"{k}={v}" for k, v in variables.items()]
     env = {**(slurm.env if slurm else os.environ), "OMP_NUM_THREADS": "2"}
-    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    prefix = list(getattr(slurm, "prefix", []))  # the two-node cluster's clients run in its namespace
+    return subprocess.run([*prefix, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
 
 def submitted(res) -> tuple[str, Path]:
@@ -191,7 +192,7 @@ def test_dry_run_renders_the_4_node_30b_script(tmp_path):
         "#SBATCH --time=72:00:00",
         "PROCS_PER_NODE=8",
         "--rdzv_backend=c10d",
-        'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
+        'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "--container-image=ghcr.io/example/tim-megatron:latest",
         "--container-mounts=/scratch:/scratch,",
         "export HF_HOME=/scratch/hf",
@@ -331,3 +332,62 @@ def test_run_names_cannot_escape_the_runs_folder(tmp_path):
     for bad in ("../../etc", "/abs", "a/b"):
         with pytest.raises(RecipeError):
             load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", [f"run.name={bad}"])
+
+
+# ------------------------------------------------------------------------------------------ two nodes
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    require(
+        local_slurm.TwoNodeSlurm.available(), "Slurm (slurm-wlm, munge) with root and iproute2 for two nodes"
+    )
+    cluster = local_slurm.TwoNodeSlurm(tmp_path_factory.mktemp("slurm2")).start()
+    yield cluster
+    cluster.stop()
+
+
+def test_two_node_job(two_nodes, tmp_path):
+    """`make submit` with cluster.nodes=2 on a real two-node Slurm (two network namespaces on this machine):
+    torchrun rendezvous across the nodes, one rollout engine per node, every sync verified per engine, metrics and
+    checkpoints written; then scancel (SIGTERM: checkpoint) and a resume on two nodes that continues the run."""
+    over = (
+        f"run.steps=30 {FAST} checkpoint.every=2 run.output_dir={tmp_path} cluster.nodes=2 parallel.dp=2 "
+        f"cluster.cpus_per_task=1 cluster.env.GLOO_SOCKET_IFNAME={two_nodes.IFACE}"
+    )
+    job, run = submitted(make("submit", two_nodes, RECIPE="recipes/tiny-moe/grpo.yaml", OVERRIDES=over))
+    t0 = time.time()
+    while not steps_logged(run) or steps_logged(run)[-1] < 3:
+        state = two_nodes.wait(job, until=("RUNNING", "COMPLETED", "FAILED", "CANCELLED"), timeout=600)
+        assert state in ("RUNNING", "COMPLETED"), two_nodes.logs() + job_log(run, job)
+        assert time.time() - t0 < 600, job_log(run, job)
+        time.sleep(0.5)
+    assert two_nodes.run(["scancel", job]).returncode == 0
+    assert two_nodes.wait(job) == "CANCELLED"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["rollout/engines"] == 2.0
+    for r in rows:  # both engines verified at every step (eager probe after sync 1, then each step's samples)
+        assert r["sync/engine0/p80_abs_prob_diff"] <= 0.01 and r["sync/engine1/p80_abs_prob_diff"] <= 0.01
+    log = (run / "logs" / f"slurm-{job}.out").read_text()
+    assert "2 node(s) x 1 rank(s)" in log
+    ranks = sorted((run / "logs").glob(f"ranks-{job}/*/attempt_0/*/stdout.log"))
+    assert len(ranks) == 2, ranks  # one torchrun per node, one rank each
+    out = "\n".join(p.read_text() for p in ranks)
+    assert "rollout engine 0 of 2: rank 0 on cpu" in out and "rollout engine 1 of 2: rank 1 on cpu" in out
+    assert json.loads((run / "run.json").read_text())["status"] == "preempted"
+    from tim_megatron.trainer.checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(run / "checkpoints")
+    assert ck is not None
+    saved = json.loads((ck / "state.json").read_text())["step"]
+    res = subprocess.run(
+        [*two_nodes.prefix, Path(sys.executable).parent / "tim", "submit", "--resume", str(run)],
+        capture_output=True,
+        text=True,
+        env=two_nodes.env,
+        cwd=ROOT,
+    )
+    job2, _ = submitted(res)
+    assert two_nodes.wait(job2) == "COMPLETED", job_log(run, job2)
+    assert steps_logged(run) == list(range(1, 31))
+    assert f"steps {saved + 1}..30" in (run / "logs" / f"slurm-{job2}.out").read_text()

@@ -283,11 +283,11 @@ def test_patches_refuse_unknown_versions(monkeypatch):
     import importlib.metadata as md
 
     from patches import guard
-    from patches.megatron import cpu_shims, router_replay
+    from patches.megatron import checkpoint_writer_signals, cpu_shims, router_replay
 
     real = md.version
     monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d == "megatron-core" else real(d))
-    for mod in (cpu_shims, router_replay):
+    for mod in (cpu_shims, router_replay, checkpoint_writer_signals):
         with pytest.raises(
             guard.UnverifiedVersionError,
             match=r"targets megatron-core ==0\.16\.\* but megatron-core 0\.99\.0 is installed",
@@ -353,3 +353,27 @@ def test_world_size_must_match_the_layout():
         match=r"parallel.tp x parallel.pp x parallel.dp = 2 x 1 x 1 = 2, but the launcher started 1",
     ):
         init_parallel(ParallelismConfig(tp=2), environ=env)
+
+
+SHIELD = """
+import multiprocessing, os, signal, time
+from patches.megatron import checkpoint_writer_signals
+checkpoint_writer_signals.shield()
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+(server,) = multiprocessing.active_children()
+os.kill(server.pid, signal.SIGTERM)  # what Slurm sends every process of the step on preemption or scancel
+time.sleep(1)
+fa._get_write_results_queue().put("alive")
+print(fa._get_write_results_queue().get(), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+"""
+
+
+def test_checkpoint_writer_helper_survives_the_jobs_sigterm():
+    """megatron's checkpoint-writer results queue lives in a helper process started at the first save; without the
+    shield a job's SIGTERM kills it and the checkpoint written in answer to that SIGTERM fails."""
+    require(_megatron_ok(), "megatron-core")
+    res = subprocess.run(
+        [sys.executable, "-c", SHIELD], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["alive", "True"]  # and our own SIGTERM handling is restored as it was

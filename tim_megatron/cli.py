@@ -326,10 +326,12 @@ def cancel_cmd(job: str = typer.Argument(..., help="Slurm job id")) -> None:
 @app.command("plan")
 def plan_cmd(recipe: Path, overrides: list[str] = typer.Argument(None)) -> None:
     """Per-GPU memory estimate: parameters, gradients, optimizer state, activations, vLLM weights and KV cache."""
+    from tim_megatron.slurm.fleet_plan import fleet_plan, format_fleet
     from tim_megatron.slurm.plan import estimate, format_plan
 
     loaded = _loaded_or_fail(recipe, overrides)
     print(format_plan(loaded.recipe, estimate(loaded.recipe), loaded.name))
+    print(format_fleet(loaded.recipe, fleet_plan(loaded.recipe)))
 
 
 @app.command("new-recipe")

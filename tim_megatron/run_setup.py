@@ -60,6 +60,7 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     import torch
     from transformers import AutoTokenizer
 
+    from patches.megatron import checkpoint_writer_signals
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.logging.tracker import Tracker, truncate_jsonl
     from tim_megatron.loop import Run, StopRequest, new_schedule, new_warnings
@@ -77,6 +78,7 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     source = PromptSource(r.data, seed=r.run.seed)  # bad data fails here, before any engine starts
     tokenizer = AutoTokenizer.from_pretrained(path)
     trainer = MegatronTrainer(r, model_path=path)
+    checkpoint_writer_signals.shield()  # a job's SIGTERM must not kill megatron's writer helper
     rollout = build_rollout(r, trainer, model_path=path, tokenizer=tokenizer)
     fault = r.diagnostics.sync_fault
     if fault.kind != "off" and fault.engine >= rollout.layout.engines:

@@ -14,12 +14,18 @@ BENCHES = {
     "trainer": "tim_megatron.bench.trainer",
     "rollout": "tim_megatron.bench.rollout",
     "step": "tim_megatron.bench.step",
+    "fleet": "tim_megatron.bench.fleet",
 }
 
 
 def main(argv: list[str]) -> int:
-    names = [a for a in argv if not a.startswith("-")] or list(BENCHES)
-    rest = [a for a in argv if a.startswith("-")]
+    lead = []  # benchmark names come first; everything after them goes to each benchmark
+    for a in argv:
+        if a.startswith("-") or "=" in a or (lead and a not in BENCHES) or (not lead and a.isdigit()):
+            break
+        lead.append(a)
+    names = lead or list(BENCHES)
+    rest = argv[len(lead) :]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         print(f"unknown benchmark(s) {unknown}; available: {', '.join(BENCHES)}", file=sys.stderr)

@@ -1,0 +1,119 @@
+"""The rollout fleet a recipe builds, and what a step's generation and weight sync cost on paper.
+
+The layout is :class:`tim_megatron.rollout.base.FleetLayout`, the same object the fleet is built from, so the
+plan and the job cannot disagree: world / R engines of R = ``rollout.tensor_parallel_size`` GPUs each.
+
+Decode model (a stated lower bound, not a measurement):
+
+* decoding is memory-bandwidth bound: every decode iteration of an engine reads its weights once (large batches
+  touch every expert) plus the KV cache of the sequences in flight, spread over its R GPUs, at the GPU's nominal
+  HBM bandwidth (real kernels reach less, so real times are longer);
+* every response is ``rollout.max_tokens`` long (the batch lasts as long as its longest response), and a sequence
+  in flight holds ``max_prompt_tokens + max_tokens / 2`` tokens of KV cache on average;
+* an engine runs as many sequences at once as its KV cache holds at full length
+  (``prompt + max_tokens`` tokens each); the rest wait for the next wave.
+
+time per step = waves x max_tokens x (weights / R + in-flight KV / R) / bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tim_megatron.recipe.schema import Recipe
+from tim_megatron.rollout.base import FleetLayout
+
+HBM_BYTES_PER_S = {
+    "a100-80gb": 2.039e12,
+    "a100-40gb": 1.555e12,
+    "h100-80gb": 3.35e12,
+    "h100-94gb": 3.9e12,
+    "h200-141gb": 4.8e12,
+}
+"""Nominal HBM bandwidth (vendor data sheets, SXM parts)."""
+GIB = 2**30
+
+
+@dataclass
+class FleetPlan:
+    engines: int
+    ranks_per_engine: int
+    kv_cache_gib_per_engine: float
+    sync_gib_per_engine: float
+    """Bytes every engine loads per sync: the whole model in the rollout dtype."""
+    sequences_per_engine: int
+    concurrent_sequences: int
+    waves: int
+    minutes_per_step: float
+    """Rollout minutes per step (lower bound), the fleet."""
+    single_engine_minutes: float
+    """The same model for one engine of R GPUs serving the whole step (the pre-fleet design)."""
+
+
+def _rollout_minutes(
+    recipe: Recipe, *, engines: int, kv_bytes_per_engine: float
+) -> tuple[float, int, int, int]:
+    d, r = recipe.model.dims, recipe.rollout
+    R = r.tensor_parallel_size
+    bw = HBM_BYTES_PER_S.get(recipe.cluster.gpu_type)
+    total, _ = d.approx_params()
+    weights = total * 2  # bf16/fp16 rollout weights
+    kv_per_token = 2 * d.num_layers * d.num_key_value_heads * d.head_dim * 2
+    full = recipe.data.max_prompt_tokens + r.max_tokens
+    seqs = math.ceil(recipe.sequences_per_step / engines)
+    concurrent = max(1, int(kv_bytes_per_engine // (kv_per_token * full))) if kv_bytes_per_engine else seqs
+    in_flight = min(concurrent, seqs)
+    waves = math.ceil(seqs / in_flight)
+    if bw is None:
+        return float("nan"), seqs, in_flight, waves
+    mean_ctx = recipe.data.max_prompt_tokens + r.max_tokens / 2
+    per_iter = (weights / R + in_flight * mean_ctx * kv_per_token / R) / bw
+    return waves * r.max_tokens * per_iter / 60, seqs, in_flight, waves
+
+
+def fleet_plan(recipe: Recipe) -> FleetPlan:
+    from tim_megatron.slurm.plan import estimate
+
+    R = recipe.rollout.tensor_parallel_size
+    layout = FleetLayout(world=recipe.parallel.world_size, ranks_per_engine=R)
+    kv_gpu = estimate(recipe).vllm_kv_cache
+    kv_engine = kv_gpu * R
+    minutes, seqs, conc, waves = _rollout_minutes(
+        recipe, engines=layout.engines, kv_bytes_per_engine=kv_engine
+    )
+    single, *_ = _rollout_minutes(recipe, engines=1, kv_bytes_per_engine=kv_engine)
+    total, _ = recipe.model.dims.approx_params()
+    rollout_bytes = {"float32": 4}.get(recipe.rollout_dtype, 2)
+    return FleetPlan(
+        engines=layout.engines,
+        ranks_per_engine=R,
+        kv_cache_gib_per_engine=kv_engine / GIB,
+        sync_gib_per_engine=total * rollout_bytes / GIB,
+        sequences_per_engine=seqs,
+        concurrent_sequences=conc,
+        waves=waves,
+        minutes_per_step=minutes,
+        single_engine_minutes=single,
+    )
+
+
+def format_fleet(recipe: Recipe, fp: FleetPlan) -> str:
+    c = recipe.cluster
+    gpus = f"{fp.ranks_per_engine} GPU(s)" if c.gpus_per_node else f"{fp.ranks_per_engine} rank(s)"
+    lines = [
+        f"  rollout fleet: {fp.engines} vLLM engine(s) x {gpus} (rollout.tensor_parallel_size), "
+        f"{fp.sequences_per_engine} sequences each per step",
+        f"    KV cache per engine {fp.kv_cache_gib_per_engine:8.2f} GiB: {fp.concurrent_sequences} sequences at full "
+        f"length at once, {fp.waves} wave(s)",
+        f"    weight sync: {fp.sync_gib_per_engine:.2f} GiB into each engine per step, "
+        f"{fp.sync_gib_per_engine * fp.engines:.2f} GiB over the fleet (in place, by reference)",
+    ]
+    if math.isnan(fp.minutes_per_step):
+        lines.append("    rollout time: no decode estimate (no GPU type with a known HBM bandwidth)")
+    else:
+        lines.append(
+            f"    rollout time per step >= {fp.minutes_per_step:.1f} min with the fleet, "
+            f">= {fp.single_engine_minutes:.1f} min with one engine (decode model in tim_megatron/slurm/fleet_plan.py)"
+        )
+    return "\n".join(lines)
