@@ -16,8 +16,9 @@ Finding 1, shell injection in the rendered job script (``tim_megatron/slurm/rend
     fix); ``tim submit --dry-run`` exits 2 without a traceback and nothing runs.
   * The same payload as ``run.name`` (schema pattern), ``cluster.job_name`` (directive pattern) and in the run
     folder path (``%``, ``$``, ``(``, spaces are not allowed in ``--output``): refused, nothing rendered.
-  * A hostile ``cluster.env`` value and ``cluster.hf_home`` submitted through the real local Slurm
-    (``tests/local_slurm.py``): the job runs its script to the end, no canary.
+  * A hostile ``cluster.env`` value, ``cluster.hf_home`` and container image submitted through the real local
+    Slurm (``tests/local_slurm.py``): the job script runs (and fails at srun: no pyxis there); no canary. On
+    main the canary appeared.
   * Secret names in ``cluster.env``: ``GITHUB_PAT``, ``AWS_CREDENTIALS``, ``GOOGLE_APPLICATION_CREDENTIALS``,
     ``PROXY_AUTH``, ``SSH_PRIVATE_KEY_FILE``, ``SESSION_COOKIE``, ``MY_SESSION`` are refused (on main the
     first six were rendered into the script); ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH`` still work.
@@ -233,7 +234,8 @@ def slurm(tmp_path_factory):
 
 @pytest.mark.slurm
 def test_hostile_values_through_the_real_local_slurm(slurm, tmp_path):
-    """The job script runs for real under sbatch; the run itself stops at once (its model does not exist)."""
+    """The job script runs for real under sbatch. The local Slurm has no pyxis, so srun refuses the container
+    options and the job fails there; the environment lines, where main ran the payload, run before that."""
     canary = tmp_path / f"pwned-{uuid.uuid4().hex}"
     p = payload(canary, "@SRUN_CONTAINER@ @RUN_DIR@ @ENVIRONMENT@")
     res = tim(
@@ -244,6 +246,7 @@ def test_hostile_values_through_the_real_local_slurm(slurm, tmp_path):
         "logging.wandb.mode=disabled",
         f"cluster.env={{PROBE: {json.dumps(p)}}}",
         f"cluster.hf_home={json.dumps(p)}",
+        f"cluster.container_image={json.dumps(f'img$(touch {canary})')}",
         env={**slurm.env, "OMP_NUM_THREADS": "2"},
     )
     assert res.returncode == 0, res.stdout + res.stderr
