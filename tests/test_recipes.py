@@ -368,3 +368,20 @@ def test_plain_yaml_scalars_follow_the_yaml_1_2_core_schema():
         parse_override("a=.inf")[1] == float("inf")
         and parse_override("a=.nan")[1] != parse_override("a=.nan")[1]
     )
+
+
+def test_resolved_recipes_round_trip_through_the_strict_loader(tmp_path):
+    """A run folder's recipe.yaml (written by recipe_to_yaml) reads back to the same recipe: the YAML 1.2
+    scalars and strict types accept everything the dumper writes (floats like 1.0e-06, .inf, quoted strings)."""
+    from tim_megatron.recipe import recipe_to_yaml
+
+    paths = [p for p in sorted((ROOT / "recipes").rglob("*.yaml")) if "sweeps" not in p.parts]
+    for p in paths:
+        r = load_recipe(p).recipe
+        f = tmp_path / "run" / "recipe.yaml"
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(recipe_to_yaml(r))
+        assert load_recipe(f).recipe == r, p
+    inf = load_recipe(paths[0], ["diagnostics.objective_injection.sigma=.inf"]).recipe
+    f.write_text(recipe_to_yaml(inf))
+    assert load_recipe(f).recipe == inf
