@@ -52,6 +52,7 @@ Finding 8, named errors instead of tracebacks (the cases owned here)
   * A run named ``..`` or ``...`` (from a file ``...yaml``/``....yaml``): a named error.
   * ``cluster.env.X.Y=1``, an override that makes a value a mapping: blamed on the command line, not on
     "defaults".
+  * ``tim logs JOB`` with a run folder whose ``run.json`` is a JSON list: skipped (on main: AttributeError).
   * ``run.name="[/bold]"``: on main rich read the quoted value as markup and crashed (MarkupError traceback);
     now the value is printed as it is.
 """
@@ -261,7 +262,7 @@ def test_hostile_values_through_the_real_local_slurm(slurm, tmp_path):
 # ================================================================================ finding 2: the report
 
 
-def fake_run(root: Path, name: str, meta: dict, *, rows: int = 3) -> Path:
+def fake_run(root: Path, name: str, meta, *, rows: int = 3) -> Path:
     d = root / name / "20260101-000000"
     d.mkdir(parents=True)
     (d / "metrics.jsonl").write_text(
@@ -517,6 +518,14 @@ def test_dot_run_names_are_named_errors(stem, tmp_path):
     res = tim("submit", str(f), "--dry-run", cwd=tmp_path)
     assert res.returncode == 2 and "rename the file, or set run.name" in res.stderr
     no_traceback(res)
+
+
+def test_tim_logs_skips_run_json_that_is_not_an_object(tmp_path):
+    from tim_megatron.slurm.submit import find_run
+
+    fake_run(tmp_path, "a", [1, 2])
+    good = fake_run(tmp_path, "b", {"job_ids": ["42"]})
+    assert find_run("42", tmp_path) == good and find_run("7", tmp_path) is None
 
 
 def test_rich_markup_in_a_value_is_printed_not_parsed():
