@@ -174,7 +174,9 @@ def test_a_hostile_recipe_file_name_is_refused(tmp_path):
     with pytest.raises(RecipeError) as e:
         load_recipe(f)
     msg = str(e.value)
-    assert "derived" in msg and "x$(touch" in msg and "rename the file, or set run.name" in msg
+    assert (
+        "derived" in msg and "x$(touch" in msg and "rename the file (or its folder), or set run.name" in msg
+    )
     res = tim("submit", str(f), "--dry-run", cwd=tmp_path)
     assert res.returncode == 2 and "rename the file" in res.stderr, res.stderr[-2000:]
     no_traceback(res)
@@ -516,7 +518,7 @@ def test_dot_run_names_are_named_errors(stem, tmp_path):
     with pytest.raises(RecipeError, match=rf"derived .* is '{re.escape(stem)}', which is not allowed"):
         load_recipe(f)
     res = tim("submit", str(f), "--dry-run", cwd=tmp_path)
-    assert res.returncode == 2 and "rename the file, or set run.name" in res.stderr
+    assert res.returncode == 2 and "rename the file (or its folder), or set run.name" in res.stderr
     no_traceback(res)
 
 

@@ -450,7 +450,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise RecipeError(
             f"{path}: the run name derived from this file's folder and name is {name!r}, which is not allowed "
             f"(letters, digits, '.', '_' and '-', starting with a letter or digit, at most 100 characters: "
-            f"{NAME_PATTERN}); rename the file, or set run.name"
+            f"{NAME_PATTERN}); rename the file (or its folder), or set run.name"
         )
     return LoadedRecipe(
         recipe=recipe,
