@@ -75,7 +75,11 @@ def train_recipe(name: str, tmp: Path, *extra: str, steps: int = 2) -> tuple[Pat
 
 CHECKS = {
     "grpo": lambda rows: all(r["mismatch/old_vs_rollout/rho_std"] > 0 for r in rows),
-    "clip-higher": lambda rows: all("actor/clipfrac_token_high" in r for r in rows),
+    # Tokens are clipped on the high side only above 1 + 0.28, for any sample: a step that clipped some must have
+    # had a ratio above 1.28 (test_clip_higher_recipe_clips_at_its_own_high_bound forces the values).
+    "clip-higher": lambda rows: all(
+        r["actor/clipfrac_token_high"] == 0 or r["actor/ratio_max"] > 1.28 for r in rows
+    ),
     "gspo": lambda rows: any(r["actor/clipfrac_seq"] > 0 for r in rows),
     "vexact": lambda rows: all(
         r["mismatch/old_vs_rollout/rho_std"] == 0.0 and r["mismatch/old_vs_rollout/rho_max"] == 1.0
@@ -124,6 +128,38 @@ EXTRA = {"inject-delta": ["diagnostics.objective_injection.pi_low=0.5"]}
 def test_every_tiny_recipe_runs_with_its_remedy_active(name, tmp_path):
     _, rows = train_recipe(name, tmp_path, *EXTRA.get(name, []))
     assert CHECKS[name](rows), json.dumps(rows, indent=0)[:3000]
+
+
+def test_clip_higher_recipe_clips_at_its_own_high_bound():
+    """The clip-higher recipe's loss, built as the loop builds it (rl/objective.py), on forced ratios with A > 0:
+    1.25 lies in (1 + low, 1 + high] = (1.2, 1.28] and keeps its gradient; 1.35 is clipped. The symmetric GRPO
+    recipe clips both, so the high bound in use is the recipe's."""
+    import torch
+
+    from tim_megatron.algo import policy_loss_metrics
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.rl.objective import Shard, make_loss_fn
+
+    old = torch.log(torch.full((1, 3), 0.5))
+    shard = Shard(
+        old=old,
+        rollout=old.clone(),
+        mask=torch.ones(1, 3, dtype=torch.bool),
+        advantages=torch.tensor([1.0]),
+        weights=torch.ones(1, 3),
+    )
+
+    def grads(recipe: str):
+        r = load_recipe(ROOT / f"recipes/tiny-moe/{recipe}.yaml").recipe
+        new = (old + torch.tensor([[1.25, 1.35, 1.0]]).log()).requires_grad_()
+        loss, stats = make_loss_fn(r, shard, denominator=3.0)(new, torch.tensor([0]), 3)
+        loss.backward()
+        return new.grad[0], policy_loss_metrics(stats)["actor/clipfrac_token_high"]
+
+    g, high = grads("clip-higher")
+    assert g[0] != 0 and g[1] == 0 and g[2] != 0 and high == pytest.approx(1 / 3)
+    g, high = grads("grpo")
+    assert g[0] == 0 and g[1] == 0 and g[2] != 0 and high == pytest.approx(2 / 3)
 
 
 def test_length_decay_halves_the_lr_at_the_right_steps(tmp_path):

@@ -1,5 +1,6 @@
 """Recipes: inheritance, overrides, validation errors, and every shipped recipe resolves offline."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -184,3 +185,203 @@ def test_cli_simulate_precision_is_comparable_to_table_2():
     assert abs(mean - 1.0) < 1e-3
     assert 0.0040 < std < 0.0056  # Table 2: 0.0048
     assert 1.010 < mx < 1.025 and 0.975 < mn < 0.990  # Table 2: 1.019 / 0.981
+
+
+# ------------------------------------------------------------------------- every field is read somewhere
+
+
+class _Reads(ast.NodeVisitor):
+    """Attribute chains (``recipe.rollout.temperature``) per function, and where each name may come from."""
+
+    def __init__(self, section_paths: dict[str, list[tuple[str, ...]]]):
+        self.section_paths = section_paths
+        self.params: dict[str, list[list[str]]] = {}  # function name -> parameter names (one list per def)
+        self.aliases: dict[tuple[str, str], set] = {}  # (scope, dotted name) -> {(scope, chain)}
+        self.chains: set[tuple[str, tuple[str, ...]]] = set()  # (scope, chain)
+        self.calls: list = []  # (scope, callee, positional chains, keyword chains, is a method call)
+        self.scope, self.cls = ["<module>"], [None]
+
+    @staticmethod
+    def chain(node) -> tuple[str, ...] | None:
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        return (node.id, *reversed(parts)) if isinstance(node, ast.Name) else None
+
+    def visit_ClassDef(self, node):
+        self.cls.append(node.name)
+        self.generic_visit(node)
+        self.cls.pop()
+
+    def visit_FunctionDef(self, node):
+        args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+        self.params.setdefault(node.name, []).append([a.arg for a in args])
+        scope = f"{self.cls[-1]}.{node.name}" if self.cls[-1] else node.name
+        for a in args:  # `cfg: DatasetConfig` holds data.train or data.val
+            words = (
+                ast.unparse(a.annotation).replace("|", " ").replace('"', " ").split() if a.annotation else []
+            )
+            for w in words:
+                for p in self.section_paths.get(w, []):
+                    self.aliases.setdefault((scope, a.arg), set()).add(("<schema>", p))
+        for p in self.section_paths.get(self.cls[-1], []):  # in a schema class, self is that section
+            self.aliases.setdefault((scope, "self"), set()).add(("<schema>", p))
+        self.scope.append(scope)
+        self.generic_visit(node)
+        self.scope.pop()
+
+    def _alias(self, target, value):
+        t, v = self.chain(target), self.chain(value)
+        if t and v:  # `c = recipe.cluster`, `self.cfg = cfg`
+            scope = self.cls[-1] if t[0] == "self" and self.cls[-1] else self.scope[-1]
+            self.aliases.setdefault((scope, ".".join(t)), set()).add((self.scope[-1], v))
+
+    def visit_Assign(self, node):
+        for t in node.targets:
+            if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                for a, b in zip(t.elts, node.value.elts, strict=False):
+                    self._alias(a, b)
+            else:
+                self._alias(t, node.value)
+        self.generic_visit(node)
+
+    def visit_Call(self, node):
+        f = node.func
+        callee = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+        if callee:
+            kw = {k.arg: self.chain(k.value) for k in node.keywords if k.arg}
+            pos = [self.chain(a) for a in node.args]
+            self.calls.append((self.scope[-1], callee, pos, kw, isinstance(f, ast.Attribute)))
+        self.generic_visit(node)
+
+    def visit_Attribute(self, node):
+        c = self.chain(node)
+        if c:
+            self.chains.add((self.scope[-1], c))
+        self.generic_visit(node)
+
+
+def _read_chains(files: list[Path], section_paths) -> set[tuple[str, ...]]:
+    r = _Reads(section_paths)
+    for f in files:
+        r.visit(ast.parse(f.read_text()))
+    scopes = {s for s, _ in r.chains} | {s for s, _ in r.aliases}
+    for scope, callee, pos, kw, is_method in r.calls:  # `build_schedule(recipe.remedies.lr_schedule, ...)`
+        for names in r.params.get(callee, []):
+            names = names[1:] if is_method and names[:1] == ["self"] else names
+            for name, c in [*zip(names, pos, strict=False), *kw.items()]:
+                for s in (s for s in scopes if c and s.split(".")[-1] == callee):
+                    r.aliases.setdefault((s, name), set()).add((scope, c))
+
+    def expand(scope, c, depth=0):
+        yield c
+        cls = scope.split(".")[0] if "." in scope else None
+        for i in range(len(c), 0, -1) if depth < 6 else ():
+            key = ".".join(c[:i])
+            found = r.aliases.get((scope, key), set())
+            if cls and c[0] == "self":
+                found = found | r.aliases.get((cls, key), set())
+            if found:
+                for s2, a in found:
+                    if a != c[:i]:
+                        yield from expand(s2, (*a, *c[i:]), depth + 1)
+                return
+
+    return {full for scope, c in r.chains for full in expand(scope, c)}
+
+
+# Fields read only dynamically (getattr, model_dump into a call), with where. None so far.
+READ_DYNAMICALLY: dict[str, str] = {}
+
+
+def test_every_schema_field_is_read_somewhere():
+    """A recipe key that nothing reads is a lie: setting it changes nothing (rollout.engine, rollout.seed and
+    data.seed were such keys).
+
+    Method: parse every module of ``tim_megatron/`` and ``patches/`` and collect attribute chains
+    (``recipe.rollout.temperature``), resolving the names they start from through plain assignments
+    (``c = recipe.cluster``; ``self.cfg = cfg``), through call sites (``build_schedule(recipe.remedies.lr_schedule)``
+    makes ``cfg`` inside ``build_schedule`` that section), through parameter annotations naming a schema class
+    (``cfg: DatasetConfig``) and through ``self`` inside the schema's own classes. A field counts as read when a
+    chain holds its parent section's name followed by its own name (``rollout.seed``, not just ``.seed``, which
+    ``run.seed`` would satisfy). Plain grep for ``.seed`` cannot tell the two apart.
+    """
+    from tim_megatron.recipe.loader import _model_of
+    from tim_megatron.recipe.schema import Recipe
+
+    def walk(model, path=()):
+        for name, f in model.model_fields.items():
+            sub = _model_of(f.annotation)
+            yield (*path, name), sub
+            if sub is not None:
+                yield from walk(sub, (*path, name))
+
+    section_paths: dict[str, list[tuple[str, ...]]] = {"Recipe": [("recipe",)]}
+    for path, sub in walk(Recipe):
+        if sub is not None:
+            section_paths.setdefault(sub.__name__, []).append(("recipe", *path))
+    files = [*(ROOT / "tim_megatron").rglob("*.py"), *(ROOT / "patches").rglob("*.py")]
+    chains = _read_chains(files, section_paths)
+
+    def is_read(path):
+        want = path[-2:]
+        return any(c[i : i + 2] == want for c in chains for i in range(len(c) - 1))
+
+    unread = [".".join(p) for p, sub in walk(Recipe) if sub is None and not is_read(p)]
+    assert [k for k in unread if k not in READ_DYNAMICALLY] == [], "recipe keys nothing reads"
+    assert len(chains) > 1000  # the walk saw the package
+
+
+def test_an_unread_field_is_caught(tmp_path):
+    """The detector itself: a module that reads run.seed does not make rollout.seed read."""
+    mod = tmp_path / "m.py"
+    mod.write_text("def f(recipe):\n    s = recipe.run\n    return s.seed, recipe.rollout.n\n")
+    chains = _read_chains([mod], {"Recipe": [("recipe",)]})
+    assert ("recipe", "run", "seed") in chains and ("recipe", "rollout", "n") in chains
+    assert not any(c[i : i + 2] == ("rollout", "seed") for c in chains for i in range(len(c) - 1))
+
+
+def test_plain_yaml_scalars_follow_the_yaml_1_2_core_schema():
+    """YAML 1.1 (PyYAML's default) reads 0x10 as 16, 1_000 as 1000, yes/on as True, 72:00:00 as 259200 and
+    010 as 8; typed fields would then accept numbers nobody wrote. Here they stay text (and get refused)."""
+    cases = {
+        "0x10": "0x10",
+        "0o17": "0o17",
+        "1_000": "1_000",
+        "yes": "yes",
+        "on": "on",
+        "72:00:00": "72:00:00",
+        "2026-01-01": "2026-01-01",
+        "010": 10,
+        "-3": -3,
+        "1e-3": 1e-3,
+        "2.5": 2.5,
+        "true": True,
+        "False": False,
+        "~": None,
+    }
+    for raw, want in cases.items():
+        _, got = parse_override(f"a={raw}")
+        assert got == want and type(got) is type(want), (raw, got)
+    assert (
+        parse_override("a=.inf")[1] == float("inf")
+        and parse_override("a=.nan")[1] != parse_override("a=.nan")[1]
+    )
+
+
+def test_resolved_recipes_round_trip_through_the_strict_loader(tmp_path):
+    """A run folder's recipe.yaml (written by recipe_to_yaml) reads back to the same recipe: the YAML 1.2
+    scalars and strict types accept everything the dumper writes (floats like 1.0e-06, .inf, quoted strings)."""
+    from tim_megatron.recipe import recipe_to_yaml
+
+    paths = [p for p in sorted((ROOT / "recipes").rglob("*.yaml")) if "sweeps" not in p.parts]
+    for p in paths:
+        r = load_recipe(p).recipe
+        f = tmp_path / "run" / "recipe.yaml"
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(recipe_to_yaml(r))
+        assert load_recipe(f).recipe == r, p
+    inf = load_recipe(paths[0], ["diagnostics.objective_injection.sigma=.inf"]).recipe
+    f.write_text(recipe_to_yaml(inf))
+    assert load_recipe(f).recipe == inf

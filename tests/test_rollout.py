@@ -76,14 +76,16 @@ def test_corrupted_syncs_raise(fp32):
 
 def test_vexact_recompute_is_exact_and_injection_scales(fp32):
     assert fp32["recompute_bitwise_repeatable"]
-    assert fp32["vexact_std"] == 0.0 and fp32["vexact_max"] == 1.0
+    assert fp32["vexact_std"] == 0.0 and fp32["vexact_max"] == 1.0  # two forwards, compared as the loop does
+    assert fp32["stale_rollout_std"] > 0  # the same comparison against another policy's logprobs sees it
     s = fp32["precision_injection_std"]
     assert 0 < s[10] < s[7] < s[4]
 
 
 def test_long_prompt_refused_before_generation(fp32):
     assert "prompt 0 has 56 tokens, more than data.max_prompt_tokens = 16" in fp32["long_prompt_error"]
-    assert fp32["requests_after_bad_prompt"] == 0
+    assert fp32["requests_after_bad_prompt"] == 0  # vLLM never saw it
+    assert fp32["requests_after_good_prompt"] == 1  # while a good prompt is counted
 
 
 def test_fp32_lm_head_reduces_the_bf16_mismatch(tmp_path):

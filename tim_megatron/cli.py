@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     add_completion=False,
@@ -23,7 +24,8 @@ err = Console(stderr=True)
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, markup=True, soft_wrap=True)
+    # The message quotes user input (values, paths): "[/x]" in it is text, not rich markup.
+    err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -54,7 +56,7 @@ def recipe_check(
     results = check_dir(root) if root.is_dir() else check_dir_single(root)
     bad = [(p, e) for p, e in results if e]
     for p, e in results:
-        console.print(f"{'[green]ok[/]  ' if not e else '[red]FAIL[/]'} {p}", highlight=False)
+        console.print(f"{'[green]ok[/]  ' if not e else '[red]FAIL[/]'} {escape(str(p))}", highlight=False)
         if e:
             console.print("      " + e.replace("\n", "\n      "), highlight=False, markup=False)
     console.print(f"{len(results) - len(bad)}/{len(results)} recipes valid", highlight=False)
@@ -377,7 +379,7 @@ def report_cmd(
     """Build report/<name>/index.html: curves, scatter, bucket drift, surrogate J, warnings, ranked table."""
     from tim_megatron.report.analysis import WarningSettings
     from tim_megatron.report.build import build_report, table_text
-    from tim_megatron.report.runs import resolve_sweep
+    from tim_megatron.report.runs import resolve_sweep, shown, valid_id
 
     paths = list(runs or [])
     if sweep:
@@ -389,17 +391,25 @@ def report_cmd(
     if not paths:
         _fail("give run folders, or --sweep SWEEP_ID | SWEEP_FILE | latest")
     name = name or sweep or "comparison"
-    res = build_report(
-        paths,
-        out or Path("report") / name,
-        title=name,
-        settings=WarningSettings(
-            baseline_steps=baseline_steps, window=window, threshold=threshold, collapse_drop=collapse_drop
-        ),
-    )
+    if not valid_id(name):  # it names the folder under report/ and titles the page
+        _fail(
+            f"--name {shown(name)}: a report name uses letters, digits, '.', '_' and '-', starts with a letter "
+            "or digit and has at most 100 characters; pick such a name"
+        )
+    try:
+        res = build_report(
+            paths,
+            out or Path("report") / name,
+            title=name,
+            settings=WarningSettings(
+                baseline_steps=baseline_steps, window=window, threshold=threshold, collapse_drop=collapse_drop
+            ),
+        )
+    except ValueError as e:  # a report file that would land outside its folder
+        _fail(str(e))
     print(table_text(res["rows"]))
     for n in res["notices"]:
-        console.print(f"[yellow]notice[/]: {n}", highlight=False)
+        console.print(f"[yellow]notice[/]: {escape(n)}", highlight=False)  # notices quote run folders
     console.print(
         f"report: {res['out'] / 'index.html'}  (summary.csv beside it; {res['seconds']:.1f} s)",
         highlight=False,

@@ -165,11 +165,20 @@ def scenario_fp32(out: dict, overrides) -> None:
     one, _ = tr.logprobs(SeqBatch(ids2, len2), quantize_bits=7)
     again, _ = tr.logprobs(SeqBatch(ids2, len2))
     out["recompute_bitwise_repeatable"] = bool(torch.equal(one.logprobs, again.logprobs))
-    m0 = compute_mismatch(train_logprobs=one.logprobs, infer_logprobs=one.logprobs.clone(), mask=mask)
+    # Two separate forwards (one also quantizing on the side), compared as the mismatch metric sees them: VeXact
+    # needs exactly rho == 1 here. The same metric on vLLM's logprobs from before the update is the control that
+    # shows the comparison can see a difference.
+    m0 = compute_mismatch(train_logprobs=again.logprobs, infer_logprobs=one.logprobs, mask=mask)
     out["vexact_std"], out["vexact_max"] = (
         m0["mismatch/old_vs_rollout/rho_std"],
         m0["mismatch/old_vs_rollout/rho_max"],
     )
+    stale = torch.zeros(ids2.shape)
+    for i, s in enumerate(samples):
+        stale[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.response_ids)] = torch.tensor(s.logprobs)
+    out["stale_rollout_std"] = compute_mismatch(
+        train_logprobs=again.logprobs, infer_logprobs=stale, mask=mask
+    )["mismatch/old_vs_rollout/rho_std"]
     stds = {}
     for bits in (10, 7, 4):
         q, _ = tr.logprobs(SeqBatch(ids2, len2), quantize_bits=bits)
@@ -181,15 +190,17 @@ def scenario_fp32(out: dict, overrides) -> None:
     # Bad input is refused before anything is generated.
     from tim_megatron.rollout.engine import RolloutInputError
 
-    before = eng.llm.llm_engine.get_num_unfinished_requests() if hasattr(eng.llm, "llm_engine") else 0
+    # vLLM numbers every request it is given (LLM.request_counter): a refused prompt must not move it, and one
+    # good prompt moves it by exactly one, so the count can tell the two apart.
+    before = eng.llm.request_counter.counter
     try:
         eng.generate([list(range(2, 30)) * 2], step=9)
         out["long_prompt_error"] = None
     except RolloutInputError as e:
         out["long_prompt_error"] = str(e)
-    out["requests_after_bad_prompt"] = (
-        eng.llm.llm_engine.get_num_unfinished_requests() if hasattr(eng.llm, "llm_engine") else 0
-    ) - before
+    out["requests_after_bad_prompt"] = eng.llm.request_counter.counter - before
+    eng.generate([eng.tokenizer.encode(PROMPTS[0])], step=9, n=1)
+    out["requests_after_good_prompt"] = eng.llm.request_counter.counter - before
 
 
 def scenario_precision(out: dict, overrides) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -71,19 +72,20 @@ class Tracker:
         tags = [*cfg.tags, self.recipe.rl.loss]
         if self.recipe.run.sweep_id:
             tags.append(f"sweep:{self.recipe.run.sweep_id}")
-        return wandb.init(
-            project=cfg.project,
-            entity=cfg.entity,
-            name=name,
-            id=run_id,
-            resume="allow",
-            mode=mode,
-            dir=str(self.run_dir),
-            config=self.recipe.model_dump(mode="json"),
-            tags=tags,
-            group=self.recipe.run.sweep_id,
-            settings=wandb.Settings(silent=True),
-        )
+        with _no_weave():
+            return wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=name,
+                id=run_id,
+                resume="allow",
+                mode=mode,
+                dir=str(self.run_dir),
+                config=self.recipe.model_dump(mode="json"),
+                tags=tags,
+                group=self.recipe.run.sweep_id,
+                settings=wandb.Settings(silent=True),
+            )
 
     def log(self, step: int, metrics: dict, *, events: list | None = None) -> None:
         if not self.enabled:
@@ -128,6 +130,24 @@ class Tracker:
             stacklevel=2,
         )
         self.wandb = None
+
+
+@contextlib.contextmanager
+def _no_weave():
+    """Switch off wandb's Weave integration for ``wandb.init`` only.
+
+    vLLM imports ``openai``, so wandb >= 0.19 prints "Detected [openai] in use" and a Weave advertisement at every
+    init (``wandb/integration/weave/weave.py``, read at init time). ``WANDB_DISABLE_WEAVE`` is its documented
+    off switch; it has no ``wandb.Settings`` field. A value the user set is left as it is.
+    """
+    if "WANDB_DISABLE_WEAVE" in os.environ:
+        yield
+        return
+    os.environ["WANDB_DISABLE_WEAVE"] = "true"
+    try:
+        yield
+    finally:
+        os.environ.pop("WANDB_DISABLE_WEAVE", None)
 
 
 def read_metrics(path: Path, problems: list[str] | None = None) -> list[dict]:

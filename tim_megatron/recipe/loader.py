@@ -1,6 +1,12 @@
 """Load a recipe: resolve ``base:`` inheritance, apply dotted overrides, validate.
 
 Every error names the file that set the offending key, the dotted key, the bad value and what is allowed.
+
+YAML is read with limits, because a recipe may come from anyone: at most :data:`MAX_YAML_BYTES` per file,
+:data:`MAX_YAML_NODES` values once aliases are expanded (a 600-byte "billion laughs" file expands to 10^9),
+:data:`MAX_YAML_DEPTH` levels of nesting, and error messages clipped to :data:`MAX_ERROR_CHARS`. Plain
+scalars follow the YAML 1.2 core schema: ``0x10``, ``0o17``, ``1_000``, ``yes``/``on`` and ``1:30`` are
+strings, not numbers or booleans, so a typed field refuses them instead of silently reading 16 or True.
 """
 
 from __future__ import annotations
@@ -8,6 +14,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,28 +24,156 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tim_megatron.recipe.schema import Recipe, RecipeValueError
+from tim_megatron.recipe.schema import NAME_PATTERN, Recipe, RecipeValueError
 
 OVERRIDE_SOURCE = "command line"
+MAX_YAML_BYTES = 1 << 20
+"""A recipe file larger than this (1 MiB) is refused before it is parsed; shipped recipes are < 4 KiB."""
+MAX_YAML_NODES = 100_000
+"""Most values one YAML document may hold once every alias is expanded."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and lists in one YAML document (recipes use about 5)."""
+MAX_ERROR_CHARS = 4000
+"""Longest error message a recipe can produce; longer ones are clipped, saying how much was left out."""
+MAX_VALUE_CHARS = 200
+"""Longest rendering of one bad value inside an error message."""
+MAX_ERROR_LINES = 20
+"""Most validation problems listed in one error; the rest are counted."""
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)[eE][-+]?\d+$"),
-    list("-+0123456789."),
-)
-
-
-def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
+def clip(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 class RecipeError(ValueError):
     """A recipe that cannot be loaded; the message says where, what and what is allowed."""
+
+    def __init__(self, message: str):
+        super().__init__(clip(str(message), MAX_ERROR_CHARS))
+
+
+class YAMLLimitError(RecipeError, yaml.YAMLError):
+    """YAML over a size, alias-expansion or depth limit (also a ``yaml.YAMLError`` for callers that catch that)."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with the YAML 1.2 core schema's plain scalars: decimal ints, floats (``1e-6`` included,
+    ``.inf``, ``.nan``), ``true``/``false``, ``null``. Everything else plain is a string."""
+
+    yaml_implicit_resolvers: typing.ClassVar[dict] = {}
+
+    def construct_yaml_int(self, node):
+        return int(self.construct_scalar(node), 10)  # "010" is ten, not YAML 1.1's octal eight
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+for _tag, _regex, _first in (
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+    ("int", r"^[-+]?[0-9]+$", "-+0123456789"),
+    (
+        "float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
+):
+    _Loader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_regex), list(_first))
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int], path: set[int], depth: int = 0) -> int:
+    """Values under ``node`` with every alias expanded: linear in the distinct nodes (memoized by identity)."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in path:
+        raise YAMLLimitError("an alias refers to a node that contains it (recursive YAML is not allowed)")
+    if depth > MAX_YAML_DEPTH:
+        raise YAMLLimitError(f"nested more than {MAX_YAML_DEPTH} levels deep")
+    path.add(key)
+    n = 1
+    if isinstance(node, yaml.SequenceNode):
+        n += sum(_expanded_size(c, memo, path, depth + 1) for c in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n += sum(
+            _expanded_size(k, memo, path, depth + 1) + _expanded_size(v, memo, path, depth + 1)
+            for k, v in node.value
+        )
+    path.discard(key)
+    memo[key] = n
+    return n
+
+
+def yaml_load(text: str) -> Any:
+    """One YAML document, refused (:class:`YAMLLimitError`) before it is built if it is too big or too deep."""
+    if len(text) > MAX_YAML_BYTES:
+        raise YAMLLimitError(f"{len(text)} characters of YAML; at most {MAX_YAML_BYTES} are read")
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {}, set())
+        if size > MAX_YAML_NODES:
+            raise YAMLLimitError(
+                f"{size} values once aliases (*name) are expanded; at most {MAX_YAML_NODES} are allowed "
+                "(write the values out, or use base: to share settings between recipes)"
+            )
+        try:
+            return loader.construct_document(node)
+        except (ValueError, TypeError, OverflowError) as e:  # e.g. `!!int 0x10`, `!!float abc`
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read this value: {e}", node.start_mark
+            ) from None
+    except RecursionError:
+        raise YAMLLimitError(f"nested more than {MAX_YAML_DEPTH} levels deep") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml_file(path: str | Path) -> Any:
+    """The YAML document in ``path``; :class:`RecipeError` names the file and what is wrong with it."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: recipe file not found") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise RecipeError(
+            f"{path}: is a folder, not a recipe file; give a .yaml file (`tim recipe check {path}` checks every "
+            "recipe in a folder)"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise RecipeError(f"{path}: not a regular file; a recipe is a YAML text file")
+    if st.st_size > MAX_YAML_BYTES:
+        raise RecipeError(
+            f"{path}: {st.st_size} bytes; a recipe file may have at most {MAX_YAML_BYTES} bytes "
+            "(recipes are short YAML diffs over a base: recipe)"
+        )
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot be read ({e.strerror})") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise RecipeError(f"{path}: more than {MAX_YAML_BYTES} bytes; a recipe file may have at most that")
+    try:
+        if b"\0" in raw:
+            raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(
+            f"{path}: not a text file (byte {e.start} is not UTF-8 text); a recipe is a YAML text file"
+        ) from None
+    try:
+        return yaml_load(text)
+    except YAMLLimitError as e:
+        raise RecipeError(f"{path}: refused: {e}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
 
 
 @dataclass
@@ -58,14 +193,7 @@ class LoadedRecipe:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: recipe file not found") from None
-    try:
-        data = yaml_load(text)
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    data = read_yaml_file(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -93,8 +221,17 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MAX_RECIPE_FILES = 64
+"""Most files one recipe may read through its base: chain (each at most MAX_YAML_BYTES)."""
+
+
 def _resolve(path: Path, stack: list[Path], chain: list[Path], prov: dict[str, str]) -> dict[str, Any]:
     path = path.resolve()
+    if len(chain) >= MAX_RECIPE_FILES:
+        raise RecipeError(
+            f"{stack[-1] if stack else path}: the base: chain reads more than {MAX_RECIPE_FILES} files; "
+            "flatten the inheritance"
+        )
     if path in stack:
         cycle = " -> ".join(str(p) for p in [*stack[stack.index(path) :], path])
         raise RecipeError(f"{stack[-1]}: cyclic base chain: {cycle}")
@@ -131,6 +268,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise RecipeError(f"override {text!r}: bad dotted key {key!r}")
     try:
         value = yaml_load(raw) if raw.strip() else ""
+    except YAMLLimitError as e:
+        raise RecipeError(f"override {key}=...: refused: {e}") from None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -195,27 +334,39 @@ def _did_you_mean(loc: tuple[Any, ...]) -> str:
             return f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)"
     dotted = ".".join(str(p) for p in loc)
     keys = all_keys()
-    tail_matches = [k for k in keys if k.endswith("." + name)]
-    close = tail_matches or difflib.get_close_matches(dotted, keys, n=1, cutoff=0.75)
-    if close:
-        return f" (did you mean '{close[0]}'?)"
+    elsewhere = [k for k in keys if k.endswith("." + name)]  # the right name in the wrong section
+    if elsewhere:
+        return f" (did you mean '{elsewhere[0]}'?)"
     if parent is not None:
         return f"; allowed here: {', '.join(parent.model_fields)}"
-    return ""
+    close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _source_of(key: str, prov: dict[str, str]) -> str:
+    """Who set ``key``: itself, else whoever set something below it (``cluster.env.X.Y=1`` makes ``cluster.env.X``
+    a mapping, so the command line is to blame), else whoever set the section it is in."""
+    if key in prov:
+        return prov[key]
+    below = sorted({src for k, src in prov.items() if k.startswith(key + ".")})
+    if below:
+        return OVERRIDE_SOURCE if OVERRIDE_SOURCE in below else ", ".join(below)
     parts = key.split(".")
-    for i in range(len(parts), 0, -1):
+    for i in range(len(parts) - 1, 0, -1):
         src = prov.get(".".join(parts[:i]))
         if src is not None:
             return src
     return "defaults"
 
 
+def _value(v: Any) -> str:
+    return clip(repr(v), MAX_VALUE_CHARS)
+
+
 def _format_validation(err: ValidationError, prov: dict[str, str]) -> str:
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors[:MAX_ERROR_LINES]:
         loc = tuple(p for p in e["loc"])
         key = ".".join(str(p) for p in loc)
         ctx_err = (e.get("ctx") or {}).get("error")
@@ -228,8 +379,30 @@ def _format_validation(err: ValidationError, prov: dict[str, str]) -> str:
             lines.append(f"{src}: unknown key '{key}'{_did_you_mean(loc)}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{src}: {key} = {e['input']!r}: {msg}")
+            lines.append(f"{src}: {key} = {_value(e['input'])}: {msg}{_hint(e)}")
+    if len(errors) > MAX_ERROR_LINES:
+        lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more problems")
     return "\n".join(lines)
+
+
+def _hint(e: dict) -> str:
+    """How to write the value the field wants, for the strict-type errors people actually hit."""
+    v, t = e.get("input"), e["type"]
+    if t == "int_type" and isinstance(v, bool):
+        return f" (a boolean is not a number: write the number, e.g. {int(v)})"
+    if t == "int_type" and isinstance(v, float):
+        return " (write a whole number without a decimal point or exponent, e.g. 1000 not 1e3)"
+    if t == "int_type" and isinstance(v, str):
+        return " (write a plain decimal number: hex, octal and digit separators are not read as numbers)"
+    if t in ("bool_type", "bool_parsing"):
+        return " (write true or false)"
+    if t == "string_pattern_mismatch" and e.get("ctx", {}).get("pattern") == NAME_PATTERN:
+        return " (use letters, digits, '.', '_' and '-', starting with a letter or digit, at most 100 characters)"
+    if t == "finite_number":
+        return " (NaN and infinity are not allowed here)"
+    if t == "string_type" and isinstance(v, int | float):
+        return f" (quote it to make it text: '{v}')"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------- API
@@ -273,6 +446,12 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     data, prov, chain = resolve_dict(path, overrides)
     recipe = validate_recipe(data, prov)
     name = recipe.run.name or derive_name(Path(path) if path is not None else None)
+    if not re.fullmatch(NAME_PATTERN, name):  # run.name is checked by the schema; a derived one here
+        raise RecipeError(
+            f"{path}: the run name derived from this file's folder and name is {name!r}, which is not allowed "
+            f"(letters, digits, '.', '_' and '-', starting with a letter or digit, at most 100 characters: "
+            f"{NAME_PATTERN}); rename the file (or its folder), or set run.name"
+        )
     return LoadedRecipe(
         recipe=recipe,
         path=Path(path) if path is not None else None,
@@ -293,7 +472,7 @@ def check_dir(root: str | Path) -> list[tuple[Path, str | None]]:
 
     results = []
     for p in sorted(Path(root).rglob("*.yaml")):
-        try:
+        try:  # a folder, a binary or an unreadable file named *.yaml fails here too, and the check goes on
             if is_sweep_file(p):
                 load_sweep(p)
             else:

@@ -8,16 +8,36 @@ files, applies dotted overrides and validates the result against :class:`Recipe`
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+"""Run names and sweep ids: they become folder names, Slurm job names and wandb names."""
+INT_LIMIT = 2**31 - 1
+"""No integer knob is sane beyond int32 (steps, sizes, seeds); larger values are typos or attacks."""
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    """Strict: ``true`` is not 1, ``1e29`` is not an integer, ``"3"`` is not 3; no NaN or infinity in a float
+    unless its field says so (``allow_inf_nan=True``), and no integer beyond :data:`INT_LIMIT`."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        strict=True,
+        allow_inf_nan=False,
+    )
+
+    @field_validator("*")
+    @classmethod
+    def _int_range(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_LIMIT:
+            raise ValueError(f"integers here must lie within +-{INT_LIMIT} (2**31 - 1)")
+        return v
 
 
 class RecipeValueError(ValueError):
@@ -99,7 +119,7 @@ class ModelConfig(Section):
     """Coefficient of the load-balancing loss when ``load_balancing: aux_loss``."""
     freeze_router: bool = False
     """Keep router weights fixed during RL (no gradient, no update)."""
-    tiny_seed: int = 0
+    tiny_seed: int = Field(0, ge=0)
     """Seed of the built-in tiny model's weights (``path: tiny`` only)."""
     tiny_warmup_steps: int = Field(300, ge=0)
     """Supervised format warm-up steps baked into the tiny checkpoint, so rewards start above zero."""
@@ -136,8 +156,6 @@ class ParallelismConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["vllm"] = "vllm"
-    """Rollout engine. (VeXact's trainer-sampler mode lives under ``diagnostics.vexact``.)"""
     dtype: Dtype | None = None
     """vLLM weight/compute dtype. Unset: float16 with ``remedies.fp16``, else bfloat16."""
     n: int = Field(8, ge=1)
@@ -156,8 +174,6 @@ class RolloutConfig(Section):
     """Strings that end a response early (the EOS token always does)."""
     logprobs_after_temperature: bool = True
     """Rollout logprobs are of softmax(logits / temperature), and the trainer uses the same convention."""
-    seed: int = 0
-    """Base sampling seed; each step and sample derives its own from it."""
     gpu_memory_utilization: float = Field(0.35, gt=0, le=1)
     """Fraction of GPU memory vLLM may take when colocated with the trainer (GPU only)."""
     cpu_memory_utilization: float = Field(0.2, gt=0, le=1)
@@ -334,9 +350,10 @@ class ObjectiveInjection(Section):
     """Biased: weight of tokens whose old-policy probability is below ``pi_low``."""
     pi_low: float = Field(0.1, gt=0, lt=1)
     """Biased: probability threshold defining low-probability tokens."""
-    sigma: float = Field(0.2, ge=0)
-    """Unbiased: std of the per-token weight noise."""
-    seed: int = 0
+    sigma: float = Field(0.2, ge=0, allow_inf_nan=True)
+    """Unbiased: std of the per-token weight noise. ``.inf`` is allowed on purpose: it makes every update
+    non-finite, which is how the NaN guard is exercised."""
+    seed: int = Field(0, ge=0)
     """Seed of the unbiased noise (each step derives its own)."""
 
 
@@ -351,7 +368,7 @@ class LogprobInjection(Section):
     """Drift: added to every affected rollout logprob (log-space; 0.0047 ~ the rho=1.0047 example)."""
     drift_pi_low: float | None = Field(None, gt=0, le=1)
     """Drift: only tokens below this trainer probability drift; unset: all tokens."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of the noise (each step derives its own)."""
 
 
@@ -445,8 +462,6 @@ class DataConfig(Section):
     """Prompts per RL step (each gets ``rollout.n`` responses)."""
     val_prompts: int = Field(32, ge=1)
     """Validation prompts per evaluation."""
-    seed: int = 0
-    """Shuffling seed."""
     max_prompt_tokens: int = Field(64, ge=1)
     """Prompts longer than this (in tokens) are an error at load time."""
 
@@ -522,17 +537,17 @@ class ClusterConfig(Section):
 
 
 class RunConfig(Section):
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    name: str | None = Field(None, pattern=NAME_PATTERN)
     """Run name: letters, digits, '.', '_' and '-' (unset: derived from the recipe's folder and file)."""
     steps: int = Field(20, ge=1)
     """RL steps."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Global seed."""
     output_dir: str = "runs"
     """Folder holding ``<name>/<timestamp>/`` run folders."""
     val_every: int = Field(0, ge=0)
     """Validate every this many steps (0: off)."""
-    sweep_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    sweep_id: str | None = Field(None, pattern=NAME_PATTERN)
     """Set by ``make sweep``: tags every variant of one sweep."""
 
 
@@ -779,5 +794,3 @@ def _check(r: Recipe) -> None:
             ["remedies.lr_schedule.decay_period", "remedies.lr_schedule.trigger_step"],
             "length_decay with trigger = step needs decay_period, or a trigger_step > 0 to derive it from",
         )
-    if not math.isfinite(r.optim.lr):
-        raise RecipeValueError(["optim.lr"], f"optim.lr = {r.optim.lr} is not finite")

@@ -6,9 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from tim_megatron.recipe.loader import LoadedRecipe, RecipeError, load_recipe, yaml_load
+from tim_megatron.recipe.loader import LoadedRecipe, RecipeError, load_recipe, read_yaml_file
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -37,18 +35,17 @@ class Sweep:
 
 def is_sweep_file(path: Path) -> bool:
     try:
-        data = yaml_load(Path(path).read_text())
-    except yaml.YAMLError:
+        data = read_yaml_file(path)  # the recipe loader's limits apply to sweep files too
+    except RecipeError:
         return False
     return isinstance(data, dict) and "variants" in data and "base_recipe" in data
 
 
 def load_sweep(path: str | Path) -> Sweep:
     path = Path(path)
-    try:
-        data = yaml_load(path.read_text())
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: sweep file not found") from None
+    if not path.exists():
+        raise RecipeError(f"{path}: sweep file not found")
+    data = read_yaml_file(path)
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a sweep file must be a mapping")
     unknown = set(data) - {"name", "base_recipe", "variants", "description"}

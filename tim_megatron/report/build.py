@@ -2,6 +2,10 @@
 
 The page is static and self-contained (relative image links, inline CSS, no scripts), readable without a
 server. The summary table ranks variants by mismatch growth and also goes to stdout and CSV.
+
+Every file is written through :func:`~tim_megatron.report.plots.inside`, so none lands outside ``out``; text
+from run folders is HTML-escaped on the page, and reaches the generated ``wandb_report.py`` only as Python
+literals written by ``repr`` (never spliced into code).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 
 from tim_megatron.report import plots
 from tim_megatron.report.analysis import WarningSettings, ranked, summarize
+from tim_megatron.report.plots import inside
 from tim_megatron.report.runs import load_runs
 
 CSS = """
@@ -78,24 +83,26 @@ def build_report(
     summaries = {r.name: summarize(r, settings) for r in runs}
     order = ranked(list(summaries.values()))
     rows = [s.row() for s in order]
-    with open(out / "summary.csv", "w", newline="") as f:
+    with open(inside(out, "summary.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [k for k, _ in COLUMNS])
         w.writeheader()
         w.writerows(rows)
     figs = {
         "curves": plots.curve_panels(runs, summaries, out) if runs else [],
-        "scatter": plots.scatter_panels(runs, out) if runs else [],
+        "scatter": plots.scatter_panels(runs, out, notices) if runs else [],
         "buckets": plots.bucket_panels(runs, out) if runs else [],
         "surrogate": plots.surrogate_panel(runs, out) if runs else [],
     }
     no_dumps = [r.name for r in runs if not r.dumps]
-    (out / "index.html").write_text(_page(title or out.name, runs, rows, figs, notices, no_dumps, settings))
-    (out / "report.json").write_text(
+    (inside(out, "index.html")).write_text(
+        _page(title or out.name, runs, rows, figs, notices, no_dumps, settings)
+    )
+    inside(out, "report.json").write_text(
         json.dumps(
             {"runs": [str(r.path) for r in runs], "summary": rows, "notices": notices}, indent=1, default=str
         )
     )
-    _wandb_helper(out, runs)
+    _wandb_helper(out, runs, title or out.name)
     return {
         "rows": rows,
         "notices": notices,
@@ -155,14 +162,18 @@ def _page(title, runs, rows, figs, notices, no_dumps, s: WarningSettings) -> str
     return "\n".join(parts)
 
 
-def _wandb_helper(out: Path, runs) -> None:
-    """A script that rebuilds the curve panels as a wandb report for runs that were logged online (optional)."""
+def _wandb_helper(out: Path, runs, title: str) -> None:
+    """A script that rebuilds the curve panels as a wandb report for runs that were logged online (optional).
+
+    Its only inputs are three constants written with ``repr`` (a list of hex ids, a list of metric names, the
+    title string): whatever the title holds, it stays a string literal.
+    """
     import hashlib
 
     ids = [hashlib.blake2b(str(r.path.resolve()).encode(), digest_size=6).hexdigest() for r in runs]
     keys = [k for k, *_ in plots.CURVES]
-    (
-        out / "wandb_report.py"
+    inside(
+        out, "wandb_report.py"
     ).write_text(f'''"""Optional: the same comparison as a wandb report, for runs logged online.
 
 Needs `pip install wandb-workspaces` and network access; nothing in tim-megatron depends on it.
@@ -174,11 +185,12 @@ import wandb_workspaces.reports.v2 as wr
 
 RUN_IDS = {ids!r}
 METRICS = {keys!r}
+TITLE = {"tim-megatron: " + title!r}
 
 entity, project = sys.argv[1], sys.argv[2]
 runset = wr.Runset(entity=entity, project=project, filters="Run.ID in " + repr(RUN_IDS))
 panels = [wr.LinePlot(title=m, x="Step", y=[m]) for m in METRICS]
-report = wr.Report(entity=entity, project=project, title="tim-megatron: {out.name}",
+report = wr.Report(entity=entity, project=project, title=TITLE,
                    blocks=[wr.PanelGrid(runsets=[runset], panels=panels)])
 report.save()
 print(report.url)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tim_megatron.report.analysis import RunSummary, pearson
-from tim_megatron.report.runs import RunData, read_dump
+from tim_megatron.report.runs import DumpError, RunData, read_dump
 
 
 class Curve(NamedTuple):
@@ -69,7 +69,17 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 8, "figure.dpi": 110})
+    # Run names, folder names and metric keys come from run folders: "$...$" in them is text, never mathtext.
+    plt.rcParams.update(
+        {
+            "font.size": 10,
+            "axes.titlesize": 11,
+            "legend.fontsize": 8,
+            "figure.dpi": 110,
+            "text.parse_math": False,
+            "text.usetex": False,
+        }
+    )
     return plt
 
 
@@ -126,8 +136,16 @@ def _label(ax, title: str, ylabel: str, xlabel: str = "RL step") -> None:
     ax.grid(alpha=0.3)
 
 
+def inside(root: Path, name: str) -> Path:
+    """``root / name``, refused unless it resolves to a file directly inside ``root``."""
+    target = (root / name).resolve()
+    if target.parent != root.resolve():
+        raise ValueError(f"report file {name!r} would be written outside {root}")
+    return target
+
+
 def _save(plt, fig, out: Path, name: str) -> str:
-    fig.savefig(out / name)
+    fig.savefig(inside(out, name))
     plt.close(fig)
     return name
 
@@ -172,8 +190,8 @@ def curve_panels(runs: list[RunData], summaries: dict[str, RunSummary], out: Pat
     return made
 
 
-def scatter_panels(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
-    """pi_train vs pi_infer from each run's earliest and latest token dumps."""
+def scatter_panels(runs: list[RunData], out: Path, notices: list[str] | None = None) -> list[tuple[str, str]]:
+    """pi_train vs pi_infer from each run's earliest and latest token dumps (an unreadable one is a notice)."""
     plt = _plt()
     made = []
     for r in runs:
@@ -184,7 +202,13 @@ def scatter_panels(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
             1, len(picks), figsize=(5.6 * len(picks), 5.0), constrained_layout=True, squeeze=False
         )
         for ax, path in zip(axes[0], picks, strict=True):
-            d = read_dump(path)
+            try:
+                d = read_dump(path)
+            except DumpError as e:
+                if notices is not None:
+                    notices.append(f"{e}; its panel is empty")
+                ax.text(0.5, 0.5, "unreadable dump", ha="center", va="center", transform=ax.transAxes)
+                continue
             x, y = d.get("pi_train"), d.get("pi_infer")
             step = int(d["step"][0]) if len(d.get("step", [])) else -1
             ok = np.isfinite(x) & np.isfinite(y) if x is not None else None

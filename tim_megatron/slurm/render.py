@@ -2,13 +2,16 @@
 
 Safety rules, all enforced here:
 
-* values that become ``#SBATCH`` directives (job name, partition, account, QoS, time, memory) must match
-  strict patterns; anything else is rejected with the key and the value;
-* values that reach shell lines (run folder, python, container image and mounts, environment values)
-  are ``shlex.quote``d; environment names must be identifiers;
+* the template is filled in one pass from a dict of finished values: every ``@NAME@`` is replaced once, and
+  text a value brings in is never scanned again, so a value that contains ``@OTHER@`` stays literal text;
+* values that become ``#SBATCH`` directives (job name, partition, account, QoS, time, memory, the log path)
+  must match strict patterns; anything else is rejected with the key, the value and what is allowed;
+* values that reach shell lines (run folder, python, container image and mounts, environment values) are
+  ``shlex.quote``d as the last step before they go into the dict, and may not hold control characters;
+  environment names must be identifiers;
 * recipe overrides never reach the script (they are applied in the run folder's ``recipe.yaml``);
-* secrets are not rendered: ``WANDB_API_KEY``, ``HF_TOKEN`` and the like are refused in ``cluster.env``
-  and pass through the submitting shell's environment instead.
+* secrets are not rendered: ``WANDB_API_KEY``, ``HF_TOKEN``, ``GITHUB_PAT`` and the like are refused in
+  ``cluster.env`` and pass through the submitting shell's environment instead.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from pathlib import Path
 from tim_megatron.recipe.schema import Recipe
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "launch" / "tim.sbatch"
-SECRET_NAMES = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD|PASSWD)", re.IGNORECASE)
+PLACEHOLDER = re.compile(r"@([A-Z][A-Z_]*)@")
+
+SECRET_WORDS = re.compile(
+    r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|PRIVATE|COOKIE|SESSION", re.IGNORECASE
+)
+SECRET_PARTS = {"PAT"}
+"""Whole ``_``-separated parts that name a secret (``GITHUB_PAT``); as a substring ``PAT`` would catch ``PATH``."""
 
 PATTERNS = {
     "cluster.job_name": r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}",
@@ -30,17 +39,44 @@ PATTERNS = {
     "cluster.qos": r"[A-Za-z0-9_.-]{1,100}",
     "cluster.time": r"(\d+-)?\d{1,3}(:\d{2}){0,2}|UNLIMITED|INFINITE",
     "cluster.mem": r"\d+[KMGT]?",
+    # Slurm expands %j and friends in --output, sbatch splits directives on whitespace, and pyxis splits
+    # mounts on ',' and ':'; so the run folder that goes into them is held to plain path characters.
+    "run folder": r"/[A-Za-z0-9._/+=~@-]*",
 }
+ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class RenderError(ValueError):
     pass
 
 
+FIXES = {"run folder": "set run.output_dir to a folder whose absolute path uses only these characters"}
+
+
 def _check(key: str, value: str) -> str:
-    if not re.fullmatch(PATTERNS[key], value):
-        raise RenderError(f"{key} = {value!r}: not allowed in a Slurm directive (must match {PATTERNS[key]})")
+    if not isinstance(value, str) or not re.fullmatch(PATTERNS[key], value):
+        raise RenderError(
+            f"{key} = {value!r}: not allowed in a Slurm directive (must match {PATTERNS[key]}); "
+            f"{FIXES.get(key, f'change {key}')}"
+        )
     return value
+
+
+def _shell(key: str, value: str) -> str:
+    """One shell word holding exactly ``value``."""
+    bad = CONTROL.search(value)
+    if bad:
+        raise RenderError(
+            f"{key} = {value!r}: control character {bad.group()!r} at position {bad.start()} is not allowed "
+            "in a job script value; remove it"
+        )
+    return shlex.quote(value)
+
+
+def is_secret_name(name: str) -> bool:
+    """``WANDB_API_KEY``, ``HF_TOKEN``, ``GITHUB_PAT``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``SESSION_COOKIE``..."""
+    return bool(SECRET_WORDS.search(name)) or any(p.upper() in SECRET_PARTS for p in name.split("_"))
 
 
 def procs_per_node(recipe: Recipe) -> int:
@@ -58,13 +94,82 @@ def procs_per_node(recipe: Recipe) -> int:
     return per
 
 
-def render(recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None = None) -> str:
+def fill(template: str, values: dict[str, str]) -> str:
+    """Replace every ``@NAME@`` of ``template`` by ``values[NAME]`` in a single pass.
+
+    ``re.sub`` never rescans what a replacement inserted, so no value can smuggle in another placeholder.
+    A placeholder without a value, or a value without a placeholder, is a bug in the template or here.
+    """
+    wanted = set(PLACEHOLDER.findall(template))
+    if wanted != set(values):
+        raise RenderError(
+            f"template {TEMPLATE.name} and renderer disagree: placeholders without a value "
+            f"{sorted(wanted - set(values))}, values without a placeholder {sorted(set(values) - wanted)}"
+        )
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def _environment(recipe: Recipe, python: str | None) -> str:
+    """``export NAME=<quoted value>`` lines: HF_HOME, the wandb mode, thread counts, cluster.env, PATH."""
     c = recipe.cluster
-    run_dir = Path(run_dir).resolve()
-    name = _check("cluster.job_name", c.job_name or job_name)
+    env: dict[str, tuple[str, str]] = {}  # name -> (recipe key, value)
+    if c.hf_home:
+        env["HF_HOME"] = ("cluster.hf_home", c.hf_home)
+    mode = recipe.logging.wandb.mode
+    if mode in ("offline", "disabled"):
+        env["WANDB_MODE"] = ("logging.wandb.mode", mode)
+    if not c.gpus_per_node:
+        threads = str(c.cpus_per_task // max(procs_per_node(recipe), 1) or 1)
+        env["OMP_NUM_THREADS"] = ("cluster.cpus_per_task", threads)
+    for k, v in c.env.items():
+        if not re.fullmatch(ENV_NAME, k):
+            raise RenderError(
+                f"cluster.env key {k!r}: not an environment variable name (must match {ENV_NAME})"
+            )
+        if is_secret_name(k):
+            raise RenderError(
+                f"cluster.env.{k}: secrets must not be written into job scripts; remove it from the recipe "
+                f"and export {k} in the shell that runs `tim submit` (the job inherits it)"
+            )
+        env[k] = (f"cluster.env.{k}", str(v))
+    lines = [f"export {k}={_shell(key, v)}" for k, (key, v) in env.items()]
+    if c.venv:
+        python, key = str(Path(c.venv) / "bin" / "python"), "cluster.venv"
+    elif c.container_image:
+        python, key = "python", "cluster.container_image"
+    else:
+        key = "python"
+    py = python or sys.executable
+    if "/" in py:
+        lines.append(f'export PATH={_shell(key, str(Path(py).parent))}:"$PATH"')
+    return "\n".join(lines)
+
+
+def _container(recipe: Recipe, run_dir: str) -> str:
+    """pyxis options for ``srun``; empty without a container image."""
+    c = recipe.cluster
+    if not c.container_image:
+        return ""
+    for i, m in enumerate(c.container_mounts):
+        if "," in m:
+            raise RenderError(
+                f"cluster.container_mounts[{i}] = {m!r}: one src:dst per entry (no ','); split it into two entries"
+            )
+    mounts = ",".join([*c.container_mounts, f"{run_dir}:{run_dir}"])
+    return (
+        f"--container-image={_shell('cluster.container_image', c.container_image)}"
+        f" --container-mounts={_shell('cluster.container_mounts', mounts)}"
+        f" --container-workdir={_shell('run folder', run_dir)}"
+    )
+
+
+def values(recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None = None) -> dict[str, str]:
+    """Every placeholder's finished text: validated (directives, numbers) or shell-quoted (everything else)."""
+    c = recipe.cluster
+    folder = _check("run folder", str(Path(run_dir).resolve()))
     directives = []
     if c.gpus_per_node:
-        directives.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
+        directives.append(f"#SBATCH --gpus-per-node={int(c.gpus_per_node)}")
     for key, val, flag in (
         ("cluster.partition", c.partition, "partition"),
         ("cluster.account", c.account, "account"),
@@ -74,55 +179,22 @@ def render(recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None =
             directives.append(f"#SBATCH --{flag}={_check(key, val)}")
     if c.requeue:
         directives.append("#SBATCH --requeue")
-    env = {}
-    if c.hf_home:
-        env["HF_HOME"] = c.hf_home
-    mode = recipe.logging.wandb.mode
-    if mode in ("offline", "disabled"):
-        env["WANDB_MODE"] = mode
-    if not c.gpus_per_node:
-        env.setdefault("OMP_NUM_THREADS", str(c.cpus_per_task // max(procs_per_node(recipe), 1) or 1))
-    for k, v in c.env.items():
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-            raise RenderError(f"cluster.env key {k!r}: not an environment variable name")
-        if SECRET_NAMES.search(k):
-            raise RenderError(
-                f"cluster.env.{k}: secrets must not be written into job scripts; export it in the submitting shell"
-            )
-        env[k] = str(v)
-    env_lines = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
-    if c.venv:
-        python = str(Path(c.venv) / "bin" / "python")
-    elif c.container_image:
-        python = "python"
-    py = python or sys.executable
-    env_lines += f'\nexport PATH={shlex.quote(str(Path(py).parent))}:"$PATH"' if "/" in py else ""
-    container = ""
-    if c.container_image:
-        container = f"--container-image={shlex.quote(c.container_image)}"
-        mounts = [*c.container_mounts, f"{run_dir}:{run_dir}"]
-        for m in mounts:
-            if "," in m:
-                raise RenderError(f"cluster.container_mounts entry {m!r}: one src:dst per entry")
-        container += f" --container-mounts={shlex.quote(','.join(mounts))} --container-workdir={shlex.quote(str(run_dir))}"
-    text = TEMPLATE.read_text()
-    values = {
-        "@JOB_NAME@": name,
-        "@NODES@": str(int(c.nodes)),
-        "@CPUS@": str(int(c.cpus_per_task)),
-        "@MEM@": _check("cluster.mem", c.mem),
-        "@TIME@": _check("cluster.time", c.time),
-        "@LOG@": str(run_dir / "logs" / "slurm-%j.out"),
-        "@SIGNAL_SECONDS@": str(int(c.signal_seconds)),
-        "@OPTIONAL_DIRECTIVES@": "\n".join(directives),
-        "@RUN_DIR@": shlex.quote(str(run_dir)),
-        "@PROCS_PER_NODE@": str(procs_per_node(recipe)),
-        "@REQUEUE@": "1" if c.requeue else "0",
-        "@ENVIRONMENT@": env_lines,
-        "@SRUN_CONTAINER@": container,
+    return {
+        "JOB_NAME": _check("cluster.job_name", c.job_name or job_name),
+        "NODES": str(int(c.nodes)),
+        "CPUS": str(int(c.cpus_per_task)),
+        "MEM": _check("cluster.mem", c.mem),
+        "TIME": _check("cluster.time", c.time),
+        "LOG": f"{folder}/logs/slurm-%j.out",
+        "SIGNAL_SECONDS": str(int(c.signal_seconds)),
+        "OPTIONAL_DIRECTIVES": "\n".join(directives),
+        "RUN_DIR": _shell("run folder", folder),
+        "PROCS_PER_NODE": str(int(procs_per_node(recipe))),
+        "REQUEUE": "1" if c.requeue else "0",
+        "ENVIRONMENT": _environment(recipe, python),
+        "SRUN_CONTAINER": _container(recipe, folder),
     }
-    if re.search(r"\s", str(run_dir / "logs")):
-        raise RenderError(f"run folder {run_dir}: Slurm's --output cannot take a path with spaces")
-    for k, v in values.items():
-        text = text.replace(k, v)
-    return text
+
+
+def render(recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None = None) -> str:
+    return fill(TEMPLATE.read_text(), values(recipe, run_dir=run_dir, job_name=job_name, python=python))

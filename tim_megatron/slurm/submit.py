@@ -159,10 +159,12 @@ def active_jobs() -> list[dict]:
 def find_run(job: str, root: str | Path = "runs") -> Path | None:
     for meta in Path(root).glob(f"*/*/{META_FILE}"):
         try:
-            if str(job) in json.loads(meta.read_text()).get("job_ids", []):
-                return meta.parent
-        except json.JSONDecodeError:
+            data = json.loads(meta.read_text())
+        except (ValueError, OSError):  # a corrupt or unreadable run.json is not the one we look for
             continue
+        ids = data.get("job_ids") if isinstance(data, dict) else None
+        if isinstance(ids, list) and str(job) in ids:
+            return meta.parent
     return None
 
 
