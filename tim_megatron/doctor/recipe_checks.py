@@ -28,8 +28,8 @@ def check_recipe(ctx: Context) -> list[Result]:
         Result(
             "recipe",
             "ok",
-            f"{ctx.recipe_arg} -> {loaded.name}: {' <- '.join(str(x) for x in reversed(loaded.chain))}; "
-            f"tp={p.tp} ep={p.ep} pp={p.pp} dp={p.dp}",
+            f"{ctx.recipe_arg} (files: {' <- '.join(x.name for x in reversed(loaded.chain))}) -> run "
+            f"{loaded.name}, tp={p.tp} ep={p.ep} pp={p.pp} dp={p.dp}",
         )
     ]
 
@@ -71,7 +71,8 @@ def check_plan(ctx: Context) -> list[Result]:
     table = tuple(format_plan(r, plan, ctx.recipe.name).splitlines())
     total = f"{plan.total / PLAN_GIB:.1f} GiB per GPU"
     if not plan.gpu_gib:
-        return [Result("plan", "ok", f"{total} (CPU: no GPU budget)", more=table)]
+        cpu = f"{plan.total / PLAN_GIB:.2f} GiB per process (CPU: no GPU budget)"
+        return [Result("plan", "ok", cpu, more=table)]
     if not plan.fits:
         return [
             Result(

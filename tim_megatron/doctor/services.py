@@ -132,7 +132,8 @@ def check_hf_cache(ctx: Context) -> list[Result]:
     base = _existing_parent(folder)
     free = shutil.disk_usage(base).free
     writable = os.access(base, os.W_OK)
-    detail = f"{folder} ({source}{'' if folder.exists() else ', not created yet'}), {free / GIB:.1f} GiB free"
+    where = "" if base == folder.resolve() else f" at {base}"
+    detail = f"{folder} ({source}{'' if folder.exists() else ', not created yet'}), {free / GIB:.1f} GiB free{where}"
     detail += "" if writable else f", {base} not writable"
     repo = hub_model(ctx)
     if repo is not None:

@@ -201,6 +201,10 @@ def train_step(
             peak = torch.cuda.max_memory_allocated() - base
             planned = estimate(recipe).trainer
             ratio, verdict, rule = compare.judge_memory(peak, planned)
+            from tim_megatron.trainer.model import te_available
+
+            if not te_available():
+                rule += "; local spec: attention scores are materialized, which tim plan counts only on CPU"
             out += [
                 Finding(section, "peak allocated in a train step", peak / GIB, "GiB"),
                 Finding(
