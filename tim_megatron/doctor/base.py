@@ -108,11 +108,11 @@ def probe_import(ctx: Context, module: str, *also: str) -> Probe:
         )
     except subprocess.TimeoutExpired:
         return Probe(False, error=f"import {module} did not finish within {ctx.timeout_s:.0f} s")
-    marker = res.stdout.rpartition("@@probe@@")[2].strip()
-    if not marker:
+    _, found, marker = res.stdout.rpartition("@@probe@@")
+    if not found:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
         return Probe(False, error=f"the interpreter died importing {module} (exit {res.returncode}): {tail}")
-    d = json.loads(marker)
+    d = json.loads(marker.strip())
     return Probe(d["ok"], d.get("version"), d.get("error", ""), d.get("extra", {}))
 
 

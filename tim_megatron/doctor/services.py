@@ -78,6 +78,8 @@ def check_wandb(ctx: Context) -> list[Result]:
     detail = f"{source} = {mode} -> {resolved}"
     if mode == "auto":
         detail += " (WANDB_API_KEY is " + ("set)" if has_key else "not set)")
+    if ctx.environ.get("WANDB_MODE"):
+        detail += f"; this shell also sets WANDB_MODE={ctx.environ['WANDB_MODE']}"
     if resolved == "disabled":
         return [Result("wandb", "ok", detail)]
     found = dist_version("wandb")

