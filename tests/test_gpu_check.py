@@ -172,6 +172,43 @@ def test_runner_skips_what_cannot_run_here_and_reports_a_raising_section(tmp_pat
 
 # ----------------------------------------------------------------------------- the sections, on CPU
 
+_SMALL_RANDOM_PARITY = """
+import json, sys
+from pathlib import Path
+from tim_megatron.gpu_check.models import random_checkpoint
+from tim_megatron.gpu_check.sections import Bench, Model, parity
+from tim_megatron.recipe.schema import ModelDims
+
+if __name__ == "__main__":
+    work = Path(sys.argv[1])
+    dims = ModelDims(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     vocab_size=96, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    path = random_checkpoint(dims, work / "small-random")
+    found = parity(Bench(device="cpu", workdir=work), Model("small random", path, str(path), dims),
+                   section="parity small", n=4, length=24)
+    print(json.dumps([f.__dict__ for f in found]))
+"""
+
+
+@pytest.mark.megatron
+def test_parity_on_a_random_checkpoint_goes_through_the_1b_path(tmp_path):
+    """The ~1B section's path, scaled down: a random bf16 checkpoint, a recipe carrying its dims, both dtypes."""
+    require(_installed("megatron.core"), "megatron-core")
+    res = subprocess.run(
+        [sys.executable, "-c", _SMALL_RANDOM_PARITY, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"},
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    found = {f["name"]: f for f in json.loads(res.stdout.strip().splitlines()[-1])}
+    fp32 = found["megatron fp32 vs HF fp32, max |dlogp|"]
+    assert fp32["verdict"] == "pass" and fp32["value"] < 1e-4, fp32
+    assert found["megatron bf16 vs HF fp32, mean |dlogp|"]["verdict"] == "pass"
+    assert (tmp_path / "small-random" / "config.json").exists()
+
 
 @pytest.mark.slow
 @pytest.mark.megatron

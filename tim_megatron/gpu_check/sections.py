@@ -206,7 +206,13 @@ def train_step(
             if not te_available():
                 rule += "; local spec: attention scores are materialized, which tim plan counts only on CPU"
             out += [
-                Finding(section, "peak allocated in a train step", peak / GIB, "GiB"),
+                Finding(section, "peak allocated: trainer build + first train step", peak / GIB, "GiB"),
+                Finding(
+                    section,
+                    "peak reserved by the caching allocator",
+                    torch.cuda.max_memory_reserved() / GIB,
+                    "GiB",
+                ),
                 Finding(
                     section,
                     "tim plan: parameters + gradients + optimizer + activations",
