@@ -14,7 +14,7 @@ RECIPE ?= recipes/tiny-moe/grpo.yaml
 OVERRIDES ?=
 DEFAULT_SWEEP := recipes/sweeps/clipping-qwen3-30b-a3b.yaml
 
-.PHONY: help setup test lint demo bench submit sweep status logs cancel plan new-recipe report clean-venv
+.PHONY: help setup test lint demo bench submit sweep status logs cancel plan new-recipe report doctor gpu-check clean-venv
 
 help:
 	@echo "make setup   create .venv with the $(EXTRA) extra (idempotent)"
@@ -28,6 +28,8 @@ help:
 	@echo "make plan RECIPE=...                                                   per-GPU memory estimate"
 	@echo "make report [RUNS=\"runs/a/<t> runs/b/<t>\"] [SWEEP=<id>|<file>|latest]    report/<name>/index.html (default: the latest sweep)"
 	@echo "make new-recipe FROM=recipes/<model> NAME=<new> HF=<checkpoint or config.json>"
+	@echo "make doctor [RECIPE=...] [NODES=n] [OVERRIDES=\"k=v ...\"]                  is this machine ready? one line per check, exit 1 on a fail"
+	@echo "make gpu-check                                                         the GPU path on one GPU, measured (says so and exits 0 without a GPU)"
 
 setup: $(STAMP)
 
@@ -83,6 +85,12 @@ new-recipe: setup
 
 report: setup
 	$(TIM) report $(RUNS) $(if $(RUNS),$(if $(SWEEP),--sweep $(SWEEP)),--sweep $(or $(SWEEP),latest)) $(if $(NAME),--name $(NAME)) $(if $(ROOT),--root $(ROOT))
+
+doctor: setup
+	$(TIM) doctor $(if $(filter command line,$(origin RECIPE)),$(RECIPE)) $(OVERRIDES) $(if $(NODES),--nodes $(NODES))
+
+gpu-check: setup
+	$(PY) -m tim_megatron.gpu_check $(if $(GPU_CHECK_JSON),--json $(GPU_CHECK_JSON))
 
 bench: setup
 	$(PY) -m tim_megatron.bench $(BENCH)

