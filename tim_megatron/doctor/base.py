@@ -209,8 +209,9 @@ def run_checks(ctx: Context, checks: tuple[Check, ...]) -> list[Result]:
     return out
 
 
-def format_result(r: Result) -> str:
-    line = f"{r.status:<4}  {r.check:<40} {r.detail}"
+def format_result(r: Result, width: int = 40) -> str:
+    """One check's line: status, the check's name padded to ``width`` (always two spaces after), the detail."""
+    line = f"{r.status:<4}  {r.check:<{width}}  {r.detail}"
     if r.fix:
         line += f"  -> fix: {r.fix}"
     return "\n".join([line, *(f"{'':6}{m}" for m in r.more)])
