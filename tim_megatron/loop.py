@@ -88,7 +88,7 @@ def run_steps(run: Run) -> int:
             t = phases.Timer()
             with t("step"):
                 with t("rollout"):
-                    batch, metrics = phases.rollouts(run, step)
+                    batch, metrics, probe = phases.rollouts(run, step)
                     run.rollout.sleep(level=2)  # the update replaces the weights: nothing to keep
                 with t("old_logprobs"):
                     old = phases.old_logprobs(run, batch, step)
@@ -102,7 +102,7 @@ def run_steps(run: Run) -> int:
                 with t("update"):
                     metrics.update(phases.update(run, batch, old, adv, weights, lr, step))
                 with t("sync"):
-                    metrics.update(sync_weights(run, batch, last=step == r.run.steps))
+                    metrics.update(sync_weights(run, probe, last=step == r.run.steps))
                 if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
                     with t("validation"):
                         metrics.update(validate(run, step))
@@ -135,26 +135,12 @@ def run_steps(run: Run) -> int:
 # ------------------------------------------------------------------------------------ step helpers
 
 
-def sync_weights(run: Run, batch=None, *, last: bool = False) -> dict:
-    """Push the updated weights into every engine and verify them (now on a probe, or on the next step's data)."""
+def sync_weights(run: Run, probe: list[list[int]] | None = None, *, last: bool = False) -> dict:
+    """Push the updated weights into every engine and verify them (now on a probe, or on the next step's data).
 
-    def probe() -> list[list[int]]:  # this engine's own rows: likely tokens give the check its power
-        if batch is None:
-            return run.probe
-        return [
-            batch.input_ids[i, : int(batch.lengths[i])].tolist()
-            for i in probe_rows(len(batch), batch.group_size)
-        ]
-
-    return run.sync.push(run.rollout, run.trainer, probe=probe, last=last)
-
-
-def probe_rows(n: int, group_size: int, want: int = 8) -> list[int]:
-    """Rows for an eager sync check: one sample of each of up to ``want`` prompts.
-
-    Distinct prompts, because a router near-tie on one prompt moves all of its samples together and would
-    decide the verdict alone."""
-    return list(range(0, n, max(group_size, 1)))[:want]
+    ``probe``: this engine's own sequences from the step (likely tokens give the check its power); distinct
+    prompts, because a router near-tie on one prompt moves all of its samples together."""
+    return run.sync.push(run.rollout, run.trainer, probe=lambda: probe or run.probe, last=last)
 
 
 def validate(run: Run, step: int) -> dict:

@@ -98,9 +98,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def rollouts(run, step: int) -> tuple[StepBatch, dict]:
+def rollouts(run, step: int) -> tuple[StepBatch, dict, list[list[int]]]:
     """Every engine samples ``rollout.n`` responses for its block of the step's prompts and scores them where they
-    are; this rank keeps the rows it trains."""
+    are; this rank keeps the rows it trains. Also returns this engine's probe sequences for an eager sync check:
+    one sample of each of up to 8 prompts of its own block (the same on all of the engine's ranks, which must
+    submit identical requests; the rows this rank trains may come from another engine)."""
     r = run.recipe
     tr = run.trainer
     ro = run.rollout
@@ -148,7 +150,8 @@ def rollouts(run, step: int) -> tuple[StepBatch, dict]:
         "reward/groups_all_equal_frac": equal / (n / batch.group_size),
         "batch/width": float(global_width(batch)),
     }
-    return batch, metrics
+    probe = [g[0].prompt_ids + g[0].response_ids for g in groups[:8]]
+    return batch, metrics, probe
 
 
 def _text(run, s) -> str:
