@@ -20,24 +20,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tim_megatron.recipe.schema import ModelDims, Recipe
+from tim_megatron.recipe.schema import GPU_MEMORY_GIB, ModelDims, Recipe
 
-GPU_MEMORY_GIB = {
-    "a100-80gb": 80,
-    "a100-40gb": 40,
-    "h100-80gb": 80,
-    "h100-94gb": 94,
-    "h200-141gb": 141,
-    "cpu": 0,
-}
 GIB = 2**30
 
 
 def split_params(d: ModelDims) -> tuple[int, int]:
-    """(dense, routed-expert) parameter counts."""
-    total, _ = d.approx_params()
-    experts = d.num_layers * d.num_experts * 3 * d.hidden_size * d.moe_intermediate_size if d.is_moe else 0
-    return total - experts, experts
+    """(dense, routed-expert) parameter counts, from the model's family."""
+    from tim_megatron.trainer.families import get_family
+
+    c = get_family(d.resolved_family).params(d)
+    return c.dense, c.routed_experts
 
 
 @dataclass
@@ -96,7 +89,7 @@ def estimate(recipe: Recipe, *, tp: int | None = None, ep: int | None = None) ->
     else:
         act = d.num_layers * layer
     act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 4
-    gpu = GPU_MEMORY_GIB.get(c.gpu_type, 80) if c.gpus_per_node else 0
+    gpu = GPU_MEMORY_GIB[c.gpu_type] if c.gpus_per_node else 0
     total_params = dense + experts
     vllm_w = total_params * 2 / recipe.rollout.tensor_parallel_size if c.gpus_per_node else 0
     kv = max(recipe.rollout.gpu_memory_utilization * gpu * GIB - vllm_w, 0) if c.gpus_per_node else 0
