@@ -271,7 +271,7 @@ class VLLMEngine:
             lp = [d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs, strict=True)]
             s = Sample(list(o.prompt_token_ids), list(c.token_ids), lp, c.finish_reason or "stop")
             if self._native_capture:
-                s.routed_experts = np.asarray(c.routed_experts)
+                s.routed_experts = _moe_layers_only(np.asarray(c.routed_experts), self.num_moe_layers)
             elif capture:
                 s.routed_experts = _assemble(s, by_request.get(o.request_id), prefix_experts)
             samples[idx // n].append(s)
@@ -300,7 +300,8 @@ class VLLMEngine:
             fixed = cpu_moe_reload.after_reload(self.llm)
             if fixed != self.num_moe_layers:
                 raise RuntimeError(
-                    f"re-prepacked {fixed} CPU MoE layers after a reload; the model has {self.num_moe_layers}"
+                    f"re-prepacked {fixed} CPU MoE layers of {self.hf_config.get('architectures')} after a reload; "
+                    f"the model has {self.num_moe_layers}"
                 )
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
@@ -393,6 +394,14 @@ def _reload_from_files(worker, paths: list[str]) -> None:
                     yield k, f.get_tensor(k)
 
     worker.model_runner.reload_weights(weights_iterator=stream())
+
+
+def _moe_layers_only(experts: np.ndarray, num_moe_layers: int) -> np.ndarray:
+    """vLLM's native capture has a row per decoder layer; the trainer's routers are the MoE layers, which come
+    after the leading dense ones (GLM-4.5's ``first_k_dense_replace``)."""
+    if experts.ndim == 3 and experts.shape[1] > num_moe_layers:
+        return experts[:, experts.shape[1] - num_moe_layers :]
+    return experts
 
 
 def _native_capture_supported() -> bool:

@@ -54,37 +54,41 @@ class WholeProjectionRMSNorm(torch.nn.Module):
 
     megatron-core applies ``q_layernorm`` / ``k_layernorm`` to ``[s, b, heads on this rank, head_dim]``. Here the
     mean square runs over every head of the projection: the local heads' sum of squares is summed over the TP
-    group. The weight has one entry per channel of the projection, and tensor parallelism splits it by heads
-    like the projection itself (so it is a TP-partitioned parameter, not a replicated one). Arithmetic as in HF
-    and vLLM: statistics in float32, the normalized value cast back to the input dtype, then scaled.
+    group. The weight has one entry per channel of the whole projection and is replicated on every TP rank;
+    each rank scales its own heads with its slice, so its gradient is non-zero on that slice only, and the
+    all-reduce megatron-core applies to replicated norm weights under sequence parallelism (and to every
+    ``q_layernorm`` / ``k_layernorm`` parameter, by name) sums the slices into the full gradient on every rank.
+    Arithmetic as in HF and vLLM: statistics in float32, the normalized value cast back to the input dtype, then
+    scaled.
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, projection: str = "q", **_unused):
         super().__init__()
-        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-
         heads = config.num_attention_heads if projection == "q" else config.num_query_groups
         tp = config.tensor_model_parallel_size
         if heads % tp:
             raise ValueError(f"{projection} heads = {heads} do not split over tensor parallelism {tp}")
+        self.heads = heads
         self.local_heads = heads // tp
         self.head_dim = hidden_size
-        self.channels = heads * hidden_size
         self.tp = tp
         self.eps = eps
         device = "cpu" if config.use_cpu_initialization else None
         self.weight = torch.nn.Parameter(
-            torch.ones(self.local_heads * hidden_size, dtype=config.params_dtype, device=device)
+            torch.ones(heads * hidden_size, dtype=config.params_dtype, device=device)
         )
-        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         sq = x32.pow(2).sum(dim=(-2, -1), keepdim=True)
+        weight = self.weight.view(self.heads, self.head_dim)
         if self.tp > 1:
             from megatron.core import parallel_state
 
             sq = _SumOverTensorParallel.apply(sq, parallel_state.get_tensor_model_parallel_group())
-        x32 = x32 * torch.rsqrt(sq / self.channels + self.eps)
-        return self.weight.view(self.local_heads, self.head_dim) * x32.to(dtype)
+            r = parallel_state.get_tensor_model_parallel_rank()
+            weight = weight[r * self.local_heads : (r + 1) * self.local_heads]
+        x32 = x32 * torch.rsqrt(sq / (self.heads * self.head_dim) + self.eps)
+        return weight * x32.to(dtype)

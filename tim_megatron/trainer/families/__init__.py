@@ -67,6 +67,11 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
     for fam in families().values():
         if any(a in fam.architectures for a in archs):
             return fam
+    from tim_megatron.trainer.families._unsupported import REFUSED
+
+    for a in archs:
+        if a in REFUSED:
+            raise UnsupportedModelError(REFUSED[a])
     mt = cfg.get("model_type")
     if not archs:
         for fam in families().values():

@@ -361,7 +361,7 @@ _QKV = (
 
 
 def attention_rules(*, bias: bool = False, qk_norm: str = "per_head") -> tuple[Rule, ...]:
-    """Norms and attention of a layer; ``qk_norm``: per_head (replicated weight), whole (TP-split weight) or none."""
+    """Norms and attention of a layer; ``qk_norm``: per_head, whole (OLMoE) or none."""
     rules = [
         Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
         Rule(
@@ -389,18 +389,15 @@ def attention_rules(*, bias: bool = False, qk_norm: str = "per_head") -> tuple[R
                 split="qkv",
             )
         )
-    if qk_norm != "none":
-        split = "tp0" if qk_norm == "whole" else "rep"
+    if qk_norm != "none":  # per head or whole projection: replicated on every TP rank either way
         rules += [
             Rule(
                 "decoder.layers.{L}.self_attention.q_layernorm.weight",
                 ("model.layers.{L}.self_attn.q_norm.weight",),
-                split=split,
             ),
             Rule(
                 "decoder.layers.{L}.self_attention.k_layernorm.weight",
                 ("model.layers.{L}.self_attn.k_norm.weight",),
-                split=split,
             ),
         ]
     return tuple(rules)

@@ -1,0 +1,372 @@
+"""Model families (issue 15): for every supported family, on CPU with real megatron-core, vLLM and transformers.
+
+Per family, three processes: ``single`` (tests/workers/family_worker.py: every one-process check on one fp32
+trainer and one vLLM engine), ``parallel`` (the same batch under TP=2, then EP=2 x DP=2, in one torchrun of two
+processes) and the family's tiny recipe for three steps through ``tim train``. Module-scoped fixtures run each
+once; the tests below only read their results.
+
+Plus the cheap checks: the registry, config.json reading with named errors, parameter counts against
+transformers, and MLA named as the missing piece for DeepSeek-V3 / Moonlight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import require
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "family_worker.py"
+DATA = ROOT / "tests" / "data"
+
+RECIPES = {
+    "qwen3_moe": "recipes/tiny-moe/grpo.yaml",
+    "glm4_moe": "recipes/tiny-glm4-moe/grpo.yaml",
+    "mixtral": "recipes/tiny-mixtral/grpo.yaml",
+    "olmoe": "recipes/tiny-olmoe/grpo.yaml",
+}
+"""Every supported MoE family and its tiny recipe (Qwen3 dense is covered by tests/test_trainer.py)."""
+
+
+def _stack_ok() -> bool:
+    try:
+        import megatron.core  # noqa: F401
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    require(_stack_ok(), "megatron-core and vLLM")
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return res
+
+
+def _tiny_checkpoint(recipe: str) -> Path:
+    """Built once here, so the workers (and both torchrun ranks) only read it."""
+    from tim_megatron.models.tiny import ensure_tiny_checkpoint
+    from tim_megatron.recipe import load_recipe
+
+    r = load_recipe(ROOT / recipe).recipe
+    return ensure_tiny_checkpoint(
+        r.model.dims, seed=r.model.tiny_seed, warmup_steps=r.model.tiny_warmup_steps, task=r.data.task
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def family(request, tmp_path_factory):
+    """Everything the slow checks produce for one family: {name, single, parallel, rows, manifest}."""
+    name = request.param
+    recipe = RECIPES[name]
+    ck = _tiny_checkpoint(recipe)
+    out = tmp_path_factory.mktemp(name)
+    _run([sys.executable, str(WORKER), "single", recipe, str(out)])
+    single = torch.load(out / "single.pt", weights_only=False)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_port()),
+    ]
+    _run(
+        [*torchrun, str(WORKER), "parallel", recipe, str(out)],
+        env={"TIM_BATCH_SEED": str(single["batch_seed"])},
+    )
+    parallel = torch.load(out / "parallel.pt", weights_only=False)
+    runs = out / "runs"
+    fast = [
+        "logging.wandb.mode=disabled",
+        "run.val_every=0",
+        "diagnostics.dumps.every=0",
+        "checkpoint.every=0",
+    ]
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "tim_megatron.cli",
+            "train",
+            recipe,
+            "run.steps=3",
+            f"run.output_dir={runs}",
+            *fast,
+        ]
+    )
+    (run_dir,) = [p.parent for p in runs.rglob("run.json")]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from tim_megatron.rollout.sync import manifest
+
+    return {"name": name, "single": single, "parallel": parallel, "rows": rows, "manifest": manifest(ck)}
+
+
+def grad_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """As tests/test_trainer.py: the largest difference, relative to the largest entry when that exceeds 1."""
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+
+# ------------------------------------------------------------------------------------------------ slow
+
+
+@pytest.mark.slow
+def test_fixed_batch_has_no_routing_near_tie(family):
+    """Every comparison below routes the same tokens in two implementations: their top-k must be unambiguous."""
+    assert family["single"]["topk_margin"] >= 1e-4, family["single"]["topk_margin"]
+
+
+@pytest.mark.slow
+def test_megatron_and_vllm_logprobs_equal_hf_transformers_in_fp32(family):
+    s = family["single"]
+    assert s["megatron_vs_hf"] < 1e-5, s["megatron_vs_hf"]
+    assert s["entropy_vs_hf"] < 1e-5, s["entropy_vs_hf"]
+    assert s["vllm_vs_hf"] < 1e-5, s["vllm_vs_hf"]
+
+
+@pytest.mark.slow
+def test_hf_megatron_hf_round_trip_is_bit_exact(family):
+    s = family["single"]
+    assert s["roundtrip_names_equal"] and s["roundtrip_not_equal"] == [], s["roundtrip_not_equal"][:5]
+    assert s["roundtrip_tensors"] == len(family["manifest"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+def test_tp2_and_ep2_match_one_process(family, layout):
+    one, par = family["single"], family["parallel"][layout]
+    assert par["world_size"] == 2
+    assert (par["logprobs"] - one["logprobs"]).abs().max().item() < 1e-5
+    assert set(par["grads"]) == set(one["grads"])
+    worst = max(grad_error(par["grads"][k], one["grads"][k]) for k in one["grads"])
+    assert worst < 1e-5, worst
+    # Real gradients are compared: every non-expert tensor, and most experts (a few may get no token).
+    dense = {k: v for k, v in one["grads"].items() if ".experts." not in k}
+    experts = {k: v for k, v in one["grads"].items() if ".experts." in k}
+    assert all(float(v.abs().sum()) > 0 for v in dense.values()), [
+        k for k, v in dense.items() if not v.abs().sum()
+    ]
+    assert sum(float(v.abs().sum()) > 0 for v in experts.values()) >= len(experts) // 2
+
+
+@pytest.mark.slow
+def test_vllm_captured_experts_equal_hf_topk(family):
+    s = family["single"]
+    assert s["capture_shape"][1:] == (s["num_moe_layers"], 2)
+    assert s["capture_agreement_with_hf"] == 1.0
+
+
+@pytest.mark.slow
+def test_weight_sync_after_an_update_is_verified_and_exact(family):
+    s = family["single"]
+    assert s["before_sync_vllm_vs_megatron"] > 1e-3  # the update (and a moved expert bias) is visible...
+    assert s["sync_tensors"] == len(
+        family["manifest"]
+    )  # ...every checkpoint tensor is sent, the check passes...
+    assert s["after_sync_vllm_vs_megatron"] < 1e-5  # ...and vLLM (experts re-prepacked) equals the trainer
+
+
+@pytest.mark.slow
+def test_r3_replays_the_given_experts_with_the_familys_own_gating(family):
+    s = family["single"]
+    assert all(s["perturbation_changed_free_routing"])  # perturbed routers would route differently...
+    assert all(s["replayed_equal_given"])  # ...but replay uses vLLM's experts
+    assert s["gating_weight_err"] < 1e-6  # weighted by the perturbed router's own scores (sigmoid + bias too)
+    if family["name"] == "glm4_moe":  # and not by score + bias, which the check would see
+        assert s["gating_gap_if_bias_weighted"] > 1e-3, s["gating_gap_if_bias_weighted"]
+    assert all(g > 0 for g in s["router_grad_abs_sum"])  # and gradients still reach the router
+    assert s["clean_after_replay"] and s["clean_after_backward"]
+
+
+@pytest.mark.slow
+def test_tiny_recipe_runs_three_steps_with_every_sync_verified(family):
+    rows = family["rows"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sync/tensors"] == len(family["manifest"]) for r in rows)
+    # First and last syncs on a probe, the one between on the next step's own samples (bf16: tolerance 0.01).
+    assert (
+        rows[0]["sync/probe_p80_abs_prob_diff"] <= 0.01 and rows[-1]["sync/probe_p80_abs_prob_diff"] <= 0.01
+    )
+    assert all(r["sync/data_p80_abs_prob_diff"] <= 0.01 for r in rows[1:])
+
+
+# ------------------------------------------------------------------------------------------------ fast
+
+REAL = {
+    "GLM-4.5-Air": ("glm4_moe", 106_852),
+    "Mixtral-8x7B-v0.1": ("mixtral", 46_703),
+    "OLMoE-1B-7B-0924": ("olmoe", 6_919),
+    "Qwen3-235B-A22B": ("qwen3_moe", 235_094),
+}
+"""The published config.json files in tests/data/hf-configs: family, and total parameters in millions."""
+
+
+def test_registry_finds_every_family_module_by_architecture():
+    from tim_megatron.trainer.families import families, family_for_hf, family_names
+
+    fams = families()
+    assert family_names() == sorted(fams) and set(RECIPES) | {"qwen3"} <= set(fams)
+    for name, fam in fams.items():
+        assert fam.name == name
+        for arch in fam.architectures:
+            assert family_for_hf({"architectures": [arch]}) is fam
+        assert family_for_hf({"model_type": fam.model_type}) is fam
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_tiny_recipe_describes_the_familys_tiny_model(name):
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.trainer.families import get_family
+
+    dims = load_recipe(ROOT / RECIPES[name]).recipe.model.dims
+    tiny = get_family(name).tiny
+    assert dims.resolved_family == tiny.resolved_family == name
+    assert dims.model_dump(exclude={"family"}) == tiny.model_dump(exclude={"family"})
+    assert (dims.num_layers, dims.hidden_size, dims.head_dim, dims.vocab_size) == (2, 128, 32, 64)
+
+
+@pytest.mark.parametrize("name", [*sorted(RECIPES), "qwen3"])
+def test_tiny_config_reads_back_to_the_same_dims(name):
+    """family.hf_config (what the tiny checkpoint is built from) and family.read_dims are inverses."""
+    from tim_megatron.trainer.families import get_family
+    from tim_megatron.trainer.hf_config import dims_from_hf
+
+    fam = get_family(name)
+    cfg = fam.hf_config(fam.tiny).to_dict()
+    cfg["architectures"] = list(fam.architectures)
+    assert dims_from_hf(json.loads(json.dumps(cfg))) == fam.tiny
+
+
+def _hf_param_count(cfg) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(t.numel() for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("model", sorted(REAL))
+def test_real_configs_read_and_count_like_transformers(model):
+    """The plan's parameter count equals transformers' own model (built on the meta device, no memory)."""
+    from transformers import AutoConfig
+
+    from tim_megatron.trainer.families import get_family
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    family, millions = REAL[model]
+    dims = dims_from_hf(read_hf_config(DATA / "hf-configs" / model))
+    assert dims.resolved_family == family
+    count = get_family(family).params(dims)
+    assert count.total == _hf_param_count(AutoConfig.from_pretrained(DATA / "hf-configs" / model))
+    assert round(count.total / 1e6) == millions
+    assert 0 < count.active < count.total and count.routed_experts < count.total
+
+
+@pytest.mark.parametrize("name", [*sorted(RECIPES), "qwen3"])
+def test_tiny_counts_equal_transformers(name):
+    from tim_megatron.trainer.families import get_family
+
+    fam = get_family(name)
+    assert fam.params(fam.tiny).total == _hf_param_count(fam.hf_config(fam.tiny))
+
+
+def test_glm_reads_its_features_and_ignores_the_mtp_layer():
+    from tim_megatron.trainer.families import get_family
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    d = dims_from_hf(read_hf_config(DATA / "hf-configs" / "GLM-4.5-Air"))
+    assert (d.first_k_dense_layers, d.shared_expert_intermediate_size, d.partial_rotary_factor) == (
+        1,
+        1408,
+        0.5,
+    )
+    assert (d.router_score, d.router_expert_bias, d.routed_scaling_factor) == ("sigmoid", True, 1.0)
+    assert (d.attention_bias, d.qk_norm, d.num_moe_layers) == (True, "none", 45)
+    ignored = get_family("glm4_moe").ignored_hf
+    assert ignored("model.layers.46.eh_proj.weight", d) and not ignored("model.layers.45.mlp.gate.weight", d)
+
+
+def test_olmoe_and_mixtral_features():
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    o = dims_from_hf(read_hf_config(DATA / "hf-configs" / "OLMoE-1B-7B-0924"))
+    assert (o.qk_norm, o.norm_topk_prob, o.moe_intermediate_size, o.num_experts) == ("whole", False, 1024, 64)
+    m = dims_from_hf(read_hf_config(DATA / "hf-configs" / "Mixtral-8x7B-v0.1"))
+    assert (m.qk_norm, m.norm_topk_prob, m.moe_intermediate_size, m.num_experts_per_tok) == (
+        "none",
+        True,
+        14336,
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"n_group": 8, "topk_group": 4}, r"n_group = 8 is not supported: group-limited routing"),
+        (
+            {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+            r"rope_scaling.rope_type = 'yarn' is not supported",
+        ),
+        ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
+    ],
+)
+def test_unsupported_features_are_named(change, match):
+    from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf, read_hf_config
+
+    cfg = {**read_hf_config(DATA / "hf-configs" / "GLM-4.5-Air"), **change}
+    with pytest.raises(UnsupportedModelError, match=match):
+        dims_from_hf(cfg)
+
+
+def test_deepseek_v3_names_mla_as_the_missing_piece():
+    from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf
+
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "kv_lora_rank": 512}
+    with pytest.raises(
+        UnsupportedModelError, match=r"DeepseekV3ForCausalLM.*multi-head latent attention \(MLA\)"
+    ):
+        dims_from_hf(cfg)
+
+
+def test_recipe_rejects_unknown_family_and_impossible_features(tmp_path):
+    from tim_megatron.recipe import RecipeError, load_recipe
+
+    tiny = ROOT / "recipes/tiny-moe/grpo.yaml"
+    with pytest.raises(
+        RecipeError, match=r"model.dims.family = 'llama' is not a known model family; allowed: .*glm4_moe"
+    ):
+        load_recipe(tiny, ["model.dims.family=llama"])
+    with pytest.raises(RecipeError, match=r"router_expert_bias = true needs router_score = sigmoid"):
+        load_recipe(tiny, ["model.dims.router_expert_bias=true"])
+    with pytest.raises(RecipeError, match=r"first_k_dense_layers = 2 leaves no MoE layer"):
+        load_recipe(tiny, ["model.dims.first_k_dense_layers=2"])
+    with pytest.raises(RecipeError, match=r"partial_rotary_factor = 0.3 x head_dim = 32 must be an even"):
+        load_recipe(tiny, ["model.dims.partial_rotary_factor=0.3"])
+    with pytest.raises(
+        RecipeError, match=r"cluster.gpu_type = 'a100-8gb'.*unknown GPU type; allowed: a100-40gb"
+    ):
+        load_recipe(tiny, ["cluster.gpu_type=a100-8gb"])
