@@ -370,3 +370,172 @@ def test_recipe_rejects_unknown_family_and_impossible_features(tmp_path):
         RecipeError, match=r"cluster.gpu_type = 'a100-8gb'.*unknown GPU type; allowed: a100-40gb"
     ):
         load_recipe(tiny, ["cluster.gpu_type=a100-8gb"])
+
+
+# -------------------------------------------------------------------------------------------- new-recipe
+
+NEW_RECIPES = {
+    "GLM-4.5-Air": "glm-4.5-air",
+    "Mixtral-8x7B-v0.1": "mixtral-8x7b",
+    "OLMoE-1B-7B-0924": "olmoe-1b-7b",
+    "Qwen3-235B-A22B": "qwen3-235b-a22b",
+}
+"""Published config.json -> the recipe folder made from it and committed under recipes/."""
+
+
+def _new_recipe_cli(root: Path, name: str, hf: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tim_megatron.cli",
+            "new-recipe",
+            str(root / "qwen3-30b-a3b"),
+            name,
+            str(hf),
+            "--recipes-root",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def recipes_root(tmp_path):
+    import shutil
+
+    root = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes" / "qwen3-30b-a3b", root / "qwen3-30b-a3b")
+    return root
+
+
+@pytest.mark.parametrize("model", sorted(NEW_RECIPES))
+def test_new_recipe_from_the_published_config_fits_a100_and_h100(model, recipes_root):
+    """Issue 15: the four real configs give valid recipes whose plan fits 80 GB GPUs (nodes scaled as needed),
+    and the folders committed under recipes/ are exactly what new-recipe makes (bar the hub path)."""
+    import yaml
+
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.recipe.loader import check_dir
+    from tim_megatron.slurm.plan import estimate
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    name, hf = NEW_RECIPES[model], DATA / "hf-configs" / model
+    res = _new_recipe_cli(recipes_root, name, hf)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "fits" in res.stdout and "DOES NOT FIT" not in res.stdout
+    assert all(err is None for _, err in check_dir(recipes_root / name))
+    for gpu in ("a100-80gb", "h100-80gb"):
+        r = load_recipe(recipes_root / name / "grpo.yaml", [f"cluster.gpu_type={gpu}"]).recipe
+        plan = estimate(r)
+        assert plan.fits, (gpu, plan.problems())
+    assert r.model.dims == dims_from_hf(read_hf_config(hf))
+    assert r.parallel.world_size == r.cluster.nodes * r.cluster.gpus_per_node
+    made = yaml.safe_load((recipes_root / name / "base.yaml").read_text())
+    committed = yaml.safe_load((ROOT / "recipes" / name / "base.yaml").read_text())
+    assert committed["model"].pop("path").endswith(model.split("-0924")[0]) or model.startswith("OLMoE")
+    made["model"].pop("path")
+    assert made == committed
+    assert sorted(p.name for p in (ROOT / "recipes" / name).glob("*.yaml")) == sorted(
+        p.name for p in (recipes_root / name).glob("*.yaml")
+    )
+
+
+def test_new_recipe_scales_nodes_and_says_why(recipes_root):
+    """Qwen3-235B-A22B on the 30B recipe's 4 nodes needs 169 GiB per GPU; the search doubles the nodes and the
+    header says why each smaller size did not fit."""
+    from tim_megatron.recipe import load_recipe
+
+    res = _new_recipe_cli(recipes_root, "big", DATA / "hf-configs" / "Qwen3-235B-A22B")
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = load_recipe(recipes_root / "big" / "grpo.yaml").recipe
+    assert r.cluster.nodes > 4
+    header = (recipes_root / "big" / "base.yaml").read_text()
+    assert "# did not fit: 4 node(s) x 8 a100-80gb" in header and "trainer state" in header
+    assert "spans nodes: it needs a multi-node vLLM engine" in res.stdout  # said, not hidden
+
+
+def _config(**change) -> dict:
+    cfg = json.loads((DATA / "hf-configs" / "Qwen3-235B-A22B" / "config.json").read_text())
+    for k, v in change.items():
+        if v is None:
+            del cfg[k]
+        else:
+            cfg[k] = v
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("{not json", r"not valid JSON: Expecting property name .* line 1 column 2"),
+        ("[1, 2]", r"top level is a JSON list; allowed: a JSON object"),
+        (json.dumps(_config(hidden_size=None)), r"key 'hidden_size' is missing"),
+        (json.dumps(_config(hidden_size="4096")), r"hidden_size = '4096': allowed: an integer >= 1"),
+        (json.dumps(_config(num_experts=True)), r"num_experts = True: allowed: an integer >= 1"),
+        (
+            json.dumps(_config()).replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": Infinity'),
+            r"rms_norm_eps = inf: allowed: a finite number > 0",
+        ),
+        (
+            json.dumps(_config(hidden_size=10**12)),
+            r"hidden_size = 1000000000000: Input should be less than or equal to 131072 \(model.dims.hidden_size",
+        ),
+        (
+            json.dumps(_config(num_hidden_layers=10**12)),
+            r"num_hidden_layers = 1000000000000: .*less than or equal",
+        ),
+        (json.dumps(_config(architectures=["LlamaForCausalLM"])), r"'LlamaForCausalLM'.*is not supported"),
+    ],
+    ids=[
+        "bad-json",
+        "list",
+        "missing-key",
+        "string",
+        "bool",
+        "infinity",
+        "huge-width",
+        "huge-depth",
+        "unknown-arch",
+    ],
+)
+def test_new_recipe_names_the_bad_key(text, match, recipes_root, tmp_path):
+    """Issue 14 (findings 7 and 8): each bad config.json is a named error, and no folder appears."""
+    from tim_megatron.recipe import RecipeError
+    from tim_megatron.slurm.new_recipe import new_recipe
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(text)
+    with pytest.raises(RecipeError, match=match) as e:
+        new_recipe(recipes_root / "qwen3-30b-a3b", "x", tmp_path / "hf", recipes_root=recipes_root)
+    assert str(tmp_path / "hf") in str(e.value)
+    assert sorted(p.name for p in recipes_root.iterdir()) == ["qwen3-30b-a3b"]
+
+
+def test_new_recipe_path_errors_are_named_without_a_traceback(recipes_root, tmp_path):
+    (tmp_path / "hf" / "config.json").mkdir(parents=True)
+    res = _new_recipe_cli(recipes_root, "x", tmp_path / "hf" / "config.json")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "config.json: is a directory, not a config.json file" in res.stdout + res.stderr
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tim_megatron.cli",
+            "new-recipe",
+            str(recipes_root / "qwen3-30b-a3b"),
+            "x",
+            str(DATA / "hf-configs" / "OLMoE-1B-7B-0924"),
+            "--recipes-root",
+            str(tmp_path / "nope"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "Errno" not in res.stdout + res.stderr
+    assert f"--recipes-root = '{tmp_path / 'nope'}': no such folder" in res.stdout + res.stderr

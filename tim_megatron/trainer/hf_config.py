@@ -34,7 +34,7 @@ class CheckpointMismatchError(ValueError):
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """The config.json of a checkpoint folder (or the file itself), as a dict; named errors otherwise."""
     p = Path(path)
-    f = p / "config.json" if p.is_dir() else p
+    f = p / "config.json" if p.is_dir() and p.name != "config.json" else p
     if not f.exists():
         raise FileNotFoundError(f"model checkpoint {path}: no config.json (expected {f})")
     if f.is_dir():
