@@ -121,6 +121,35 @@ def equivalence(tr: MegatronTrainer, seed: int) -> dict:
     }
 
 
+def hf_gradient_error(hf, grads: dict[str, torch.Tensor], seed: int) -> tuple[float, int]:
+    """The same loss through HF transformers' autograd: the largest gradient difference relative to the tensor's
+    largest entry, over every parameter. transformers keeps some tensors under other names in memory (fused
+    experts, Mixtral's ``block_sparse_moe``); its own ``save_pretrained`` of the gradients gives checkpoint names."""
+    import copy
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    hf = copy.deepcopy(hf)  # its parameters are overwritten with their gradients below
+    batch, mask, adv = fixed_batch(seed)
+    ids = batch.input_ids
+    den = float(local_denominator(mask=mask, mode="token-mean"))
+    hf.zero_grad(set_to_none=True)
+    lp = token_logprobs(torch.log_softmax(hf(input_ids=ids).logits.float(), -1), ids)
+    (-(adv[:, None] * mask * lp).sum() / den).backward()  # the token-clip loss at ratio 1: its gradient
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        want = load_file(f"{tmp}/model.safetensors")
+    missing = sorted(set(grads) - set(want))
+    if missing:
+        raise KeyError(f"no HF gradient for {missing[:3]}")
+    worst = max(float((grads[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-12)) for k in grads)
+    return worst, len(grads)
+
+
 def scenario_single(recipe_path: str, out: dict) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -142,6 +171,7 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     tr = MegatronTrainer(r, model_path=ck)
     out.update(equivalence(tr, seed))
     out["num_moe_layers"] = tr.num_moe_layers()
+    out["grads_vs_hf"], out["grads_compared"] = hf_gradient_error(hf, out["grads"], seed)
 
     # HF -> Megatron -> HF, bit for bit.
     orig = load_file(str(ck / "model.safetensors"))

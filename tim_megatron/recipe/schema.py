@@ -86,7 +86,8 @@ class ModelDims(Section):
     tie_word_embeddings: bool = False
     """Share the input embedding with the LM head (``tie_word_embeddings``)."""
     family: str | None = None
-    """Model family, by registry name (``tim families`` lists them: qwen3, qwen3_moe, glm4_moe, mixtral, olmoe).
+    """Model family, by registry name: a module of tim_megatron/trainer/families (qwen3, qwen3_moe, glm4_moe, mixtral,
+    olmoe).
     Unset: qwen3_moe when ``num_experts`` > 0, else qwen3."""
     qk_norm: Literal["per_head", "whole", "none"] = "per_head"
     """RMSNorm on queries and keys before RoPE: ``per_head`` (Qwen3: one head_dim-wide weight for every head),

@@ -80,7 +80,7 @@ class Family:
     """Extra deterministic initialization of a freshly built tiny HF model (model, seed), e.g. a non-zero
     expert bias so the tests exercise it."""
     notes: tuple[str, ...] = ()
-    """What the family leaves out on purpose, for ``tim families`` and the README."""
+    """What the family leaves out on purpose (the README lists it too)."""
 
     def __post_init__(self):
         defaults = {
@@ -211,7 +211,6 @@ def common_fields(r: ConfigReader) -> dict[str, Any]:
 
 COMMON_KEYS = {
     "num_layers": "num_hidden_layers",
-    "rope_theta": "rope_theta",
 }
 """ModelDims fields whose config.json key has another name (the rest share their name)."""
 
