@@ -1,4 +1,5 @@
-"""The built-in tiny Qwen3-MoE: a real HF checkpoint and tokenizer, made offline and deterministically.
+"""The built-in tiny models (Qwen3-MoE by default, any registered family by ``model.dims.family``): a real HF
+checkpoint and tokenizer, made offline and deterministically.
 
 ``ensure_tiny_checkpoint(dims, ...)`` writes ``config.json``, ``model.safetensors`` (checkpoint layout,
 per-expert tensors) and a character-level tokenizer into a cache folder keyed by every input, and returns
@@ -55,37 +56,10 @@ def build_tokenizer(vocab_size: int):
 
 
 def hf_config(dims: ModelDims):
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    """The transformers config of a tiny model of ``dims``' family (each family builds its own)."""
+    from tim_megatron.trainer.families import get_family
 
-    common = dict(
-        vocab_size=dims.vocab_size,
-        hidden_size=dims.hidden_size,
-        intermediate_size=dims.intermediate_size,
-        num_hidden_layers=dims.num_layers,
-        num_attention_heads=dims.num_attention_heads,
-        num_key_value_heads=dims.num_key_value_heads,
-        head_dim=dims.head_dim,
-        rms_norm_eps=dims.rms_norm_eps,
-        max_position_embeddings=dims.max_position_embeddings,
-        tie_word_embeddings=dims.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": dims.rope_theta},
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=None,
-        attention_bias=False,
-    )
-    if dims.is_moe:
-        return Qwen3MoeConfig(
-            **common,
-            num_experts=dims.num_experts,
-            num_experts_per_tok=dims.num_experts_per_tok,
-            moe_intermediate_size=dims.moe_intermediate_size,
-            norm_topk_prob=dims.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-        )
-    return Qwen3Config(**common)
+    return get_family(dims.resolved_family).hf_config(dims)
 
 
 def _key(dims: ModelDims, seed: int, warmup_steps: int, task: TaskConfig) -> str:
@@ -154,6 +128,7 @@ def _build(folder: Path, *, dims: ModelDims, seed: int, warmup_steps: int, task:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            _family_init(model, dims, seed)
             if warmup_steps:
                 _warmup(model, tokenizer, steps=warmup_steps, seed=seed, task=task)
     finally:
@@ -168,6 +143,14 @@ def _build(folder: Path, *, dims: ModelDims, seed: int, warmup_steps: int, task:
         "task": task.model_dump(),
     }
     (folder / "tim_tiny.json").write_text(json.dumps(meta, indent=2))
+
+
+def _family_init(model, dims: ModelDims, seed: int) -> None:
+    from tim_megatron.trainer.families import get_family
+
+    init = get_family(dims.resolved_family).tiny_init
+    if init is not None:
+        init(model, seed)
 
 
 def _warmup(model, tokenizer, *, steps: int, seed: int, task: TaskConfig) -> None:

@@ -238,7 +238,7 @@ class VLLMEngine:
                 engine=self.engine_index,
             )
             if self._native_capture:
-                s.routed_experts = np.asarray(c.routed_experts)
+                s.routed_experts = _moe_layers_only(np.asarray(c.routed_experts), self.num_moe_layers)
             elif capture:
                 s.routed_experts = _assemble(s, by_request.get(o.request_id), prefix_experts)
             samples[idx // n].append(s)
@@ -268,7 +268,8 @@ class VLLMEngine:
             fixed = cpu_moe_reload.after_reload(self.llm)
             if fixed != self.num_moe_layers:
                 raise RuntimeError(
-                    f"re-prepacked {fixed} CPU MoE layers after a reload; the model has {self.num_moe_layers}"
+                    f"re-prepacked {fixed} CPU MoE layers of {self.hf_config.get('architectures')} after a reload; "
+                    f"the model has {self.num_moe_layers}"
                 )
 
     def reset_prefix_cache(self) -> None:
@@ -327,6 +328,14 @@ class VLLMEngine:
 def _head_dtype(worker) -> str:
     lp = worker.model_runner.model.logits_processor
     return str(lp.head_dtype or worker.model_runner.model_config.dtype)
+
+
+def _moe_layers_only(experts: np.ndarray, num_moe_layers: int) -> np.ndarray:
+    """vLLM's native capture has a row per decoder layer; the trainer's routers are the MoE layers, which come
+    after the leading dense ones (GLM-4.5's ``first_k_dense_replace``)."""
+    if experts.ndim == 3 and experts.shape[1] > num_moe_layers:
+        return experts[:, experts.shape[1] - num_moe_layers :]
+    return experts
 
 
 def _native_capture_supported() -> bool:

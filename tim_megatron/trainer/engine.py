@@ -212,7 +212,7 @@ class MegatronTrainer:
         return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
     def num_moe_layers(self) -> int:
-        return self.dims.num_layers if self.dims.is_moe else 0
+        return self.dims.num_moe_layers
 
     # -------------------------------------------------------------------------------------- forwards
 
