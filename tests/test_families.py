@@ -463,7 +463,7 @@ def test_new_recipe_scales_nodes_and_says_why(recipes_root):
     assert r.cluster.nodes > 4
     header = (recipes_root / "big" / "base.yaml").read_text()
     assert "# did not fit: 4 node(s) x 8 a100-80gb" in header and "trainer state" in header
-    assert "spans nodes: it needs a multi-node vLLM engine" in res.stdout  # said, not hidden
+    assert "spans nodes: each engine is 2 whole nodes" in res.stdout  # said, not hidden
 
 
 def _config(**change) -> dict:

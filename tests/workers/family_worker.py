@@ -154,6 +154,7 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from tim_megatron.rollout.base import FleetLayout
     from tim_megatron.rollout.engine import VLLMEngine
 
     r = load_recipe(recipe_path, [*BASE, "remedies.router_replay=r3"]).recipe
@@ -193,7 +194,9 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     out["entropy_vs_hf"] = float((out["entropy"][:, 1:] - ent[:, :-1])[ent_valid[:, :-1]].abs().max())
 
     # vLLM: routed experts captured on the prompts (prefill), then scores, both against HF.
-    eng = VLLMEngine(r, model_path=ck, num_moe_layers=tr.num_moe_layers())
+    eng = VLLMEngine(
+        r, model_path=ck, layout=FleetLayout(world=1, ranks_per_engine=1), num_moe_layers=tr.num_moe_layers()
+    )
     seqs = [ids[i, : int(lengths[i])].tolist() for i in range(N)]
     groups, _ = eng.generate(seqs, step=0, n=1, max_tokens=1)
     k = dims.num_experts_per_tok
@@ -216,7 +219,7 @@ def scenario_single(recipe_path: str, out: dict) -> None:
 
     # An update, a stale engine that the check catches, a verified sync (re-prepacked experts included).
     from tim_megatron.algo.stats import Stats
-    from tim_megatron.rollout.sync import manifest, sync_and_verify
+    from tim_megatron.rollout.sync import WeightSync, manifest
 
     tr.train_step(batch, lambda lp_, rows, s: (-lp_[:, 1:].mean(), Stats()), lr=1e-3)
     if dims.router_expert_bias:  # never trained, so move it by hand: the sync must carry it too
@@ -227,8 +230,10 @@ def scenario_single(recipe_path: str, out: dict) -> None:
             if name.endswith("router.expert_bias"):
                 buf.add_(torch.randn(buf.shape, generator=g) * 0.1)
     out["before_sync_vllm_vs_megatron"] = _vllm_vs_trainer(eng, tr, batch, seqs)
-    rep = sync_and_verify(eng, tr, expected=manifest(ck), probe=seqs, tolerance=r.sync_tolerance, dtype=None)
-    out["sync_tensors"] = rep.tensors
+    ws = WeightSync(r, expected=manifest(ck), rank=0)
+    ws.check = "probe"
+    rep = ws.push(eng, tr, probe=lambda: seqs)
+    out["sync_tensors"] = int(rep["sync/tensors"])
     out["after_sync_vllm_vs_megatron"] = _vllm_vs_trainer(eng, tr, batch, seqs)
     # The engine stays up until the process exits: deleting an in-process vLLM engine tears down
     # torch.distributed's default group, which the trainer's groups live in.

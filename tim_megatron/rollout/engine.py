@@ -186,14 +186,16 @@ class VLLMEngine:
         first_index: int = 0,
         n: int | None = None,
         greedy: bool = False,
+        max_tokens: int | None = None,
     ) -> tuple[list[list[Sample]], GenerationStats]:
         """``n`` samples for each prompt (token ids), grouped per prompt; ``first_index`` is the global index of
-        ``prompts[0]`` in the step (it seeds the samples, so they do not depend on how prompts are split)."""
+        ``prompts[0]`` in the step (it seeds the samples, so they do not depend on how prompts are split).
+        ``max_tokens`` overrides ``rollout.max_tokens`` (tests capture routing on a prompt with 1 token)."""
         from vllm import SamplingParams
 
         r = self.recipe.rollout
         n = r.n if n is None else n
-        max_tokens = r.max_tokens
+        max_tokens = r.max_tokens if max_tokens is None else max_tokens
         self.check_prompts(prompts, max_tokens)
         temp = 0.0 if greedy else r.temperature
         reqs, params = [], []

@@ -353,7 +353,8 @@ def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
         lines.append(f"    {why}")
     if recipe.rollout.tensor_parallel_size > max(c.gpus_per_node, 1):
         lines.append(
-            f"  note: rollout.tensor_parallel_size {recipe.rollout.tensor_parallel_size} spans nodes: it needs a "
-            "multi-node vLLM engine"
+            f"  note: rollout.tensor_parallel_size {recipe.rollout.tensor_parallel_size} spans nodes: each engine is "
+            f"{recipe.rollout.tensor_parallel_size // max(c.gpus_per_node, 1)} whole nodes, with vLLM tensor "
+            "parallelism over the inter-node network (slow; not yet run anywhere)"
         )
     return "\n".join(lines)
