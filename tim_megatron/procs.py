@@ -32,12 +32,15 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
 def run_launcher(cmd: list[str]) -> int:
     """Run ``cmd`` (torchrun) until it exits; it dies with us, and receives our SIGTERM/SIGINT."""
-    prctl = ctypes.CDLL(None).prctl  # looked up before the fork: the child only calls it
-    proc = subprocess.Popen(
-        cmd,
-        start_new_session=True,  # a terminal's Ctrl-C reaches us alone; we forward it once
-        preexec_fn=lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0),
-    )
+    bind = None
+    if sys.platform.startswith("linux"):
+        prctl = ctypes.CDLL(None).prctl  # looked up before the fork: the child only calls it
+
+        def bind():
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+    # Its own session: a terminal's Ctrl-C reaches us alone, and we forward it once.
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=bind)
 
     def forward(signum, _frame):
         if proc.poll() is None:
