@@ -84,6 +84,9 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/builtin
 ReturnToService=2
 JobRequeue=1
+# Job ids of its own: the job script's rendezvous port is 20000 + id % 20000, and other clusters on this
+# machine (other test sessions) would otherwise count from 1 too and collide on it.
+FirstJobId={1000 + int.from_bytes(os.urandom(2), "big") % 18000}
 KillWait=60
 MinJobAge=3600
 MpiDefault=none

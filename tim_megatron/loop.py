@@ -119,11 +119,14 @@ def run_steps(run: Run) -> int:
             if stop:
                 finish(run, step, time.perf_counter() - t_start, status="preempted")
                 return EXIT_PREEMPTED
-    except BaseException:
-        from tim_megatron.run_dir import set_status
+    except BaseException as e:
+        from tim_megatron.run_dir import mark_failed
+        from tim_megatron.trainer.engine import NonFiniteAbort
 
+        if isinstance(e, NonFiniteAbort):  # its updates were skipped: the weights are the last good ones
+            e.args = (f"{e}; last good state checkpointed: {save(run, step - 1, overwrite=False)}",)
         if run.is_rank0:
-            set_status(run.run_dir, "failed", step=step)
+            mark_failed(run.run_dir, e, step=step)
         run.tracker.close()
         raise
     if r.run.steps >= run.start_step:
@@ -263,11 +266,13 @@ def should_checkpoint(run: Run, step: int) -> bool:
     return bool(every) and step % every == 0 and step != run.recipe.run.steps
 
 
-def save(run: Run, step: int) -> None:
-    from tim_megatron.trainer.checkpoint import save_checkpoint
+def save(run: Run, step: int, *, overwrite: bool = True) -> Path:
+    from tim_megatron.trainer.checkpoint import save_checkpoint, step_dir
 
+    if not overwrite and (step_dir(run.run_dir / "checkpoints", step) / "state.json").exists():
+        return step_dir(run.run_dir / "checkpoints", step)
     state = {"schedule": run.schedule.state_dict(), "warnings": run.warnings.state_dict()}
-    save_checkpoint(
+    return save_checkpoint(
         run.trainer, run.run_dir / "checkpoints", step=step, state=state, keep=run.recipe.checkpoint.keep
     )
 
@@ -275,7 +280,7 @@ def save(run: Run, step: int) -> None:
 def finish(run: Run, step: int, seconds: float, *, status: str) -> None:
     from tim_megatron.logging.summary import write_summary
     from tim_megatron.logging.tracker import read_metrics
-    from tim_megatron.run_dir import set_status
+    from tim_megatron.run_dir import mark_finished
 
     if run.is_rank0:
         rows = read_metrics(run.run_dir / "metrics.jsonl")
@@ -289,7 +294,9 @@ def finish(run: Run, step: int, seconds: float, *, status: str) -> None:
         (run.run_dir / "events.json").write_text(
             json.dumps([e.as_dict() for e in run.warnings.events], indent=1)
         )
-        set_status(run.run_dir, status, step=step, wall_seconds=round(seconds, 2))
+        mark_finished(
+            run.run_dir, status, step=step, wall_seconds=seconds, max_requeues=run.recipe.cluster.max_requeues
+        )
         if run.tracker.console is not None:
             run.tracker.console.print(text, highlight=False)
     run.tracker.close()

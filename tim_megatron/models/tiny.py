@@ -19,10 +19,12 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
+from tim_megatron.integrity import IntegrityWarning, sha256_file
 from tim_megatron.recipe.schema import ModelDims, TaskConfig
 
 EOS = "<|endoftext|>"
@@ -31,6 +33,7 @@ UNK = "<unk>"
 CHARS = list("0123456789+-*/=^ ().,?:{}\\\n") + list("abcdefghijklmnopqrstuvwxyz")
 VOCAB = [EOS, UNK, *CHARS]
 TOKENIZER_VERSION = 1
+MANIFEST = "tim_tiny.json"
 
 
 def cache_root() -> Path:
@@ -84,20 +87,59 @@ def ensure_tiny_checkpoint(
     task: TaskConfig | None = None,
     root: Path | None = None,
 ) -> Path:
-    """Return the folder of the tiny checkpoint for these settings, building it on first use."""
+    """Return the folder of the tiny checkpoint for these settings, building it on first use.
+
+    The build records the sha256 of every file it wrote (``tim_tiny.json``); each use verifies them, and a
+    cache folder that fails (flipped bits, a truncated or missing file) is rebuilt with a warning.
+    """
     task = task or TaskConfig()
     root = Path(root) if root is not None else cache_root() / "tiny"
     target = root / _key(dims, seed, warmup_steps, task)
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
     root.mkdir(parents=True, exist_ok=True)
-    with open(
-        root / ".lock", "w"
-    ) as lock:  # ranks and test workers building at once: one builds, the rest wait
+    with open(root / ".lock", "w") as lock:  # ranks and test workers at once: one builds, the rest wait
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists() and (target / "model.safetensors").exists():
-            return target
+        if target.exists():
+            problems = verify_tiny_checkpoint(target)
+            if not problems:
+                return target
+            warnings.warn(
+                f"tiny-model cache {target} is corrupt ({'; '.join(problems[:3])}): rebuilding it. "
+                f"The cache lives under {root} (TIM_CACHE moves it); delete a folder there to force a rebuild.",
+                IntegrityWarning,
+                stacklevel=2,
+            )
+            aside = root / f".corrupt-{target.name}-{os.getpid()}"
+            os.replace(target, aside)
+            shutil.rmtree(aside, ignore_errors=True)
         return _build_atomically(root, target, dims=dims, seed=seed, warmup_steps=warmup_steps, task=task)
+
+
+def _checksums(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def verify_tiny_checkpoint(folder: Path) -> list[str]:
+    """What is wrong with a cached tiny checkpoint (empty: every file as built)."""
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text())["sha256"]
+        if not isinstance(recorded, dict):
+            raise TypeError("no file table")
+    except FileNotFoundError:
+        return [f"{MANIFEST} is missing"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{MANIFEST} has no checksums ({type(e).__name__}: {e}); built by an older version?"]
+    problems = [f"{n}: missing" for n in ("config.json", "model.safetensors") if n not in recorded]
+    actual = _checksums(folder)
+    for name, digest in recorded.items():
+        if name not in actual:
+            problems.append(f"{name}: missing")
+        elif actual[name] != digest:
+            problems.append(f"{name}: sha256 mismatch")
+    return problems
 
 
 def _build_atomically(root: Path, target: Path, **kw) -> Path:
@@ -141,8 +183,9 @@ def _build(folder: Path, *, dims: ModelDims, seed: int, warmup_steps: int, task:
         "seed": seed,
         "warmup_steps": warmup_steps,
         "task": task.model_dump(),
+        "sha256": _checksums(folder),
     }
-    (folder / "tim_tiny.json").write_text(json.dumps(meta, indent=2))
+    (folder / MANIFEST).write_text(json.dumps(meta, indent=2))
 
 
 def _family_init(model, dims: ModelDims, seed: int) -> None:

@@ -650,6 +650,9 @@ class ClusterConfig(Section):
     """Job name (unset: the run name)."""
     requeue: bool = True
     """Let Slurm requeue the job after preemption; the run resumes from its SIGTERM checkpoint."""
+    max_requeues: int = Field(3, ge=0, le=1000)
+    """Most times the job requeues itself (after a time-limit SIGTERM, and only when that attempt wrote a
+    checkpoint); then it stops as ``preempted`` and ``tim submit --resume`` continues it."""
     signal_seconds: int = Field(120, ge=10)
     """Slurm sends SIGTERM this long before the time limit so the run can checkpoint."""
     container_image: str | None = None

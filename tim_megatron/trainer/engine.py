@@ -34,7 +34,12 @@ from tim_megatron.trainer.weights import export_hf, load_hf_into_model
 
 
 class NonFiniteAbort(RuntimeError):
-    """Too many consecutive non-finite updates: the loop saves a checkpoint and stops."""
+    """Too many consecutive non-finite updates: the loop checkpoints the last good state and stops.
+
+    Raised on every rank at the same update (the finiteness test is reduced over ranks). The skipped updates
+    changed nothing, so the weights and optimizer state in memory are those of the last applied update; the
+    loop saves them under the last completed step (with updates applied earlier in the aborting step, if
+    the streak began mid-step)."""
 
 
 @dataclass
@@ -397,7 +402,7 @@ class MegatronTrainer:
             g["lr"] = lr
         # fp16: inf/nan gradients are loss-scale overflow, which megatron's grad scaler skips and backs off
         # from by itself; only a non-finite loss counts against the guard.
-        finite = math.isfinite(loss) and (self.dtype == "float16" or self._grads_finite())
+        finite = self._all_finite(loss, grads=self.dtype != "float16")
         applied, grad_norm = False, float("nan")
         if finite or self.dtype == "float16":  # fp16: megatron's scaler skips and backs off by itself
             with cpu_shims.cuda_placement_to_cpu():
@@ -425,9 +430,10 @@ class MegatronTrainer:
             times={"optimizer": time.perf_counter() - t1},
         )
 
-    def _grads_finite(self) -> bool:
-        ok = torch.ones(1)
-        for p in unwrap(self.model).parameters():
+    def _all_finite(self, loss: float, *, grads: bool) -> bool:
+        """Loss (and gradients) finite on every rank: the ranks agree, so they skip and abort together."""
+        ok = torch.ones(1) if math.isfinite(loss) else torch.zeros(1)
+        for p in unwrap(self.model).parameters() if grads and ok.item() else ():
             g = getattr(p, "main_grad", None)
             if g is None:
                 g = p.grad
