@@ -61,6 +61,9 @@ def _dense_routed_experts_compute(self, hidden_states: torch.Tensor, probs: torc
     d.routing_map = None
     d.local_probs = probs[:, lo:hi]  # token_combine casts to its dtype
     scale = d.local_probs * routed.to(d.local_probs.dtype)  # the router's probs are already 0 off-route
+    # Under TP/EP the dispatcher gathers into megatron's global buffer, which the next layer overwrites; the
+    # sparse path copies out of it (permute), so must this one, or backward reads the next layer's tokens.
+    hidden_states = hidden_states.clone()
     out = None
     for i, expert in enumerate(self.experts.local_experts):
         y, bias = expert(hidden_states, scale[:, i])
@@ -98,3 +101,12 @@ def apply(model) -> int:
 def is_applied(model) -> bool:
     """True when every MoE layer of ``model`` runs the dense path (vacuously true for a dense model)."""
     return all(getattr(m, _MARK, False) for m in _moe_layers(model))
+
+
+def revert(model) -> int:
+    """Back to megatron's own routed-expert path (benchmarks and probes compare the two)."""
+    layers = [m for m in _moe_layers(model) if getattr(m, _MARK, False)]
+    for layer in layers:
+        del layer.routed_experts_compute
+        delattr(layer, _MARK)
+    return len(layers)

@@ -200,6 +200,7 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
                 old=old,
                 sampled=batch.policy_logprobs * mask,
                 mask=mask,
+                group=_dp_group(),
             )
         checks.update(
             run.sync.check_samples(

@@ -56,11 +56,12 @@ class ExactSampler:
 
     shares_trainer_weights = True
 
-    def __init__(self, trainer, *, eos_id: int):
+    def __init__(self, trainer, *, eos_id: int, injection: SamplingInjection | None = None):
+        """``injection``: the sampling injection (default: the recipe's ``diagnostics.sampling_injection``)."""
         self.trainer = trainer
         self.recipe = trainer.recipe
         self.eos_id = eos_id
-        self.injection = trainer.recipe.diagnostics.sampling_injection
+        self.injection = injection or trainer.recipe.diagnostics.sampling_injection
         self.capture = trainer.recipe.capture_routed_experts and trainer.replay_enabled
         """Record the experts of every input position (needs the trainer's replay hooks: router_replay r2)."""
         self.layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=trainer.tp)
@@ -332,9 +333,11 @@ def check_exact(
     old: torch.Tensor,
     sampled: torch.Tensor,
     mask: torch.Tensor,
+    group=None,
     show: int = 3,
 ) -> dict[str, float]:
-    """Every response token's sampled logprob must equal the old pass's bit for bit; all ranks call.
+    """Every response token's sampled logprob must equal the old pass's bit for bit; every rank of ``group`` (the
+    data-parallel group: each row counted once) calls.
 
     ``old`` and ``sampled`` are ``[n, L]`` (this rank's rows; ``rows`` their global indices). Raises
     :class:`ExactMismatchError` on every rank, naming the step, the row and the position of the first tokens that
@@ -348,10 +351,10 @@ def check_exact(
     ]
     counts = torch.tensor([float(bad.sum()), float(m.sum())], dtype=torch.float64)
     everyone = [found]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, found)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, found, group=group)
     mismatched, checked = (int(x) for x in counts.tolist())
     if mismatched:
         where = "; ".join(f for part in everyone for f in part)
