@@ -53,6 +53,18 @@ def test_a_one_ulp_difference_is_named_by_step_row_and_position():
         check_exact(step=7, rows=rows, prompt_lens=prompt_lens, old=old, sampled=sampled, mask=mask)
 
 
+def test_the_shape_invariant_moe_patch_refuses_an_unknown_megatron_version(monkeypatch):
+    import importlib.metadata as md
+
+    from patches import guard
+    from patches.megatron import shape_invariant_moe
+
+    real = md.version
+    monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d == "megatron-core" else real(d))
+    with pytest.raises(guard.UnverifiedVersionError, match=r"megatron-shape-invariant-moe.*0\.99\.0"):
+        shape_invariant_moe.apply(model=None)
+
+
 # ----------------------------------------------------------------------------------------- recipe rules
 
 
@@ -79,6 +91,14 @@ def test_a_one_ulp_difference_is_named_by_step_row_and_position():
         (
             ["diagnostics.vexact=off", "diagnostics.sampling_injection.type=noise"],
             "needs diagnostics.vexact = exact",
+        ),
+        (
+            [
+                "diagnostics.vexact=off",
+                "diagnostics.sampling_injection.type=noise",
+                "diagnostics.sampling_injection.engine=vllm",
+            ],
+            "set rollout.sync_check = probe",
         ),
     ],
 )

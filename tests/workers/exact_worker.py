@@ -165,6 +165,7 @@ def scenario_vllm(out: dict, overrides: list[str]) -> None:
             f"diagnostics.sampling_injection.std={std}",
             "diagnostics.sampling_injection.seed=5",
             "diagnostics.sampling_injection.engine=vllm",
+            "rollout.sync_check=probe",
             *overrides,
         ],
     ).recipe

@@ -860,6 +860,13 @@ def _check(r: Recipe) -> None:
                 "diagnostics.sampling_injection.engine = vllm acts in the vLLM fleet, which vexact = exact does not "
                 "use; set engine = trainer",
             )
+        if r.rollout.sync_check == "every":
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.engine", "rollout.sync_check"],
+                "rollout.sync_check = every verifies each weight sync on the next step's samples by comparing the "
+                "trainer's logprobs with the rollout's, which the injection makes mu's: set rollout.sync_check = "
+                "probe (every sync verified on a probe batch, scored without the injection)",
+            )
         if not r.rollout.logprobs_after_temperature:
             raise RecipeValueError(
                 ["diagnostics.sampling_injection.engine", "rollout.logprobs_after_temperature"],

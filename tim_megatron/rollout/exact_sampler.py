@@ -7,8 +7,8 @@ Every sampled token's logged logprob equals the old-logprob pass's bit for bit, 
   rows around a row. At a FIXED shape they are: a float32 or bfloat16 ``linear`` gave all 512 rows the same bits
   when every other row changed or the rows were permuted; ``bmm`` did not depend on the batch count; masked
   attention keys with other values changed nothing; ``log_softmax`` over one row equals that row inside 4096.
-* Across shapes they are not: a float32 ``linear`` changes the last ``M % 4`` rows when M < 12 (MKL's tail
-  kernels). The MoE experts' row counts depend on the routing of the whole micro-batch, so the default
+* Across shapes they are not: a float32 ``linear`` gives the last ``M % 4`` rows other bits when its row count
+  M is below 12. The MoE experts' row counts depend on the routing of the whole micro-batch, so the default
   (sparse) path changed 47 of 3,757 logprobs (fp32, 16 x 24) between a full forward and the same rows with their
   future replaced by padding; the dense shape-invariant path (``patches/megatron/shape_invariant_moe.py``)
   changed none.
