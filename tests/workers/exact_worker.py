@@ -124,7 +124,7 @@ def scenario_nudge(out: dict, overrides: list[str]) -> None:
     nudged: dict = {}
 
     def rollouts(run, step):
-        batch, metrics = real(run, step)
+        batch, metrics, probe = real(run, step)
         if step == 2 and dist.get_rank() == 1:
             i = 0
             t = int(batch.prompt_lens[i])  # the first response token of this rank's first row
@@ -132,7 +132,7 @@ def scenario_nudge(out: dict, overrides: list[str]) -> None:
             batch.policy_logprobs[i, t] = torch.nextafter(x, torch.tensor(float("-inf")))
             batch.rollout_logprobs[i, t] = batch.policy_logprobs[i, t]
             nudged.update(row=int(batch.row[i]), position=t, before=float(x).hex())
-        return batch, metrics
+        return batch, metrics, probe
 
     phases.rollouts = rollouts
     rank = int(__import__("os").environ.get("RANK", "0"))
