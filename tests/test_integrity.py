@@ -386,8 +386,8 @@ def test_a_full_disk_fails_the_run_with_a_reason(tmp_path):
 def test_no_process_outlives_a_killed_or_failed_run(tmp_path, victim):
     """kill -9 of `tim train --nproc 2` (a dead launcher), or of one of its ranks (a fatal error in a rank).
 
-    The trainer samples itself (VeXact trainer_sampler), so the tree is ours alone: launcher, torchrun, two
-    ranks and wandb's service."""
+    The real default path: each rank holds its in-process vLLM engine (issue 14 saw an orphan engine process of
+    about 330 MB after a kill -9, when the engine still ran in processes of its own)."""
     import psutil
 
     d = tmp_path / "run"
@@ -395,7 +395,7 @@ def test_no_process_outlives_a_killed_or_failed_run(tmp_path, victim):
         [
             *TIM,
             "train",
-            "recipes/tiny-moe/vexact-sampler.yaml",
+            "recipes/tiny-moe/grpo.yaml",
             "--nproc",
             "2",
             "run.steps=500",

@@ -378,3 +378,24 @@ def test_checkpoint_writer_helper_survives_the_jobs_sigterm():
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["alive", "True"]  # and our own SIGTERM handling is restored as it was
+
+
+def test_checkpoint_writer_helper_dies_with_its_rank():
+    """The shielded helper must not outlive a rank killed with SIGKILL (no orphan processes after a fatal error)."""
+    require(_megatron_ok(), "megatron-core")
+    import psutil
+
+    code = (
+        "import multiprocessing, time\n"
+        "from patches.megatron import checkpoint_writer_signals\n"
+        "checkpoint_writer_signals.shield()\n"
+        "(server,) = multiprocessing.active_children()\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    server = psutil.Process(int(proc.stdout.readline()))
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs([server], timeout=30)
+    assert not alive

@@ -83,21 +83,21 @@ def simulate_precision_cmd(
     samples: int = typer.Option(50_000, help="sampled tokens"),
     logit_std: float = typer.Option(1.5, help="std of the float32 logits"),
     seed: int = typer.Option(1234, help="random seed"),
-    mantissa_bits: int = typer.Option(7, help="quantizer mantissa bits (7 = bf16, 10 = fp16)"),
+    dtype: str = typer.Option("bfloat16", help="the quantizer's format: bfloat16 or float16 (real casts)"),
 ) -> None:
     """The BF16-softmax experiment of the objective-level-hacking paper (its Table 2), via our injection code."""
     from tim_megatron.simulate import simulate_precision
 
     if vocab < 2 or samples < 1 or logit_std <= 0:
         _fail(f"need vocab >= 2, samples >= 1, logit_std > 0 (got {vocab}, {samples}, {logit_std})")
-    r = simulate_precision(
-        vocab=vocab, samples=samples, logit_std=logit_std, seed=seed, mantissa_bits=mantissa_bits
-    )
+    if dtype not in ("bfloat16", "float16"):
+        _fail(f"--dtype {dtype}: allowed bfloat16, float16")
+    r = simulate_precision(vocab=vocab, samples=samples, logit_std=logit_std, seed=seed, dtype=dtype)
     console.print(
-        f"ratio p_fp32/p_q{mantissa_bits} over {r.samples} sampled tokens (vocab {vocab}, logit std {logit_std}, seed {seed})",
+        f"ratio p_fp32/mu_{dtype} over {r.samples} sampled tokens (vocab {vocab}, logit std {logit_std}, seed {seed})",
         highlight=False,
     )
-    print("seed\tmean\tstd\tmax\tmin\tKL(q||fp32)")
+    print("seed\tmean\tstd\tmax\tmin\tKL(mu||fp32)")
     print(f"{seed}\t{r.mean:.4f}\t{r.std:.4f}\t{r.max:.4f}\t{r.min:.4f}\t{r.kl:.3e}")
 
 

@@ -39,13 +39,13 @@ def model_path_for(recipe) -> Path:
 
 
 def build_rollout(recipe, trainer, *, model_path: Path, tokenizer):
-    """This rank's rollout engine: its share of the vLLM fleet, or the trainer-side sampler."""
+    """This rank's rollout engine: its share of the vLLM fleet, or of the exact sampler (``vexact: exact``)."""
     from tim_megatron.rollout.base import FleetLayout
     from tim_megatron.rollout.engine import VLLMEngine
-    from tim_megatron.rollout.trainer_sampler import TrainerSampler
+    from tim_megatron.rollout.exact_sampler import ExactSampler
 
-    if recipe.diagnostics.vexact == "trainer_sampler":
-        return TrainerSampler(trainer, eos_id=tokenizer.eos_token_id)
+    if recipe.diagnostics.vexact == "exact":
+        return ExactSampler(trainer, eos_id=tokenizer.eos_token_id)
     layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=recipe.rollout.tensor_parallel_size)
     return VLLMEngine(
         recipe,

@@ -463,19 +463,29 @@ class ObjectiveInjection(Section):
     """Seed of the unbiased noise (each step derives its own)."""
 
 
-class LogprobInjection(Section):
-    type: Literal["none", "precision", "noise", "drift"] = "none"
-    """Mismatch put back into rollout logprobs: quantized softmax, additive noise, or biased drift."""
-    mantissa_bits: int = Field(7, ge=1, le=23)
-    """Precision: mantissa bits of the quantizer (7 = bf16, 10 = fp16); fewer bits, more mismatch."""
-    std: float = Field(0.01, ge=0)
-    """Noise: std of the additive logprob noise."""
-    drift: float = 0.0047
-    """Drift: added to every affected rollout logprob (log-space; 0.0047 ~ the rho=1.0047 example)."""
-    drift_pi_low: float | None = Field(None, gt=0, le=1)
-    """Drift: only tokens below this trainer probability drift; unset: all tokens."""
+class SamplingInjection(Section):
+    """Controlled mismatch in the SAMPLING distribution: the rollout samples every token from mu = perturb(pi)
+    and logs log mu as its logprob, so training uses tokens drawn from mu, as with a real mismatch
+    (:func:`tim_megatron.algo.injection.perturbed_logprobs`). pi = softmax(logits / temperature)."""
+
+    type: Literal["off", "precision", "noise", "bias"] = "off"
+    """``precision``: Eq. 45's low-precision softmax on float32 logits; ``noise``: zero-mean logit noise of std
+    ``std``; ``bias``: the sampling probabilities of tokens with pi < ``pi_low`` multiplied by ``delta``, then
+    renormalised."""
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """Precision: the format of Eq. 45's quantizer Q (a real cast, subnormals included)."""
+    std: float = Field(0.1, ge=0)
+    """Noise: std of the standard normal noise added to every logit (after the temperature)."""
+    delta: float = Field(2.0, gt=0)
+    """Bias: phi for tokens below ``pi_low`` (> 1 favours them, < 1 suppresses them); 1 changes nothing."""
+    pi_low: float = Field(0.1, gt=0, lt=1)
+    """Bias: the policy probability below which a token is distorted."""
     seed: int = Field(0, ge=0)
-    """Seed of the noise (each step derives its own)."""
+    """Noise: seed of the noise; each sample and position derives its own from it and the sample's seed."""
+    engine: Literal["trainer", "vllm"] = "trainer"
+    """Where it acts: ``trainer``, the exact sampler (needs ``diagnostics.vexact: exact``, so the only mismatch
+    is the injected one), or ``vllm``, a vLLM logits processor in the rollout fleet (real and injected mismatch
+    stack)."""
 
 
 class DumpsConfig(Section):
@@ -507,15 +517,26 @@ class SyncFault(Section):
     """The engine the fault hits."""
 
 
+_REMOVED_VEXACT = {
+    "recompute": "it only overwrote the rollout logprobs with the trainer's (the metrics read zero while the tokens "
+    "still came from vLLM, so training was unchanged)",
+    "trainer_sampler": "it sampled with the trainer's model but not with the training forward's shapes, so its "
+    "logprobs were not bit-identical",
+}
+
+
 class DiagnosticsConfig(Section):
-    vexact: Literal["off", "recompute", "trainer_sampler"] = "off"
-    """Zero-mismatch mode: rollout logprobs from the trainer itself (recompute), or sampling by it too."""
+    vexact: Literal["off", "exact"] = "off"
+    """Zero-mismatch mode. ``exact``: the trainer samples every token from its own logits, computed by the
+    training forward with the old-logprob pass's shapes (one forward of the micro-batch per generated token, MoE
+    experts on a shape-invariant path), so each logged rollout logprob equals the old logprob bit for bit; the
+    loop checks it every step and stops at the first token where they differ."""
     allow_precision_mismatch: bool = False
     """Permit trainer and rollout dtypes or heads to differ (an experiment, not an accident)."""
     objective_injection: ObjectiveInjection = ObjectiveInjection()
     """Controlled token-weight distortion in the loss (objective-level hacking experiments)."""
-    logprob_injection: LogprobInjection = LogprobInjection()
-    """Controlled mismatch added to rollout logprobs (VeXact causality experiments)."""
+    sampling_injection: SamplingInjection = SamplingInjection()
+    """Controlled mismatch in the sampling distribution (VeXact causality experiments)."""
     surrogate_delta: float = Field(2.0, ge=0)
     """delta used by the logged surrogate J = sum A (phi - 1), whether or not injection is on."""
     bucket_edges: list[float] = [0.0, 0.01, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
@@ -528,6 +549,28 @@ class DiagnosticsConfig(Section):
     """Early-warning detector settings."""
     sync_fault: SyncFault = SyncFault()
     """Deliberate weight-sync fault on one engine (verification tests only)."""
+
+    @field_validator("vexact", mode="before")
+    @classmethod
+    def _removed_vexact_modes(cls, v):
+        if v in _REMOVED_VEXACT:
+            raise ValueError(
+                f"{v!r} was removed: {_REMOVED_VEXACT[v]}. Use 'exact' (the trainer samples from its own training "
+                "forward: rho = 1 bit for bit), or 'off'"
+            )
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_logprob_injection(cls, data):
+        if isinstance(data, dict) and "logprob_injection" in data:
+            raise ValueError(
+                "diagnostics.logprob_injection was removed: it changed only the logged rollout logprobs, never the "
+                "sampled tokens, so with rl.correction.mode = none training was unchanged. Use "
+                "diagnostics.sampling_injection (type precision, noise or bias), which samples from the perturbed "
+                "distribution"
+            )
+        return data
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -881,7 +924,7 @@ def _check(r: Recipe) -> None:
             f"data.prompts_per_step = {r.data.prompts_per_step} must be a multiple of parallel.dp = {p.dp}: each "
             "data-parallel rank trains whole prompt groups",
         )
-    if r.diagnostics.vexact != "trainer_sampler" and p.world_size % R == 0:
+    if r.diagnostics.vexact != "exact" and p.world_size % R == 0:
         engines = p.world_size // R
         if r.data.prompts_per_step < engines:
             raise RecipeValueError(
@@ -892,22 +935,75 @@ def _check(r: Recipe) -> None:
 
     # Diagnostics.
     dg = r.diagnostics
-    if dg.logprob_injection.type == "precision" and dg.vexact == "off":
-        raise RecipeValueError(
-            ["diagnostics.logprob_injection.type", "diagnostics.vexact"],
-            "diagnostics.logprob_injection.type = precision recomputes rollout probabilities from the trainer's "
-            "logits, so it needs diagnostics.vexact = recompute or trainer_sampler",
-        )
     if dg.vexact != "off" and r.rl.correction.bypass:
         raise RecipeValueError(
             ["diagnostics.vexact", "rl.correction.bypass"],
             "rl.correction.bypass has no effect in VeXact mode (rollout and old logprobs are the same forward)",
         )
-    if dg.vexact == "trainer_sampler" and r.remedies.router_replay == "r3":
+    if dg.vexact == "exact":
+        if r.remedies.router_replay == "r3":
+            raise RecipeValueError(
+                ["diagnostics.vexact", "remedies.router_replay"],
+                "remedies.router_replay = r3 replays vLLM's experts, but vexact = exact uses no vLLM rollout "
+                "(its routing is the trainer's own already)",
+            )
+        ro = r.rollout
+        if ro.top_p < 1 or ro.top_k != -1 or ro.stop:
+            raise RecipeValueError(
+                ["diagnostics.vexact", "rollout.top_p", "rollout.top_k", "rollout.stop"],
+                f"vexact = exact samples from the whole softmax and stops at the end-of-text token only; got "
+                f"rollout.top_p = {ro.top_p}, rollout.top_k = {ro.top_k}, rollout.stop = {ro.stop} (leave them unset)",
+            )
+        if p.ep > 1:
+            raise RecipeValueError(
+                ["diagnostics.vexact", "parallel.ep"],
+                f"vexact = exact supports data and tensor parallelism; parallel.ep = {p.ep} would pair the "
+                "micro-batches of several data-parallel ranks in the expert dispatch (not implemented): use "
+                "parallel.ep = 1",
+            )
+        if r.trainer.moe_dispatcher == "alltoall":
+            raise RecipeValueError(
+                ["diagnostics.vexact", "trainer.moe_dispatcher"],
+                "vexact = exact runs the experts on a shape-invariant path over the allgather dispatcher; "
+                "set trainer.moe_dispatcher = allgather or auto",
+            )
+    inj = dg.sampling_injection
+    if inj.type != "off" and inj.engine == "trainer" and dg.vexact != "exact":
         raise RecipeValueError(
-            ["diagnostics.vexact", "remedies.router_replay"],
-            "remedies.router_replay = r3 replays vLLM's experts, but vexact = trainer_sampler uses no vLLM rollout",
+            ["diagnostics.sampling_injection.engine", "diagnostics.vexact"],
+            f"diagnostics.sampling_injection.engine = trainer perturbs the exact sampler's distribution, so it "
+            f"needs diagnostics.vexact = exact (got {dg.vexact}); or use engine = vllm",
         )
+    if inj.type == "precision":
+        side = "trainer" if inj.engine == "trainer" else "rollout"
+        dtype = r.trainer_dtype if side == "trainer" else r.rollout_dtype
+        if dtype != "float32" and not r.remedies.fp32_lm_head:
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.type", f"{side}.dtype", "remedies.fp32_lm_head"],
+                f"precision injection rounds float32 logits (Eq. 45), but the {side}'s LM head makes {dtype} "
+                f"logits, already rounded: the logit rounding would cancel in rho. Set {side}.dtype = float32 or "
+                "remedies.fp32_lm_head = true",
+            )
+    if inj.type != "off" and inj.engine == "vllm":
+        if dg.vexact != "off":
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.engine", "diagnostics.vexact"],
+                "diagnostics.sampling_injection.engine = vllm acts in the vLLM fleet, which vexact = exact does not "
+                "use; set engine = trainer",
+            )
+        if r.rollout.sync_check == "every":
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.engine", "rollout.sync_check"],
+                "rollout.sync_check = every verifies each weight sync on the next step's samples by comparing the "
+                "trainer's logprobs with the rollout's, which the injection makes mu's: set rollout.sync_check = "
+                "probe (every sync verified on a probe batch, scored without the injection)",
+            )
+        if not r.rollout.logprobs_after_temperature:
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.engine", "rollout.logprobs_after_temperature"],
+                "with engine = vllm the logged logprobs must be the perturbed distribution's, which vLLM reports "
+                "only after its logits processors (rollout.logprobs_after_temperature = true)",
+            )
     edges = dg.bucket_edges
     if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)) or edges[0] < 0 or edges[-1] > 1:
         raise RecipeValueError(

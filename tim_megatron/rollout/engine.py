@@ -9,6 +9,8 @@
   of engines. (vLLM gives every child of an ``n > 1`` request the same seed, hence identical samples.)
 * Logprobs: the sampled token's logprob, after temperature (``logprobs_mode="processed_logprobs"``) when
   ``rollout.logprobs_after_temperature`` is on; the trainer divides its logits by the same temperature.
+* Sampling injection (``diagnostics.sampling_injection.engine: vllm``): a logits processor makes vLLM sample
+  from, and log, mu = perturb(pi) (:mod:`tim_megatron.rollout.vllm_injection`).
 * Routed experts (R3): vLLM's native capture on GPU where available, else the CPU capture patch.
 * Weights: loaded in place from the trainer's export, by reference (same process, same device); verified by
   :mod:`tim_megatron.rollout.sync`.
@@ -136,6 +138,14 @@ class VLLMEngine:
                 self._native_capture = True
         if recipe.remedies.fp32_lm_head:
             kwargs["hf_overrides"] = {"head_dtype": "float32"}  # vLLM's own fp32 head GEMM (no patch needed)
+        self.injection = recipe.diagnostics.sampling_injection
+        if self.injection.type != "off" and self.injection.engine == "vllm":
+            from tim_megatron.rollout.vllm_injection import SamplingInjection
+
+            # mu = perturb(pi) is sampled, and log mu is what vLLM logs.
+            kwargs["logits_processors"] = [SamplingInjection]
+        else:
+            self.injection = None
         t = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.load_seconds = time.perf_counter() - t
@@ -212,6 +222,7 @@ class VLLMEngine:
                         stop=list(r.stop) or None,
                         logprobs=0,
                         seed=sample_seed(self.recipe.run.seed, step, first_index + i, j),
+                        extra_args=self._injection_args(step, first_index + i, j, greedy),
                         **({"return_routed_experts": True} if self._native_capture else {}),
                     )
                 )
@@ -252,6 +263,15 @@ class VLLMEngine:
         n_resp = sum(len(s.response_ids) for g in samples for s in g)
         n_prompt = sum(len(p) for p in prompts) * n
         return samples, GenerationStats(seconds=seconds, prompt_tokens=n_prompt, response_tokens=n_resp)
+
+    def _injection_args(self, step: int, prompt: int, sample: int, greedy: bool) -> dict | None:
+        """The sampling injection's per-request arguments (sampled requests only: validation sees the policy)."""
+        if self.injection is None or greedy:
+            return None
+        from tim_megatron.rollout.vllm_injection import request_args
+
+        seed = sample_seed(self.recipe.run.seed, step, prompt, sample)
+        return request_args(self.injection, sample_seed=seed, temperature=self.recipe.rollout.temperature)
 
     # ------------------------------------------------------------------------------------- weights
 

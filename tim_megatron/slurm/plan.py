@@ -42,11 +42,16 @@ MAX_GPU_MEMORY_UTILIZATION = 0.9
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def split_params(d: ModelDims) -> tuple[int, int]:
-    """(dense, routed-expert) parameter counts, from the model's family."""
+def param_count(d: ModelDims):
+    """The model's parameter counts (total, active, routed experts), from its family."""
     from tim_megatron.trainer.families import get_family
 
-    c = get_family(d.resolved_family).params(d)
+    return get_family(d.resolved_family).params(d)
+
+
+def split_params(d: ModelDims) -> tuple[int, int]:
+    """(dense, routed-expert) parameter counts, from the model's family."""
+    c = param_count(d)
     return c.dense, c.routed_experts
 
 
