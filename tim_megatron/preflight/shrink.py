@@ -63,13 +63,18 @@ def preflight_prompts(*, engines: int, dp: int, n: int, minibatches: int) -> int
     return p
 
 
+def ranks_per_engine(recipe) -> int:
+    """R: the ranks of one rollout engine (vLLM's TP size; the trainer's TP size for the exact sampler, whose
+    engines are the data-parallel ranks)."""
+    exact = recipe.diagnostics.vexact == "exact"
+    return recipe.parallel.tp if exact else recipe.rollout.tensor_parallel_size
+
+
 def shrink_list(loaded: LoadedRecipe) -> tuple[list[Shrink], list[str]]:
     """The overrides that shrink ``loaded``'s workload, and the keys left as the command line gave them."""
     r = loaded.recipe
     p = r.parallel
-    engines = (
-        1 if r.diagnostics.vexact == "trainer_sampler" else p.world_size // r.rollout.tensor_parallel_size
-    )
+    engines = p.world_size // ranks_per_engine(r)
     n = min(PREFLIGHT_N, r.rollout.n)
     prompts = preflight_prompts(engines=engines, dp=p.dp, n=n, minibatches=r.rl.minibatches)
     time = PREFLIGHT_TIME if slurm_minutes(r.cluster.time) > slurm_minutes(PREFLIGHT_TIME) else r.cluster.time
@@ -151,8 +156,7 @@ def layout(loaded: LoadedRecipe) -> dict:
 
     r = loaded.recipe
     p, c = r.parallel, r.cluster
-    trainer_sampler = r.diagnostics.vexact == "trainer_sampler"
-    R = p.world_size if trainer_sampler else r.rollout.tensor_parallel_size
+    R = ranks_per_engine(r)
     return {
         "nodes": c.nodes,
         "gpus_per_node": c.gpus_per_node,
