@@ -90,14 +90,18 @@ def _engines(
 
 
 def _syncs(layout: dict, steps: list[dict] | None) -> list[dict]:
-    """One row per sync, check and engine (the verdicts are collective: rank 0's records hold them all)."""
+    """One row per sync, check and engine. The verdicts and agreements are collective (rank 0's records hold them
+    all); an engine's bytes and seconds come from its first rank's own load when the sync failed before its
+    metrics were reduced."""
     if not steps:
         return []
     R = layout["ranks_per_engine"]
-    records = next((d.get("records", {}).get("syncs", []) for d in steps if d["rank"] == 0), [])
+    by_rank = {d["rank"]: d.get("records", {}).get("syncs", []) for d in steps}
+    records = by_rank.get(0, [])
     rows = []
-    for rec in records:
+    for i, rec in enumerate(records):
         m = rec.get("metrics", {})
+        ags = rec.get("agreements") or []
         for k in range(layout["engines"]):
             row: dict = {
                 "sync": rec["sync"],
@@ -108,8 +112,14 @@ def _syncs(layout: dict, steps: list[dict] | None) -> list[dict]:
             if rec["check"] == "probe":
                 row["mbytes"] = m.get(f"sync/engine{k}/mbytes")
                 row["seconds"] = m.get(f"sync/engine{k}/seconds")
+                leader = by_rank.get(k * R, [])
+                load = leader[i].get("load") if i < len(leader) else None
+                if row["mbytes"] is None and load:
+                    row["mbytes"], row["seconds"] = load["bytes"] / 2**20, load["seconds"]
             for q in ("p80", "mean", "max"):
                 v = m.get(f"sync/engine{k}/{q}_abs_prob_diff")
+                if v is None and k < len(ags):
+                    v = ags[k][f"{q}_abs_prob_diff"]
                 if v is not None:
                     row[f"{q}_abs_prob_diff"] = v
             if "error" in rec:

@@ -13,6 +13,7 @@ import re
 import resource
 import threading
 import traceback
+from dataclasses import asdict
 
 from tim_megatron.rollout.sync import WeightSyncError
 
@@ -72,27 +73,52 @@ def engines_named(message: str) -> list[int]:
 
 class RecordedSync:
     """Passes everything to the weight sync; notes each push (sync i follows step i) and each check of a sync on
-    the next step's samples, with the failure, if any, before it propagates."""
+    the next step's samples, with the failure, if any, before it propagates.
+
+    A failed verification raises before the sync returns its metrics, so the push's own parts are watched too,
+    on this one object: ``load`` (this rank's tensors, bytes and seconds) and ``probe_agreements`` (every
+    engine's agreement, already reduced over the ranks). A failed sync keeps its bytes, seconds and |dp|."""
 
     def __init__(self, inner, records: Records, engines: int):
         self._inner = inner
         self._records = records
         self._engines = engines
         self._pushes = 0
+        self._seen: dict = {}
+        load, agreements = inner.load, inner.probe_agreements
+
+        def recorded_load(rollout, stream):
+            rep = load(rollout, stream)
+            self._seen["load"] = {"tensors": rep.tensors, "bytes": rep.bytes, "seconds": rep.seconds}
+            return rep
+
+        def recorded_agreements(*a, **kw):
+            ags = agreements(*a, **kw)
+            self._seen["agreements"] = [asdict(ag) for ag in ags]
+            return ags
+
+        inner.load, inner.probe_agreements = recorded_load, recorded_agreements
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
     def _note(self, sync: int, check: str, call):
+        self._seen = {}
         try:
             out = call()
         except WeightSyncError as e:
             self._records.syncs.append(
-                {"sync": sync, "check": check, "error": str(e), "engines_failed": engines_named(str(e))}
+                {
+                    "sync": sync,
+                    "check": check,
+                    "error": str(e),
+                    "engines_failed": engines_named(str(e)),
+                    **self._seen,
+                }
             )
             raise
         if out:
-            self._records.syncs.append({"sync": sync, "check": check, "metrics": out})
+            self._records.syncs.append({"sync": sync, "check": check, "metrics": out, **self._seen})
         return out
 
     def push(self, rollout, trainer, **kw):
