@@ -580,3 +580,14 @@ def test_report_copy_is_not_mutated_by_judge():
     before = copy.deepcopy(rep)
     judge(rep)
     assert rep == before
+
+
+def test_the_job_command_is_one_of_the_known_ones(tmp_path):
+    from tim_megatron.slurm.render import RenderError, render
+
+    recipe = load_preflight(TINY).shrunk.recipe
+    script = render(recipe, run_dir=tmp_path, job_name="x", command="preflight-job")
+    assert '-m tim_megatron.cli preflight-job --run-dir "$RUN_DIR"' in script
+    assert '-m tim_megatron.cli train --run-dir "$RUN_DIR"' in render(recipe, run_dir=tmp_path, job_name="x")
+    with pytest.raises(RenderError, match="job command 'train; rm -rf /': allowed train, preflight-job"):
+        render(recipe, run_dir=tmp_path, job_name="x", command="train; rm -rf /")
