@@ -1,7 +1,7 @@
 """``make preflight``: the shrink keeps the recipe's layout; the judge's rules (device sharing, socket fallback,
-bandwidth, memory, timeouts); the heartbeat watchdog; and real preflight jobs on the local Slurm: a two-rank,
-two-engine go with every figure in ``preflight.json``, a sync corrupted on engine 1 and an engine that cannot fit
-(no-go, each naming the engine)."""
+bandwidth, memory, timeouts); the heartbeat watchdog; and three real preflight jobs: on the local Slurm a
+two-rank, two-engine go with every figure in ``preflight.json`` and an engine that cannot fit; on the two-node
+simulation a sync corrupted on engine 1 (no-go, each naming the engine)."""
 
 from __future__ import annotations
 
@@ -436,6 +436,7 @@ def make_preflight(slurm, out: Path, overrides: str) -> tuple[subprocess.Complet
     """``make preflight`` of the tiny recipe into ``out``; returns the result and its preflight.json."""
     res = subprocess.run(
         [
+            *getattr(slurm, "prefix", []),  # the two-node cluster's clients run in its namespace
             "make",
             "--no-print-directory",
             "-o",
@@ -518,12 +519,36 @@ def test_make_preflight_two_ranks_two_engines_is_go_with_every_figure(slurm, tmp
         assert line in res.stdout, res.stdout[-3000:]
 
 
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    require(
+        local_slurm.TwoNodeSlurm.available(), "Slurm (slurm-wlm, munge) with root and iproute2 for two nodes"
+    )
+    cluster = local_slurm.TwoNodeSlurm(tmp_path_factory.mktemp("slurm2")).start()
+    yield cluster
+    cluster.stop()
+
+
 @pytest.mark.slurm
-def test_a_sync_that_fails_verification_on_engine_1_is_no_go(slurm, tmp_path):
+def test_a_sync_that_fails_verification_on_engine_1_of_two_nodes_is_no_go(two_nodes, tmp_path):
+    """On the two-node simulation (one rank and one engine per node): the rendezvous, doctor and bandwidth across
+    nodes run for real, and a sync corrupted on engine 1 is a no-go naming it."""
     res, rep = make_preflight(
-        slurm, tmp_path, "parallel.dp=2 diagnostics.sync_fault.kind=corrupt diagnostics.sync_fault.engine=1"
+        two_nodes,
+        tmp_path,
+        "cluster.nodes=2 parallel.dp=2 cluster.cpus_per_task=1 "
+        f"cluster.env.GLOO_SOCKET_IFNAME={two_nodes.IFACE} "
+        "diagnostics.sync_fault.kind=corrupt diagnostics.sync_fault.engine=1",
     )
     assert no_go_exit(res) and "preflight tiny-moe-grpo: NO-GO" in res.stdout, _log(res, rep)
+    assert (rep["layout"]["nodes"], rep["layout"]["procs_per_node"], rep["layout"]["engines"]) == (2, 1, 2)
+    assert [(d["rank"], d["node"]) for d in rep["ranks"]] == [(0, 0), (1, 1)]
+    assert len({d["host"] for d in rep["ranks"]}) == 2
+    assert sorted(n["node"] for n in rep["doctor"]) == [0, 1]  # the first rank of each node ran the doctor
+    kinds = {e["kind"]: e for e in rep["bandwidth"]}
+    assert set(kinds) == {"inter-node", "dp"}  # one rank per node: no group within a node
+    assert kinds["inter-node"]["span"] == "inter-node" and kinds["inter-node"]["network"] == ["gloo (TCP)"]
+    assert all(s["busbw_gb_s"] > 0 for e in kinds.values() for s in e["sizes"])
     (reason,) = rep["verdict"]["no_go"]
     assert reason.startswith(
         "weight sync 1 failed verification (probe) on rollout engine 1 (rank 1): rollout engine 1 does not hold "
