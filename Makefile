@@ -14,7 +14,7 @@ RECIPE ?= recipes/tiny-moe/grpo.yaml
 OVERRIDES ?=
 DEFAULT_SWEEP := recipes/sweeps/clipping-qwen3-30b-a3b.yaml
 
-.PHONY: help setup test lint demo bench submit sweep status logs cancel plan new-recipe report doctor gpu-check clean-venv
+.PHONY: help setup test lint demo bench submit sweep status logs cancel plan new-recipe report doctor preflight gpu-check clean-venv
 
 help:
 	@echo "make setup   create .venv with the $(EXTRA) extra (idempotent)"
@@ -29,6 +29,7 @@ help:
 	@echo "make report [RUNS=\"runs/a/<t> runs/b/<t>\"] [SWEEP=<id>|<file>|latest]    report/<name>/index.html (default: the latest sweep)"
 	@echo "make new-recipe FROM=recipes/<model> NAME=<new> HF=<checkpoint or config.json>"
 	@echo "make doctor [RECIPE=...] [NODES=n] [OVERRIDES=\"k=v ...\"]                  is this machine ready? one line per check, exit 1 on a fail"
+	@echo "make preflight RECIPE=... [NODES=n] [OVERRIDES=\"k=v ...\"] [DRY_RUN=1] a short job with the recipe's layout: go / no-go, preflight.json"
 	@echo "make gpu-check                                                         the GPU path on one GPU, measured (says so and exits 0 without a GPU)"
 
 setup: $(STAMP)
@@ -88,6 +89,9 @@ report: setup
 
 doctor: setup
 	$(TIM) doctor $(if $(filter command line,$(origin RECIPE)),$(RECIPE)) $(OVERRIDES) $(if $(NODES),--nodes $(NODES))
+
+preflight: setup
+	$(TIM) preflight $(RECIPE) $(OVERRIDES) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1,$(DRY_RUN)),--dry-run)
 
 gpu-check: setup
 	$(PY) -m tim_megatron.gpu_check $(if $(GPU_CHECK_JSON),--json $(GPU_CHECK_JSON))

@@ -387,6 +387,60 @@ def doctor_cmd(
     raise typer.Exit(exit_code(results))
 
 
+@app.command("preflight")
+def preflight_cmd(
+    recipe: Path = typer.Argument(..., help="recipe YAML"),
+    overrides: list[str] = typer.Argument(None, help="dotted key=value overrides (they win over the shrink)"),
+    nodes: int = typer.Option(None, "--nodes", help="cluster.nodes (parallel.dp grows with it unless set)"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="print the shrink and the job script; submit nothing"
+    ),
+) -> None:
+    """A short Slurm job with the recipe's real layout and a shrunk workload: go / no-go and preflight.json."""
+    from tim_megatron.preflight import load_preflight
+    from tim_megatron.preflight.report import summary
+    from tim_megatron.preflight.submit import dry_run as render_only
+    from tim_megatron.preflight.submit import submit, watch
+    from tim_megatron.recipe import RecipeError
+    from tim_megatron.slurm.render import RenderError
+    from tim_megatron.slurm.submit import SlurmError
+
+    try:
+        pf = load_preflight(recipe, list(overrides or []), nodes)
+        if dry_run:
+            sys.stdout.write(render_only(pf))
+            return
+        sub = submit(pf)
+    except (RecipeError, RenderError, SlurmError) as e:
+        _fail(str(e))
+    console.print(
+        f"submitted preflight job {sub.job_id}\n  run folder: {sub.run_dir}\n  log:        {sub.log}",
+        highlight=False,
+    )
+    try:
+        report = watch(sub.run_dir, sub.job_id, say=lambda s: console.print(s, highlight=False))
+    except KeyboardInterrupt:
+        _fail(
+            f"stopped waiting; job {sub.job_id} goes on (scancel {sub.job_id} stops it); its verdict will be in "
+            f"{sub.run_dir / 'preflight.json'} unless it dies without one",
+            code=130,
+        )
+    print(summary(report), flush=True)
+    raise typer.Exit(0 if report["verdict"]["go"] else 1)
+
+
+@app.command("preflight-job", hidden=True)
+def preflight_job_cmd(
+    run_dir: Path = typer.Option(
+        ..., "--run-dir", help="the preflight's run folder (written by tim preflight)"
+    ),
+) -> None:
+    """Inside a preflight job, on every rank: the phases, then the verdict (exit 0 go, 1 no-go)."""
+    from tim_megatron.preflight.job import run
+
+    raise typer.Exit(run(run_dir, console=console))
+
+
 @app.command("new-recipe")
 def new_recipe_cmd(
     src: Path = typer.Argument(..., help="recipe folder to copy (FROM)"),

@@ -51,6 +51,10 @@ class RenderError(ValueError):
     pass
 
 
+COMMANDS = ("train", "preflight-job")
+"""What a job's ranks run (``tim <command> --run-dir RUN_DIR``): the run itself, or ``tim preflight``'s job."""
+
+
 FIXES = {"run folder": "set run.output_dir to a folder whose absolute path uses only these characters"}
 
 
@@ -163,9 +167,13 @@ def _container(recipe: Recipe, run_dir: str) -> str:
     )
 
 
-def values(recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None = None) -> dict[str, str]:
+def values(
+    recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None = None, command: str = "train"
+) -> dict[str, str]:
     """Every placeholder's finished text: validated (directives, numbers) or shell-quoted (everything else)."""
     c = recipe.cluster
+    if command not in COMMANDS:
+        raise RenderError(f"job command {command!r}: allowed {', '.join(COMMANDS)}")
     folder = _check("run folder", str(Path(run_dir).resolve()))
     directives = []
     if c.gpus_per_node:
@@ -193,8 +201,14 @@ def values(recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None =
         "REQUEUE": "1" if c.requeue else "0",
         "ENVIRONMENT": _environment(recipe, python),
         "SRUN_CONTAINER": _container(recipe, folder),
+        "COMMAND": command,
     }
 
 
-def render(recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None = None) -> str:
-    return fill(TEMPLATE.read_text(), values(recipe, run_dir=run_dir, job_name=job_name, python=python))
+def render(
+    recipe: Recipe, *, run_dir: Path, job_name: str, python: str | None = None, command: str = "train"
+) -> str:
+    return fill(
+        TEMPLATE.read_text(),
+        values(recipe, run_dir=run_dir, job_name=job_name, python=python, command=command),
+    )

@@ -74,11 +74,14 @@ def _sbatch(script: Path, env: dict | None = None) -> str:
     return res.stdout.strip().split(";")[0]
 
 
-def prepare(loaded: LoadedRecipe, *, output_dir: str | Path | None = None) -> tuple[Path, str]:
+def prepare(
+    loaded: LoadedRecipe, *, output_dir: str | Path | None = None, command: str = "train"
+) -> tuple[Path, str]:
+    """A new run folder holding the job script (``command``: what its ranks run, see ``render.COMMANDS``)."""
     run_dir = new_run_dir(loaded, root=output_dir)
     (run_dir / "logs").mkdir()
     try:
-        script = render(loaded.recipe, run_dir=run_dir, job_name=loaded.name)
+        script = render(loaded.recipe, run_dir=run_dir, job_name=loaded.name, command=command)
     except RenderError:
         import shutil
 
