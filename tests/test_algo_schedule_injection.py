@@ -231,6 +231,6 @@ def test_routing_agreement():
 
 
 def test_schedule_state_is_a_deep_copyable_plain_dict():
-    s = LengthDecayLR(base_lr=1.0)
+    s = LengthDecayLR(base_lr=1.0, decay_period=7)
     st = copy.deepcopy(s.state_dict())
     assert json.loads(json.dumps(st)) == st

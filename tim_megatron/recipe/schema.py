@@ -268,11 +268,17 @@ class CorrectionConfig(Section):
     c: float = Field(2.0, gt=0)
     """TIS truncation / MIS mask threshold C."""
     low: float = Field(0.5, gt=0)
-    """IcePop: ratios below this are masked."""
+    """IcePop: ratios below this are masked. The default [0.5, 2.0] is slime's IcePop (THUDM/slime,
+    ``icepop_function`` in ``slime/backends/megatron_utils/loss.py``, run with ``--tis-clip-low 0.5 --tis-clip
+    2.0``; 2.0 is its ``--tis-clip`` default) and verl's ratio-rejection default ``"0.5_2.0"``
+    (``RolloutCorrectionConfig.decoupled_seq_is_rs``). IcePop's authors (Ring-1T report, arXiv 2510.18855) write
+    the region as [alpha, beta]; reproductions cite [0.5, 5.0] and INTELLECT-3 (arXiv 2512.16144) uses
+    [0.2, 5.0], so set low/high when you reproduce one of those."""
     high: float = Field(2.0, gt=0)
-    """IcePop: ratios above this are masked (need not be 1/low)."""
+    """IcePop: ratios above this are masked (need not be 1/low). Default 2.0: see ``low`` for the source."""
     bypass: bool = False
-    """Use the rollout logprobs as the old policy (skip the old-logprob recompute)."""
+    """Use the rollout logprobs as the old policy (skip the old-logprob recompute). Only with ``mode: none``:
+    with TIS/MIS/IcePop every weight would be 1, so the combination is rejected at load."""
 
 
 class RLConfig(Section):
@@ -310,23 +316,29 @@ class SurgeDetectorConfig(Section):
 
 class LRScheduleConfig(Section):
     type: Literal["constant", "cosine", "length_decay"] = "constant"
-    """LR schedule: constant, cosine with warmup, or the length-surge-triggered halving decay."""
+    """LR schedule: constant, cosine with warmup, or the TIM-LR paper's halving decay (Algorithm 1)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up steps (constant and cosine)."""
     total_steps: int | None = None
     """Cosine horizon; unset: ``run.steps``."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Floor as a fraction of the initial LR (cosine end, length-decay floor)."""
-    trigger: Literal["surge", "step"] = "surge"
-    """length_decay: start halving on a response-length surge, or at a fixed step."""
+    trigger: Literal["step", "surge"] = "step"
+    """length_decay: ``step`` (default) is Algorithm 1 of the TIM-LR paper exactly with ``trigger_step: 0``:
+    hold the LR, then halve it at every multiple of ``decay_period`` down to the floor, T_decay chosen in advance
+    (the paper: ~1.8 x the step of the length surge seen in an earlier run). ``surge`` (opt-in) waits for the
+    surge detector and derives the period from the step it fires. Its limits: it compares the mean length of the
+    last ``surge.window`` steps with the mean of the first ``surge.baseline_steps``, so a curve that starts high,
+    dips and then surges back (base models) may never reach ``factor`` x that baseline and never decay, while a
+    steady growth of ~1%/step reaches 2x within ~70 steps and fires without any surge."""
     trigger_step: int = Field(0, ge=0)
-    """length_decay with ``trigger: step``: the step that starts the decay (0: from the start)."""
+    """length_decay with ``trigger: step``: halving counts only after this step (0: Algorithm 1 from step 1)."""
     decay_period: int | None = Field(None, ge=1)
-    """length_decay: halve every this many steps. Unset: ``period_factor`` x the trigger step."""
+    """length_decay: T_decay, halve at every multiple of it. Unset: ``period_factor`` x the trigger step."""
     period_factor: float = Field(1.8, gt=0)
-    """length_decay: decay_period = period_factor x surge step when decay_period is unset."""
+    """length_decay: decay_period = period_factor x the trigger step when decay_period is unset."""
     surge: SurgeDetectorConfig = SurgeDetectorConfig()
-    """Response-length surge detector settings."""
+    """Response-length surge detector settings (``trigger: surge``, and the early-warning surge event)."""
 
 
 class RemediesConfig(Section):
@@ -698,6 +710,14 @@ def _check(r: Recipe) -> None:
             f"each minibatch holds {mb_seqs} sequences, which parallel.dp = {p.dp} must divide",
         )
     c = r.rl.correction
+    if c.bypass and c.mode != "none":
+        # Bypass makes the old policy the rollout's, so every correction weight would be exactly 1.
+        raise RecipeValueError(
+            ["rl.correction.bypass", "rl.correction.mode"],
+            f"rl.correction.bypass = true with rl.correction.mode = {c.mode}: bypass uses the rollout logprobs as "
+            f"the old policy, so the {c.mode} weights pi_old / pi_rollout are all 1 and the correction does nothing "
+            "(and no mismatch is measured); set rl.correction.mode = none, or bypass = false",
+        )
     if c.mode == "icepop" and not c.low < 1 < c.high:
         raise RecipeValueError(
             ["rl.correction.low", "rl.correction.high"],
