@@ -440,12 +440,23 @@ class DiagnosticsConfig(Section):
 
 
 class TaskConfig(Section):
+    kind: Literal["arithmetic", "countdown"] = "arithmetic"
+    """The built-in task (``data.train.kind: arithmetic``). arithmetic: ``a+b=`` with a 1-2 token answer (the
+    smoke demo). countdown: the lab task (``tim_megatron/data/countdown.py``): reach the prompt's target with a
+    chain of single digits, writing every running value (``9+8=17+9=26``); responses of 1 to 100+ tokens whose
+    length is the policy's choice."""
     max_operand: int = Field(9, ge=1)
-    """Built-in arithmetic: operands are drawn from 0..max_operand."""
+    """arithmetic: operands are drawn from 0..max_operand."""
     ops: list[Literal["+", "-", "*"]] = ["+"]
-    """Built-in arithmetic: operators drawn uniformly."""
+    """Operators: arithmetic draws one per prompt; countdown's warm-up chains draw one per step."""
     num_prompts: int = Field(0, ge=0)
-    """Built-in arithmetic: size of the fixed prompt pool (0: every combination)."""
+    """Size of the fixed prompt pool, drawn with the data seed (0: every problem of the task)."""
+    min_target: int = Field(10, ge=1)
+    """countdown: smallest target."""
+    max_target: int = Field(40, ge=1)
+    """countdown: largest target."""
+    max_terms: int = Field(12, ge=1)
+    """countdown: the warm-up's random chains have 1..max_terms digits (it shapes the start policy's lengths)."""
 
 
 class DatasetConfig(Section):
@@ -796,6 +807,14 @@ def _check(r: Recipe) -> None:
         raise RecipeValueError(
             ["diagnostics.vexact", "remedies.router_replay"],
             "remedies.router_replay = r3 replays vLLM's experts, but vexact = trainer_sampler uses no vLLM rollout",
+        )
+    t = r.data.task
+    if t.kind == "countdown" and not t.min_target <= t.max_target <= 9 * t.max_terms:
+        raise RecipeValueError(
+            ["data.task.min_target", "data.task.max_target", "data.task.max_terms"],
+            f"data.task.kind = countdown needs data.task.min_target <= data.task.max_target <= 9 x "
+            f"data.task.max_terms (got {t.min_target}, {t.max_target}, 9 x {t.max_terms}): the warm-up's chains "
+            "must be able to end on every target",
         )
     edges = dg.bucket_edges
     if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)) or edges[0] < 0 or edges[-1] > 1:
