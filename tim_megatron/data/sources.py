@@ -112,8 +112,9 @@ class PromptSource:
     """Items for training steps and validation."""
 
     def __init__(self, data: DataConfig, *, seed: int):
+        """``seed``: the run's seed, used unless ``data.seed`` fixes the data on its own."""
         self.data = data
-        self.seed = seed
+        self.seed = seed = data.seed if data.seed is not None else seed
         self.train = self._items(data.train, "data.train")
         if data.val is not None:
             self.val = self._items(data.val, "data.val")

@@ -396,12 +396,22 @@ class DumpsConfig(Section):
 class EarlyWarningConfig(Section):
     metrics: list[str] = ["mismatch/old_vs_rollout/rho_std"]
     """Metrics watched for persistent growth."""
-    baseline_steps: int = Field(5, ge=1)
-    """First finite values whose median is a metric's baseline."""
+    rule: Literal["trend", "median_ratio"] = "trend"
+    """trend: noise-aware CUSUM of log(value) against the run's own baseline level and noise
+    (``algo/early_warning.py`` TrendDetector); median_ratio: the earlier rule, median of the last ``window``
+    values >= ``threshold`` x the median of the first ``baseline_steps`` (blind to the run's noise)."""
+    baseline_steps: int = Field(10, ge=2)
+    """First positive finite values whose median is a metric's baseline level."""
+    k: float = Field(1.0, ge=0)
+    """trend: allowance per step, in noise SDs; growth smaller than this is ignored however long it lasts."""
+    h: float = Field(8.0, gt=0)
+    """trend: fires when the cumulative excess (in noise SDs) exceeds this."""
+    z_cap: float = Field(3.0, gt=0)
+    """trend: one step counts at most this many noise SDs, so a lone spike cannot fire it (with h > z_cap - k)."""
     window: int = Field(5, ge=1)
-    """Recent values whose median is compared with the baseline."""
+    """median_ratio: recent values whose median is compared with the baseline."""
     threshold: float = Field(2.0, gt=1)
-    """Fires when median(recent) >= threshold x baseline."""
+    """median_ratio: fires when median(recent) >= threshold x baseline."""
 
 
 class SyncFault(Section):
@@ -480,7 +490,10 @@ class DataConfig(Section):
     val: DatasetConfig | None = None
     """Validation prompts (unset: the training task's held-out draw for arithmetic, else none)."""
     task: TaskConfig = TaskConfig()
-    """Built-in arithmetic task settings."""
+    """Built-in task settings (``data.train.kind: arithmetic``): the arithmetic demo or the countdown lab task."""
+    seed: int | None = Field(None, ge=0)
+    """Seed of the prompt pool, the prompt order and the validation draw. Unset: ``run.seed``. ``tim lab`` fixes it
+    so that every seed of a grid sees the same prompts in the same order (only sampling and shuffling vary)."""
     prompts_per_step: int = Field(8, ge=1)
     """Prompts per RL step (each gets ``rollout.n`` responses)."""
     val_prompts: int = Field(32, ge=1)
