@@ -86,3 +86,176 @@ def test_countdown_target_range_is_checked_at_load():
         load_recipe(None, ["data.task.kind=countdown", "data.task.min_target=50", "data.task.max_target=40"])
     with pytest.raises(RecipeError, match="max_terms"):
         load_recipe(None, ["data.task.kind=countdown", "data.task.max_target=200", "data.task.max_terms=12"])
+
+
+def test_data_seed_fixes_the_prompt_order_whatever_the_run_seed():
+    from tim_megatron.data.sources import PromptSource
+
+    r = load_recipe(ROOT / "recipes/tiny-moe/countdown.yaml", ["data.seed=5"]).recipe
+    a, b = PromptSource(r.data, seed=1), PromptSource(r.data, seed=2)
+    assert [a.step_items(s, 16) for s in (1, 2, 3)] == [b.step_items(s, 16) for s in (1, 2, 3)]
+    free = load_recipe(ROOT / "recipes/tiny-moe/countdown.yaml").recipe
+    c, d = PromptSource(free.data, seed=1), PromptSource(free.data, seed=2)
+    assert c.step_items(1, 16) != d.step_items(1, 16)  # without it, the run seed decides
+
+
+# ---------------------------------------------------------------------------------------- statistics
+
+
+def test_t_quantiles_and_intervals():
+    from tim_megatron.lab.stats import mean_ci, paired_ci, t975, wilson
+
+    assert t975(1) == pytest.approx(12.706) and t975(2) == pytest.approx(4.303)
+    assert t975(60) == pytest.approx(2.000, abs=1e-3) and t975(1000) == pytest.approx(1.962, abs=1e-3)
+    iv = mean_ci([1.0, 2.0, 3.0])
+    assert (iv.mean, iv.n) == (2.0, 3)
+    assert iv.high - iv.mean == pytest.approx(4.303 * 1.0 / 3**0.5, rel=1e-6)
+    one = mean_ci([5.0, float("nan")])
+    assert one.n == 1 and one.mean == 5.0 and one.low != one.low  # one value: no interval (NaN bounds)
+    # Pairing by seed: seed 3 has no partner and drops out.
+    pc = paired_ci({1: 3.0, 2: 5.0, 3: 100.0}, {1: 1.0, 2: 2.0})
+    assert pc.n == 2 and pc.mean == pytest.approx(2.5)
+    w = wilson(0, 10)
+    assert w.mean == 0 and w.low == 0 and w.high == pytest.approx(0.2775, abs=1e-3)
+
+
+# --------------------------------------------------------------------------------------------- the grid
+
+
+def _grid(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "g.yaml"
+    p.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\nseeds: [1, 2]\n" + body)
+    return p
+
+
+def test_grid_errors_name_the_key(tmp_path):
+    from tim_megatron.lab.grid import GridError, load_grid, plan
+
+    with pytest.raises(GridError, match="unknown key"):
+        load_grid(_grid(tmp_path, "arms: [{name: a}]\nsteps: 3\n"))
+    with pytest.raises(GridError, match="tune_seeds"):
+        load_grid(_grid(tmp_path, "tune_seeds: [7]\narms: [{name: a}]\n"))
+    with pytest.raises(GridError, match="used twice"):
+        load_grid(_grid(tmp_path, "arms: [{name: a}, {name: a}]\n"))
+    # An arm the schema rejects is an error (a typo must not silently drop an arm) ...
+    typo = load_grid(_grid(tmp_path, "arms: [{name: a, overrides: [rl.clip.hihg=0.3]}]\n"))
+    with pytest.raises(GridError, match="arm 'a' does not validate"):
+        plan(typo)
+    # ... unless it declares the feature it needs: then it is planned as not run, with the schema's reason.
+    pending = load_grid(
+        _grid(
+            tmp_path,
+            "arms: [{name: a}, {name: x, requires: exact mode, overrides: [diagnostics.vexact=exact]}]\n",
+        )
+    )
+    plans = {p.arm.name: p for p in plan(pending)}
+    assert plans["a"].runnable and not plans["x"].runnable
+    assert plans["x"].reason.startswith("needs exact mode (") and "diagnostics.vexact" in plans["x"].reason
+
+
+def test_shipped_grids_plan_and_hold_the_claims_arms():
+    from tim_megatron.lab.claims import CLAIMS
+    from tim_megatron.lab.grid import load_grid, plan
+
+    for name in ("quick", "full"):
+        g = load_grid(ROOT / "lab" / f"{name}.yaml")
+        plans = plan(g)
+        names = {p.arm.name for p in plans}
+        assert {"baseline", "clip-0.28", "gspo", "objective-delta", "objective-sigma", "tis"} <= names
+        assert {"length-decay", "lr-low", "exact"} <= names
+        # Every arm that runs here is one the schema accepts; the others wait for a named feature.
+        assert all(p.runnable or p.arm.requires for p in plans)
+        assert len(g.seeds) >= (3 if name == "full" else 2)
+    assert list(CLAIMS) == [f"C{i}" for i in range(1, 10)]
+
+
+# ------------------------------------------------------------------- aggregation, verdicts and the report
+
+
+def _fake_run(d: Path, spec: dict, *, steps: int, growth: float, seed: int, collapse_at: int | None = None):
+    """A completed run folder whose rho_std grows by exp(growth) over the run (with seeded wiggle)."""
+    import json
+    import math
+    import random
+
+    rng = random.Random(seed * 7919 + int(growth * 1000))
+    rows = []
+    for t in range(1, steps + 1):
+        frac = (t - 1) / (steps - 1)
+        reward = 0.3 + 0.4 * frac if collapse_at is None or t < collapse_at else 0.05
+        rows.append(
+            {
+                "step": t,
+                "reward/mean": reward,
+                "mismatch/old_vs_rollout/rho_std": 0.03
+                * math.exp(growth * frac)
+                * math.exp(rng.gauss(0, 0.02)),
+                "objective/J": 5.0 * frac + rng.gauss(0, 0.1),
+                "response/length_mean": 40.0,
+                "mismatch/old_vs_rollout/bucket/0.01-0.1/count": 100.0,
+                "mismatch/old_vs_rollout/bucket/0.01-0.1/rho_mean": 1.0 - 0.05 * frac,
+                "mismatch/old_vs_rollout/bucket/0.9-1/count": 500.0,
+                "mismatch/old_vs_rollout/bucket/0.9-1/rho_mean": 1.0,
+            }
+        )
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "run.json").write_text(json.dumps({"status": "completed", "wall_seconds": 1.0}))
+    (d / "lab.json").write_text(json.dumps(spec))
+
+
+GRID = """name: fake
+seeds: [1, 2, 3]
+tune_seeds: [1, 2]
+overrides: [run.steps=30]
+arms:
+  - {name: baseline}
+  - {name: tis, overrides: [rl.correction.mode=tis]}
+  - {name: lr-low, overrides: [optim.lr=3.0e-5]}
+  - {name: lr-high, overrides: [optim.lr=1.0e-3]}
+  - {name: exact, requires: exact mode, overrides: [diagnostics.vexact=exact]}
+"""
+
+
+def test_lab_aggregates_runs_into_verdicts_and_a_report(tmp_path):
+    import csv
+
+    from tim_megatron.lab.grid import load_grid, plan
+    from tim_megatron.lab.main import run_lab
+    from tim_megatron.lab.runner import run_dir, run_spec
+
+    path = tmp_path / "g.yaml"
+    path.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\n" + GRID)
+    grid = load_grid(path)
+    root = tmp_path / "runs"
+    growth = {"baseline": 1.5, "tis": 0.2, "lr-low": 2.5, "lr-high": 3.0}
+    for p in plan(grid):
+        if p.runnable:
+            for s in grid.seeds:
+                collapse = 20 if p.arm.name == "lr-high" else None
+                _fake_run(
+                    run_dir(root, p.arm.name, s),
+                    run_spec(grid, p, s),
+                    steps=30,
+                    growth=growth[p.arm.name] + 0.05 * s,
+                    seed=s,
+                    collapse_at=collapse,
+                )
+    res = run_lab(str(path), root=root, out=tmp_path / "report", aggregate_only=True)
+    rows = {
+        r["claim"]: r for r in csv.DictReader((tmp_path / "report" / "verdicts.csv").read_text().splitlines())
+    }
+    assert list(rows) == [f"C{i}" for i in range(1, 10)]
+    assert rows["C7"]["verdict"] == "reproduced"  # baseline grows 1.3 more than TIS in every seed
+    assert float(rows["C7"]["effect"]) == pytest.approx(1.3, abs=0.05)
+    assert rows["C9"]["verdict"] == "not reproduced"  # the lower LR grows more here: CI below log 1.25
+    assert rows["C1"]["verdict"] == "inconclusive" and "not run: needs exact mode" in rows["C1"]["detail"]
+    assert "is not in this grid" in rows["C6"]["detail"]
+    assert rows["C5"]["verdict"] == "reproduced"  # the low bucket drifts down by 0.05 in every seed
+    page = res["page"].read_text()
+    assert "tim lab" in page and "--only exact" in page and "reproduced" in page
+    det = list(csv.DictReader((tmp_path / "report" / "detectors.csv").read_text().splitlines()))
+    held = [r for r in det if r["seeds"].startswith("held out")]
+    assert {r["rule"] for r in held} == {"median_ratio", "trend", "trend-tuned"}
+    assert all(r["collapsing"] == "1" and r["runs"] == "4" for r in held)  # seed 3: lr-high collapses at 20
+    assert (tmp_path / "report" / "curve_mismatch-old_vs_rollout-rho_std.png").exists()
