@@ -474,6 +474,14 @@ def lab_cmd(
         )
     wall = f" (runs: {res['wall_seconds']:.0f} s)" if res["wall_seconds"] else ""
     console.print(f"report: {res['page']}  (verdicts.csv beside it){wall}", highlight=False, markup=False)
+    bad = [r for r in res["records"] if r.status.startswith(("failed", "timeout"))]
+    if bad:
+        _fail(
+            f"{len(bad)} run(s) did not complete: "
+            + "; ".join(f"{r.arm} seed {r.seed}: {r.status}" for r in bad)
+            + ". Their claims count the seeds that did; run the same command again to retry them.",
+            code=1,
+        )
 
 
 def _launch_local(nproc: int, rd: Path) -> int:

@@ -84,6 +84,8 @@ class ArmPlan:
     runnable: bool
     reason: str = ""
     """Why it cannot run (``needs ...``), empty when it can."""
+    schema_error: str = ""
+    """The first line of the schema's own message for an arm that cannot run."""
     loaded: LoadedRecipe | None = field(default=None, repr=False)
 
 
@@ -196,7 +198,7 @@ def plan(grid: Grid) -> list[ArmPlan]:
             if arm.requires is None:
                 raise GridError(f"{grid.path}: arm {arm.name!r} does not validate:\n{e}") from None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            out.append(ArmPlan(arm, False, f"needs {arm.requires} ({first})"))
+            out.append(ArmPlan(arm, False, f"needs {arm.requires}", schema_error=first))
             continue
         out.append(ArmPlan(arm, True, loaded=loaded))
     return out

@@ -88,7 +88,7 @@ def curve_panels(lab: LabData, out: Path) -> list[tuple[str, str]]:
             plt.close(fig)
             continue
         if scale == "log" and positive:
-            ax.set_yscale("log")
+            _log_axis(ax)
         _label(ax, title, ylabel)
         ax.legend(loc="best", fontsize=7, framealpha=0.85)
         name = f"curve_{slug(key)}.png"
@@ -96,6 +96,16 @@ def curve_panels(lab: LabData, out: Path) -> list[tuple[str, str]]:
         plt.close(fig)
         made.append((name, f"{title}: mean over seeds, band = lowest to highest seed"))
     return made
+
+
+def _log_axis(ax) -> None:
+    """Log y axis with plain-number ticks (mathtext is off for text from run folders, so no 10^k labels)."""
+    from matplotlib import ticker
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
 
 
 def arm_rows(lab: LabData) -> list[dict]:
@@ -114,9 +124,12 @@ def arm_rows(lab: LabData) -> list[dict]:
         out.append(
             {
                 "arm": a,
-                "status": "ran" if runs else (p.reason or "no completed run"),
+                "status": "ran"
+                if runs
+                else (f"not run: {p.reason} ({p.schema_error})" if p.reason else "no completed run"),
                 "seeds": len(runs),
                 "overrides": " ".join(p.arm.overrides),
+                "slope_log_rho_std_per_step": ci("slope"),
                 "growth": ci("growth"),
                 "rho_std_start": avg("rho_std_start"),
                 "rho_std_end": avg("rho_std_end"),

@@ -43,7 +43,10 @@ class RunStats:
     status: str
     steps: int
     wall_seconds: float | None
+    slope: float
+    """Theil-Sen slope of log(rho_std) per step."""
     growth: float
+    """slope x (last step - first step): the change of log(rho_std) over the run."""
     rho_std_start: float
     rho_std_end: float
     zero_mismatch: bool
@@ -169,7 +172,8 @@ def run_stats(
     x, rho = series(rows, MISMATCH)
     pos = rho > 0
     zero = bool(len(rho)) and bool((rho == 0).all())
-    growth = over_run(x[pos], np.log(rho[pos])) if pos.sum() >= 3 else float("nan")
+    slope = theil_sen(x[pos], np.log(rho[pos])) if pos.sum() >= 3 else float("nan")
+    growth = slope * float(x[pos].max() - x[pos].min()) if pos.sum() >= 3 else float("nan")
     xj, j = series(rows, "objective/J")
     lx, low = pooled_bucket(rows, LOW_BUCKETS)
     hx, high = pooled_bucket(rows, (HIGH_BUCKET,))
@@ -196,6 +200,7 @@ def run_stats(
         status=str(meta.get("status", "missing")),
         steps=int(rows[-1]["step"]) if rows else 0,
         wall_seconds=meta.get("wall_seconds"),
+        slope=slope,
         growth=growth,
         rho_std_start=m0,
         rho_std_end=m1,
