@@ -326,7 +326,7 @@ CLAIMS: dict[str, dict] = {
         "source": "VeXact (arXiv 2605.14220), abstract",
         "unit": "fraction of seeds that collapse (Wilson CI)",
         "rule": "inconclusive if any seed logs rho_std > 0 or fewer than 2 seeds completed; reproduced if no seed "
-        "collapses (score 30% below its best); not reproduced if any does",
+        "collapses (trailing 5-step mean reward 30% below its best); not reproduced if any does",
         "fn": c1,
     },
     "C2": {

@@ -227,8 +227,9 @@ def write_report(
         "<code>tim_megatron/lab/claims.py</code> before any run. Effects are oriented so that a positive value "
         "supports the claim; the interval is a 95% Student t interval across seeds (paired by seed between "
         f"arms). Growth = change of log(rho_std) over the run (Theil-Sen slope x steps); log 1.25 = "
-        f"{GROWTH_MIN:.3f} is the smallest growth difference that counts. Collapse: validation accuracy (or "
-        "the reward's trailing 5-step mean) at 70% of its best so far or lower.</p>"
+        f"{GROWTH_MIN:.3f} is the smallest growth difference that counts. Collapse: the training reward's "
+        "trailing 5-step mean at 70% of its best so far or lower (greedy validation on 31 prompts is too coarse "
+        "for a 30% rule at this scale; it is drawn below).</p>"
     )
     parts.append(
         _table(

@@ -7,8 +7,10 @@ Every number comes from the run's ``metrics.jsonl`` (read with :func:`tim_megatr
 * J trend: Pearson correlation of the surrogate J (objective-level-hacking Eq. 23) with step (its Fig. 6);
 * bucket drift: over the run (Theil-Sen x (steps - 1)), the change of rho_mean of tokens with pi_train < 0.1
   minus that of tokens with pi_train >= 0.9 (Fig. 7b: the low-probability buckets drift down);
-* collapse: the first step where the score falls to 70% of its best so far or lower; the score is validation
-  accuracy when it was logged at 2 or more steps, else the reward's trailing 5-step mean;
+* collapse: the first step where the score falls to 70% of its best so far or lower (issue 13's "30% below its
+  best"). The score is the training reward's trailing 5-step mean (5 x 64 to 5 x 128 samples), not validation
+  accuracy: greedy accuracy on the 31 validation prompts has a sampling SD of about 0.07 at 20% accuracy, so a
+  30% drop from a low best is within its noise. Validation accuracy is still drawn and tabled;
 * length surge: :class:`~tim_megatron.algo.early_warning.SurgeDetector` on the mean response length, with the
   recipe defaults the run itself used;
 * warnings: the first step each early-warning rule fires on rho_std, replayed over the logged values.
@@ -111,9 +113,6 @@ def pooled_bucket(rows: list[dict], names: tuple[str, ...]) -> tuple[np.ndarray,
 
 
 def score_series(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, str]:
-    x, y = series(rows, "val/accuracy")
-    if len(y) >= 2:
-        return x, y, "val/accuracy"
     x, y = series(rows, "reward/mean")
     smooth = np.array([y[max(0, i - REWARD_SMOOTHING + 1) : i + 1].mean() for i in range(len(y))])
     return x, smooth, f"reward/mean (trailing {REWARD_SMOOTHING}-step mean)"
