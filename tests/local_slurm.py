@@ -28,6 +28,43 @@ def _ports(n: int) -> list[int]:
     return ports
 
 
+def start_munge(root: Path) -> Path:
+    """A private munged under ``root/munge`` with a fresh key; returns its socket (a file, usable from any
+    network namespace)."""
+    for d in ("state", "spool", "log", "munge"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    sock = root / "munge" / "munge.socket"
+    subprocess.run(
+        [
+            "munged",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={sock}",
+            f"--pid-file={root / 'munge' / 'munged.pid'}",
+            f"--log-file={root / 'munge' / 'munged.log'}",
+            f"--seed-file={root / 'munge' / 'munged.seed'}",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return sock
+
+
+def stop_daemons(pidfiles: list[Path]) -> None:
+    """SIGTERM the daemons in reverse start order, then SIGKILL whatever is left."""
+    for sig, files in ((signal.SIGTERM, reversed(pidfiles)), (signal.SIGKILL, pidfiles)):
+        for pidfile in files:
+            try:
+                os.kill(int(pidfile.read_text().split()[0]), sig)
+            except (FileNotFoundError, ValueError, ProcessLookupError):
+                continue
+        if sig == signal.SIGTERM:
+            time.sleep(1)
+
+
 class LocalSlurm:
     def __init__(self, root: Path, *, cpus: int | None = None, memory_mb: int = 16000):
         self.root = Path(root)
@@ -39,25 +76,7 @@ class LocalSlurm:
 
     def start(self, timeout: float = 60) -> LocalSlurm:
         r = self.root
-        for d in ("state", "spool", "log", "munge"):
-            (r / d).mkdir(parents=True, exist_ok=True)
-        key = r / "munge" / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        sock = r / "munge" / "munge.socket"
-        subprocess.run(
-            [
-                "munged",
-                "--force",
-                f"--key-file={key}",
-                f"--socket={sock}",
-                f"--pid-file={r / 'munge' / 'munged.pid'}",
-                f"--log-file={r / 'munge' / 'munged.log'}",
-                f"--seed-file={r / 'munge' / 'munged.seed'}",
-            ],
-            check=True,
-            capture_output=True,
-        )
+        sock = start_munge(r)
         self.pids.append(r / "munge" / "munged.pid")
         ctld, slurmd_port = _ports(2)
         host = socket.gethostname()
@@ -84,6 +103,9 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/builtin
 ReturnToService=2
 JobRequeue=1
+# Job ids of its own: the job script's rendezvous port is 20000 + id % 20000, and other clusters on this
+# machine (other test sessions) would otherwise count from 1 too and collide on it.
+FirstJobId={1000 + int.from_bytes(os.urandom(2), "big") % 18000}
 KillWait=60
 MinJobAge=3600
 MpiDefault=none
@@ -108,20 +130,18 @@ PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
             parts.append(f"--- {f.name}\n{f.read_text()[-3000:]}")
         return "\n".join(parts)
 
+    @property
+    def prefix(self) -> list[str]:
+        """Clients run as they are (the two-node cluster runs them in its controller's namespace)."""
+        return []
+
+    def run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        """A Slurm client command against this cluster."""
+        return subprocess.run([*self.prefix, *cmd], env=self.env, capture_output=True, text=True, **kw)
+
     def stop(self) -> None:
-        subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True)
-        for pidfile in reversed(self.pids):
-            try:
-                pid = int(pidfile.read_text().split()[0])
-                os.kill(pid, signal.SIGTERM)
-            except (FileNotFoundError, ValueError, ProcessLookupError):
-                continue
-        time.sleep(1)
-        for pidfile in self.pids:
-            try:
-                os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
-            except (FileNotFoundError, ValueError, ProcessLookupError):
-                continue
+        self.run(["scancel", "--full", "-u", "root"])
+        stop_daemons(self.pids)
 
     def wait(
         self,
@@ -133,9 +153,7 @@ PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
         deadline = time.time() + timeout
         state = None
         while time.time() < deadline:
-            out = subprocess.run(
-                ["scontrol", "show", "job", "-o", job], env=self.env, capture_output=True, text=True
-            )
+            out = self.run(["scontrol", "show", "job", "-o", job])
             state = next((p.split("=", 1)[1] for p in out.stdout.split() if p.startswith("JobState=")), None)
             if state in until:
                 return state
@@ -143,7 +161,7 @@ PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
         raise TimeoutError(f"job {job} still {state} after {timeout} s")
 
 
-class TwoNodeSlurm:
+class TwoNodeSlurm(LocalSlurm):
     """A real two-node Slurm cluster on this one machine: two network namespaces that this object creates, joined
     by a veth pair (addresses 10.201.x.1 and .2 inside them, nothing else), slurmctld and slurmd ``node1`` in the
     first, slurmd ``node2`` in the second. munged's socket is a file, shared by both. Clients (sbatch, scontrol,
@@ -162,7 +180,7 @@ class TwoNodeSlurm:
         self.ns = (f"timA{tag}", f"timB{tag}")
         subnet = 1 + os.getpid() % 250
         self.addr = (f"10.201.{subnet}.1", f"10.201.{subnet}.2")
-        self.pids: list[tuple[Path, tuple[str, ...]]] = []
+        self.pids: list[Path] = []
         self._netns_made = False
 
     @staticmethod
@@ -199,27 +217,9 @@ class TwoNodeSlurm:
 
     def start(self, timeout: float = 90) -> TwoNodeSlurm:
         r = self.root
-        for d in ("state", "spool", "log", "munge"):
-            (r / d).mkdir(parents=True, exist_ok=True)
         self._netns()
-        key = r / "munge" / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        sock = r / "munge" / "munge.socket"
-        subprocess.run(
-            [
-                "munged",
-                "--force",
-                f"--key-file={key}",
-                f"--socket={sock}",
-                f"--pid-file={r / 'munge' / 'munged.pid'}",
-                f"--log-file={r / 'munge' / 'munged.log'}",
-                f"--seed-file={r / 'munge' / 'munged.seed'}",
-            ],
-            check=True,
-            capture_output=True,
-        )
-        self.pids.append((r / "munge" / "munged.pid", ()))
+        sock = start_munge(r)
+        self.pids.append(r / "munge" / "munged.pid")
         ctld, slurmd_port = 6817, 6818  # each namespace has its own ports
         nodes = "\n".join(
             f"NodeName=node{i + 1} NodeAddr={self.addr[i]} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
@@ -251,6 +251,7 @@ JobRequeue=1
 KillWait=60
 MinJobAge=3600
 MpiDefault=none
+FirstJobId={1000 + int.from_bytes(os.urandom(2), "big") % 18000}
 {nodes}
 PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 """)
@@ -258,7 +259,7 @@ PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
         subprocess.run(
             [*self.enter(a), "slurmctld", "-f", str(self.conf)], check=True, env=self.env, capture_output=True
         )
-        self.pids.append((r / "slurmctld.pid", ()))
+        self.pids.append(r / "slurmctld.pid")
         for i, ns in enumerate(self.ns):
             (r / "spool" / f"node{i + 1}").mkdir(parents=True, exist_ok=True)
             subprocess.run(
@@ -267,7 +268,7 @@ PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
                 env=self.env,
                 capture_output=True,
             )
-            self.pids.append((r / f"slurmd-node{i + 1}.pid", ()))
+            self.pids.append(r / f"slurmd-node{i + 1}.pid")
         deadline = time.time() + timeout
         out = None
         while time.time() < deadline:
@@ -280,47 +281,10 @@ PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
             f"two-node Slurm did not come up: {out and out.stdout} {out and out.stderr}\n" + self.logs()
         )
 
-    def run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
-        """A client command inside the controller's namespace."""
-        return subprocess.run([*self.prefix, *cmd], env=self.env, capture_output=True, text=True, **kw)
-
-    def logs(self) -> str:
-        parts = []
-        for f in sorted((self.root / "log").glob("*.log")):
-            parts.append(f"--- {f.name}\n{f.read_text()[-3000:]}")
-        return "\n".join(parts)
-
-    def wait(
-        self,
-        job: str,
-        *,
-        until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
-        timeout: float = 600,
-    ) -> str:
-        deadline = time.time() + timeout
-        state = None
-        while time.time() < deadline:
-            out = self.run(["scontrol", "show", "job", "-o", job])
-            state = next((p.split("=", 1)[1] for p in out.stdout.split() if p.startswith("JobState=")), None)
-            if state in until:
-                return state
-            time.sleep(1)
-        raise TimeoutError(f"job {job} still {state} after {timeout} s")
-
     def stop(self) -> None:
         self.run(["scancel", "--full", "-u", "root"])
         time.sleep(1)
-        for pidfile, _ in reversed(self.pids):
-            try:
-                os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
-            except (FileNotFoundError, ValueError, ProcessLookupError):
-                continue
-        time.sleep(1)
-        for pidfile, _ in self.pids:
-            try:
-                os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
-            except (FileNotFoundError, ValueError, ProcessLookupError):
-                continue
+        stop_daemons(self.pids)
         if self._netns_made:
             for ns in self.ns:
                 # Processes still inside (a job's leftovers) die with the namespace's last reference.

@@ -145,4 +145,4 @@ def test_readme_says_the_table_2_kl_column_is_not_reproduced():
     text = (ROOT / "README.md").read_text()
     block = text[text.index("tim simulate precision --vocab 2048") :][:1500]
     assert "KL column is not reproduced" in block
-    assert "KL(q || p_fp32) over the whole" in block  # and what ours is
+    assert "KL(mu || p_fp32) over the whole" in block  # and what ours is

@@ -146,12 +146,12 @@ def test_grid_errors_name_the_key(tmp_path):
     pending = load_grid(
         _grid(
             tmp_path,
-            "arms: [{name: a}, {name: x, requires: exact mode, overrides: [diagnostics.vexact=exact]}]\n",
+            "arms: [{name: a}, {name: x, requires: a future mode, overrides: [diagnostics.future_mode=on]}]\n",
         )
     )
     plans = {p.arm.name: p for p in plan(pending)}
     assert plans["a"].runnable and not plans["x"].runnable
-    assert plans["x"].reason == "needs exact mode" and "diagnostics.vexact" in plans["x"].schema_error
+    assert plans["x"].reason == "needs a future mode" and "diagnostics.future_mode" in plans["x"].schema_error
 
 
 def test_shipped_grids_plan_and_hold_the_claims_arms():
@@ -164,8 +164,12 @@ def test_shipped_grids_plan_and_hold_the_claims_arms():
         names = {p.arm.name for p in plans}
         assert {"baseline", "clip-0.28", "gspo", "objective-delta", "objective-sigma", "tis"} <= names
         assert {"length-decay", "lr-low", "exact"} <= names
-        # Every arm that runs here is one the schema accepts; the others wait for a named feature.
-        assert all(p.runnable or p.arm.requires for p in plans)
+        # Exact mode and sampling-distribution injection are in the schema: every shipped arm runs, C1 and C2's
+        # included (their overrides are the schema's own keys, not placeholders).
+        assert all(p.runnable for p in plans), [(p.arm.name, p.schema_error) for p in plans if not p.runnable]
+        injected = [p.loaded.recipe.diagnostics for p in plans if p.arm.group]
+        assert injected and all(d.vexact == "exact" and d.sampling_injection.type != "off" for d in injected)
+        assert next(p for p in plans if p.arm.name == "exact").loaded.recipe.diagnostics.vexact == "exact"
         assert len(g.seeds) >= (3 if name == "full" else 2)
     assert list(CLAIMS) == [f"C{i}" for i in range(1, 10)]
 
@@ -214,7 +218,7 @@ arms:
   - {name: tis, overrides: [rl.correction.mode=tis]}
   - {name: lr-low, overrides: [optim.lr=3.0e-5]}
   - {name: lr-high, overrides: [optim.lr=1.0e-3]}
-  - {name: exact, requires: exact mode, overrides: [diagnostics.vexact=exact]}
+  - {name: exact, requires: a future exact mode, overrides: [diagnostics.future_mode=exact]}
 """
 
 
@@ -250,7 +254,10 @@ def test_lab_aggregates_runs_into_verdicts_and_a_report(tmp_path):
     assert rows["C7"]["verdict"] == "reproduced"  # baseline grows 1.3 more than TIS in every seed
     assert float(rows["C7"]["effect"]) == pytest.approx(1.3, abs=0.05)
     assert rows["C9"]["verdict"] == "not reproduced"  # the lower LR grows more here: CI below log 1.25
-    assert rows["C1"]["verdict"] == "inconclusive" and "not run: needs exact mode" in rows["C1"]["detail"]
+    assert (
+        rows["C1"]["verdict"] == "inconclusive"
+        and "not run: needs a future exact mode" in rows["C1"]["detail"]
+    )
     assert "is not in this grid" in rows["C6"]["detail"]
     assert rows["C5"]["verdict"] == "reproduced"  # the low bucket drifts down by 0.05 in every seed
     page = res["page"].read_text()
@@ -272,7 +279,7 @@ overrides: [run.steps=2, run.val_every=2, data.prompts_per_step=2, rollout.n=4, 
 arms:
   - {name: baseline}
   - {name: tis, overrides: [rl.correction.mode=tis]}
-  - {name: exact, requires: exact mode, overrides: [diagnostics.vexact=exact]}
+  - {name: pending, requires: a future mode, overrides: [diagnostics.future_mode=on]}
 """
 
 
@@ -301,7 +308,7 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (
         first.stdout.count(": completed in ") == 4
-        and "exact seed 1: not run, needs exact mode" in first.stdout
+        and "pending seed 1: not run, needs a future mode" in first.stdout
     )
     for arm in ("baseline", "tis"):
         for seed in (1, 2):
@@ -312,7 +319,7 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
             assert "val/accuracy" in rows[-1]
     verdicts = list(csv.DictReader((tmp_path / "report" / "verdicts.csv").read_text().splitlines()))
     assert [v["claim"] for v in verdicts] == [f"C{i}" for i in range(1, 10)]
-    assert "--only exact" in (tmp_path / "report" / "index.html").read_text()
+    assert "--only pending" in (tmp_path / "report" / "index.html").read_text()
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count(": reused ") == 4 and ": completed in " not in again.stdout

@@ -178,6 +178,68 @@ def test_requeue_resumes_the_same_job(slurm, tmp_path):
     assert "resumed_from" in (run / "run.json").read_text()
 
 
+def _restarts(job: str, slurm) -> int:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
+    ).stdout
+    m = re.search(r"Restarts=(\d+)", out)
+    return int(m.group(1)) if m else 0
+
+
+def _time_limit_signal(job: str, slurm) -> None:
+    """SIGTERM to the job's steps while the job stays RUNNING: what Slurm does before the time limit."""
+    subprocess.run(["scancel", "--signal=TERM", job], env=slurm.env, check=True, capture_output=True)
+
+
+def _ended(job: str, slurm, *, max_restarts: int, timeout: float = 900) -> str:
+    """Wait for the job to end; fail as soon as it has been requeued more than ``max_restarts`` times."""
+    t0 = time.time()
+    while (state := local_slurm_state(job, slurm)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert _restarts(job, slurm) <= max_restarts, f"requeued {_restarts(job, slurm)} times"
+        assert time.time() - t0 < timeout, f"job {job} still {state}"
+        time.sleep(2)
+    return state
+
+
+def test_a_resume_that_fails_at_start_up_is_not_requeued_forever(slurm, tmp_path):
+    """Issue 14, finding 3: a requeued run whose start-up fails (here its model folder is gone) used to stay
+    "preempted", and the job requeued itself again and again. It checkpoints, requeues once, fails by name."""
+    import shutil
+
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.run_setup import model_path_for
+
+    model = tmp_path / "model"
+    shutil.copytree(model_path_for(load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml").recipe), model)
+    job, run = submit_tiny(slurm, tmp_path / "runs", 300, f"model.path={model}")
+    _running_until(run, 2, job, slurm)
+    shutil.rmtree(model)  # loaded already; the next attempt's start-up cannot find it
+    _time_limit_signal(job, slurm)
+    state = _ended(job, slurm, max_restarts=1)
+    log = (run / "logs" / f"slurm-{job}.out").read_text()
+    assert _restarts(job, slurm) == 1, log[-3000:]  # the SIGTERM checkpoint earned one requeue, no more
+    assert state == "FAILED", log[-3000:]
+    meta = json.loads((run / "run.json").read_text())
+    assert (
+        meta["status"] == "failed" and f"model.path = {model}: no such checkpoint folder" in meta["reason"]
+    ), meta
+    assert meta["attempt"] == f"{job}.1" and f"not requeueing attempt {job}.1" in log
+
+
+def test_requeue_stops_at_cluster_max_requeues(slurm, tmp_path):
+    job, run = submit_tiny(slurm, tmp_path, 300, "cluster.max_requeues=0")
+    _running_until(run, 2, job, slurm)
+    _time_limit_signal(job, slurm)
+    _ended(job, slurm, max_restarts=0)
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["status"] == "preempted" and meta["requeue_attempt"] is None, meta
+    assert meta["requeue"].startswith("refused: the job was requeued 0 time(s), cluster.max_requeues = 0")
+    assert f"not requeueing attempt {job}.0" in job_log(run, job)
+    from tim_megatron.trainer.checkpoint import latest_good_checkpoint
+
+    assert latest_good_checkpoint(run / "checkpoints").name == f"step_{meta['checkpoint_step']:08d}"
+
+
 def test_dry_run_renders_the_4_node_30b_script(tmp_path):
     before = set(Path(ROOT / "runs").glob("*")) if (ROOT / "runs").exists() else set()
     res = make("submit", None, RECIPE="recipes/qwen3-30b-a3b/grpo-h100.yaml", DRY_RUN=1)

@@ -320,8 +320,8 @@ def test_checkpoint_for_another_model_is_rejected(tmp_path):
 def test_weights_for_another_model_are_rejected(tmp_path):
     from tim_megatron.models.tiny import ensure_tiny_checkpoint
     from tim_megatron.recipe.schema import ModelDims
+    from tim_megatron.trainer.families.qwen3_moe import WEIGHTS as QWEN3_MOE
     from tim_megatron.trainer.weights.convert import HFCheckpoint, WeightLoadError, _combine
-    from tim_megatron.trainer.weights.mapping import QWEN3_MOE
 
     ck = ensure_tiny_checkpoint(ModelDims(), warmup_steps=0, root=tmp_path)
     wrong = ModelDims(num_key_value_heads=4)  # 4 kv heads of 32 do not fit k_proj's 64 rows
@@ -337,7 +337,8 @@ def test_unsupported_architecture_is_named():
     from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf
 
     with pytest.raises(
-        UnsupportedModelError, match=r"'LlamaForCausalLM'.*supported: Qwen3MoeForCausalLM, Qwen3ForCausalLM"
+        UnsupportedModelError,
+        match=r"'LlamaForCausalLM'.*supported: .*Qwen3ForCausalLM, Qwen3MoeForCausalLM.*trainer/families",
     ):
         dims_from_hf({"architectures": ["LlamaForCausalLM"]})
 
@@ -377,3 +378,24 @@ def test_checkpoint_writer_helper_survives_the_jobs_sigterm():
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["alive", "True"]  # and our own SIGTERM handling is restored as it was
+
+
+def test_checkpoint_writer_helper_dies_with_its_rank():
+    """The shielded helper must not outlive a rank killed with SIGKILL (no orphan processes after a fatal error)."""
+    require(_megatron_ok(), "megatron-core")
+    import psutil
+
+    code = (
+        "import multiprocessing, time\n"
+        "from patches.megatron import checkpoint_writer_signals\n"
+        "checkpoint_writer_signals.shield()\n"
+        "(server,) = multiprocessing.active_children()\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    server = psutil.Process(int(proc.stdout.readline()))
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs([server], timeout=30)
+    assert not alive

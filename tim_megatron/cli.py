@@ -83,21 +83,21 @@ def simulate_precision_cmd(
     samples: int = typer.Option(50_000, help="sampled tokens"),
     logit_std: float = typer.Option(1.5, help="std of the float32 logits"),
     seed: int = typer.Option(1234, help="random seed"),
-    mantissa_bits: int = typer.Option(7, help="quantizer mantissa bits (7 = bf16, 10 = fp16)"),
+    dtype: str = typer.Option("bfloat16", help="the quantizer's format: bfloat16 or float16 (real casts)"),
 ) -> None:
     """The BF16-softmax experiment of the objective-level-hacking paper (its Table 2), via our injection code."""
     from tim_megatron.simulate import simulate_precision
 
     if vocab < 2 or samples < 1 or logit_std <= 0:
         _fail(f"need vocab >= 2, samples >= 1, logit_std > 0 (got {vocab}, {samples}, {logit_std})")
-    r = simulate_precision(
-        vocab=vocab, samples=samples, logit_std=logit_std, seed=seed, mantissa_bits=mantissa_bits
-    )
+    if dtype not in ("bfloat16", "float16"):
+        _fail(f"--dtype {dtype}: allowed bfloat16, float16")
+    r = simulate_precision(vocab=vocab, samples=samples, logit_std=logit_std, seed=seed, dtype=dtype)
     console.print(
-        f"ratio p_fp32/p_q{mantissa_bits} over {r.samples} sampled tokens (vocab {vocab}, logit std {logit_std}, seed {seed})",
+        f"ratio p_fp32/mu_{dtype} over {r.samples} sampled tokens (vocab {vocab}, logit std {logit_std}, seed {seed})",
         highlight=False,
     )
-    print("seed\tmean\tstd\tmax\tmin\tKL(q||fp32)")
+    print("seed\tmean\tstd\tmax\tmin\tKL(mu||fp32)")
     print(f"{seed}\t{r.mean:.4f}\t{r.std:.4f}\t{r.max:.4f}\t{r.min:.4f}\t{r.kl:.3e}")
 
 
@@ -112,15 +112,26 @@ def train_cmd(
     nproc: int = typer.Option(
         1, "--nproc", help="processes on this machine (torchrun); parallel.dp follows if unset"
     ),
+    allow_recipe_change: bool = typer.Option(
+        False,
+        "--allow-recipe-change",
+        help="continue --run-dir with a different recipe (recorded in run.json)",
+    ),
 ) -> None:
     """Run GRPO/GSPO with vLLM rollouts and a megatron-core trainer."""
     import os
 
+    from tim_megatron import run_dir as run_folder
     from tim_megatron.recipe import RecipeError, load_recipe
-    from tim_megatron.run_dir import load_run, new_run_dir, write_resolved
+    from tim_megatron.run_dir import RunDirError, load_run, new_run_dir
+    from tim_megatron.run_lock import RunFolderBusy, hold
     from tim_megatron.trainer.checkpoint import latest_checkpoint
 
     under_launcher = "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    if "RANK" in os.environ:  # a rank of torchrun: it dies with its launcher
+        from tim_megatron.procs import die_with_parent
+
+        die_with_parent()
     try:
         if resume is not None:
             if recipe is not None or overrides:
@@ -145,28 +156,34 @@ def train_cmd(
                 loaded = load_recipe(recipe, [*ov, f"parallel.dp={world // (p.tp * p.pp)}"])
             if run_dir is not None:
                 rd = run_dir
-                if not (rd / "recipe.yaml").exists():
-                    rd.mkdir(parents=True, exist_ok=True)
-                    write_resolved(loaded, rd)
+                rd.mkdir(parents=True, exist_ok=True)
             elif under_launcher:
                 _fail("under torchrun/srun every rank needs the same --run-dir")
             else:
                 rd = new_run_dir(loaded)
+        if os.environ.get("RANK", "0") == "0":  # one process holds the folder: this one, or its launcher
+            hold(rd)  # held until this process exits; a second run in the folder stops here
+            run_folder.adopt_recipe(rd, loaded, allow_change=allow_recipe_change)
     except RecipeError as e:
         _fail(str(e))
     except FileNotFoundError as e:
+        _fail(str(e))
+    except (RunFolderBusy, RunDirError) as e:
         _fail(str(e))
     if loaded.recipe.parallel.world_size != max(nproc, 1) and nproc > 1:
         _fail(
             f"--nproc {nproc} but the recipe's layout needs parallel.tp x pp x dp = {loaded.recipe.parallel.world_size} processes"
         )
     if nproc > 1 and not under_launcher:
-        raise typer.Exit(_launch_local(nproc, rd))
+        code = _launch_local(nproc, rd)
+        run_folder.settle_launcher_exit(rd, code)
+        raise typer.Exit(code)
     resuming = resume is not None or latest_checkpoint(rd / "checkpoints") is not None
     from tim_megatron.loop import train
 
     try:
-        code = train(loaded, rd, resume=resuming, console=console)
+        with run_folder.attempt(rd, writer=os.environ.get("RANK", "0") == "0"):  # failures set "failed"
+            code = train(loaded, rd, resume=resuming, console=console)
     except _user_errors() as e:
         _fail(f"{type(e).__name__}: {e}")
     raise typer.Exit(code)
@@ -177,10 +194,16 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from tim_megatron.data.sources import DataError
     from tim_megatron.rollout.engine import RolloutInputError
     from tim_megatron.rollout.sync import WeightSyncError
+    from tim_megatron.run_dir import RunDirError
+    from tim_megatron.trainer.checkpoint import CheckpointError
+    from tim_megatron.trainer.engine import NonFiniteAbort
     from tim_megatron.trainer.hf_config import CheckpointMismatchError, UnsupportedModelError
     from tim_megatron.trainer.weights import WeightLoadError
 
     return (
+        CheckpointError,
+        NonFiniteAbort,
+        RunDirError,
         DataError,
         RolloutInputError,
         CheckpointMismatchError,
@@ -202,9 +225,11 @@ def export_hf_cmd(
 
     if dtype not in (None, "float32", "bfloat16", "float16"):
         _fail(f"--dtype {dtype!r}: allowed float32, bfloat16, float16")
+    from tim_megatron.trainer.checkpoint import CheckpointError
+
     try:
         path = export_run(run_dir, out, dtype=dtype)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointError) as e:
         _fail(str(e))
     console.print(f"exported {run_dir} -> {path}", highlight=False)
 
@@ -231,14 +256,24 @@ def submit_cmd(
     resume: Path = typer.Option(
         None, "--resume", help="submit this run folder's job again (continues from its checkpoint)"
     ),
+    allow_recipe_change: bool = typer.Option(
+        False,
+        "--allow-recipe-change",
+        help="with --resume and a recipe: continue the folder with this recipe (recorded in run.json)",
+    ),
 ) -> None:
     """Validate a recipe, write its Slurm job into a new run folder and sbatch it."""
+    from tim_megatron.run_dir import RunDirError, adopt_recipe_for_job
+    from tim_megatron.run_lock import RunFolderBusy
     from tim_megatron.slurm.render import RenderError
     from tim_megatron.slurm.submit import SlurmError, resubmit, submit
     from tim_megatron.slurm.submit import dry_run as render_only
 
     try:
         if resume is not None:
+            if recipe is not None:  # compared with the folder's recipe; a change needs the flag
+                loaded = _loaded_or_fail(recipe, overrides, nodes)
+                adopt_recipe_for_job(resume, loaded, allow_change=allow_recipe_change)
             sub = resubmit(resume)
         else:
             if recipe is None:
@@ -248,7 +283,7 @@ def submit_cmd(
                 sys.stdout.write(render_only(loaded))
                 return
             sub = submit(loaded)
-    except (RenderError, SlurmError) as e:
+    except (RenderError, SlurmError, RunDirError, RunFolderBusy) as e:
         _fail(str(e))
     console.print(
         f"submitted job {sub.job_id}\n  run folder: {sub.run_dir}\n  log:        {sub.log}\n  wandb run:  {sub.wandb_name}",
@@ -487,7 +522,6 @@ def lab_cmd(
 def _launch_local(nproc: int, rd: Path) -> int:
     """Re-run ``tim train`` under torchrun with ``nproc`` ranks on this machine, all on run folder ``rd``."""
     import socket
-    import subprocess
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -507,7 +541,9 @@ def _launch_local(nproc: int, rd: Path) -> int:
         str(rd),
     ]
     console.print(f"launching {nproc} ranks: {' '.join(cmd)}", highlight=False)
-    return subprocess.call(cmd)
+    from tim_megatron.procs import run_launcher
+
+    return run_launcher(cmd)  # its ranks die with it, and it with us; SIGTERM/SIGINT are passed on
 
 
 def main() -> None:  # pragma: no cover

@@ -16,11 +16,11 @@ def export_run(run_dir: Path, out: Path, *, dtype: str | None = None) -> Path:
 
     from tim_megatron.run_dir import load_run
     from tim_megatron.run_setup import model_path_for
-    from tim_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint
     from tim_megatron.trainer.engine import MegatronTrainer
 
     loaded = load_run(run_dir)
-    ckpt = latest_checkpoint(Path(run_dir) / "checkpoints")
+    ckpt = latest_good_checkpoint(Path(run_dir) / "checkpoints")  # corrupt ones skipped, with a warning
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to export (checkpoints/latest is missing)")
     src = model_path_for(loaded.recipe)

@@ -88,7 +88,7 @@ def run_steps(run: Run) -> int:
             t = phases.Timer()
             with t("step"):
                 with t("rollout"):
-                    batch, metrics = phases.rollouts(run, step)
+                    batch, metrics, probe = phases.rollouts(run, step)
                     run.rollout.sleep(level=2)  # the update replaces the weights: nothing to keep
                 with t("old_logprobs"):
                     old = phases.old_logprobs(run, batch, step)
@@ -102,7 +102,7 @@ def run_steps(run: Run) -> int:
                 with t("update"):
                     metrics.update(phases.update(run, batch, old, adv, weights, lr, step))
                 with t("sync"):
-                    metrics.update(sync_weights(run, batch, last=step == r.run.steps))
+                    metrics.update(sync_weights(run, probe, last=step == r.run.steps))
                 if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
                     with t("validation"):
                         metrics.update(validate(run, step))
@@ -119,11 +119,14 @@ def run_steps(run: Run) -> int:
             if stop:
                 finish(run, step, time.perf_counter() - t_start, status="preempted")
                 return EXIT_PREEMPTED
-    except BaseException:
-        from tim_megatron.run_dir import set_status
+    except BaseException as e:
+        from tim_megatron.run_dir import mark_failed
+        from tim_megatron.trainer.engine import NonFiniteAbort
 
+        if isinstance(e, NonFiniteAbort):  # its updates were skipped: the weights are the last good ones
+            e.args = (f"{e}; last good state checkpointed: {save(run, step - 1, overwrite=False)}",)
         if run.is_rank0:
-            set_status(run.run_dir, "failed", step=step)
+            mark_failed(run.run_dir, e, step=step)
         run.tracker.close()
         raise
     if r.run.steps >= run.start_step:
@@ -135,26 +138,12 @@ def run_steps(run: Run) -> int:
 # ------------------------------------------------------------------------------------ step helpers
 
 
-def sync_weights(run: Run, batch=None, *, last: bool = False) -> dict:
-    """Push the updated weights into every engine and verify them (now on a probe, or on the next step's data)."""
+def sync_weights(run: Run, probe: list[list[int]] | None = None, *, last: bool = False) -> dict:
+    """Push the updated weights into every engine and verify them (now on a probe, or on the next step's data).
 
-    def probe() -> list[list[int]]:  # this engine's own rows: likely tokens give the check its power
-        if batch is None:
-            return run.probe
-        return [
-            batch.input_ids[i, : int(batch.lengths[i])].tolist()
-            for i in probe_rows(len(batch), batch.group_size)
-        ]
-
-    return run.sync.push(run.rollout, run.trainer, probe=probe, last=last)
-
-
-def probe_rows(n: int, group_size: int, want: int = 8) -> list[int]:
-    """Rows for an eager sync check: one sample of each of up to ``want`` prompts.
-
-    Distinct prompts, because a router near-tie on one prompt moves all of its samples together and would
-    decide the verdict alone."""
-    return list(range(0, n, max(group_size, 1)))[:want]
+    ``probe``: this engine's own sequences from the step (likely tokens give the check its power); distinct
+    prompts, because a router near-tie on one prompt moves all of its samples together."""
+    return run.sync.push(run.rollout, run.trainer, probe=lambda: probe or run.probe, last=last)
 
 
 def validate(run: Run, step: int) -> dict:
@@ -277,11 +266,13 @@ def should_checkpoint(run: Run, step: int) -> bool:
     return bool(every) and step % every == 0 and step != run.recipe.run.steps
 
 
-def save(run: Run, step: int) -> None:
-    from tim_megatron.trainer.checkpoint import save_checkpoint
+def save(run: Run, step: int, *, overwrite: bool = True) -> Path:
+    from tim_megatron.trainer.checkpoint import save_checkpoint, step_dir
 
+    if not overwrite and (step_dir(run.run_dir / "checkpoints", step) / "state.json").exists():
+        return step_dir(run.run_dir / "checkpoints", step)
     state = {"schedule": run.schedule.state_dict(), "warnings": run.warnings.state_dict()}
-    save_checkpoint(
+    return save_checkpoint(
         run.trainer, run.run_dir / "checkpoints", step=step, state=state, keep=run.recipe.checkpoint.keep
     )
 
@@ -289,7 +280,7 @@ def save(run: Run, step: int) -> None:
 def finish(run: Run, step: int, seconds: float, *, status: str) -> None:
     from tim_megatron.logging.summary import write_summary
     from tim_megatron.logging.tracker import read_metrics
-    from tim_megatron.run_dir import set_status
+    from tim_megatron.run_dir import mark_finished
 
     if run.is_rank0:
         rows = read_metrics(run.run_dir / "metrics.jsonl")
@@ -303,7 +294,9 @@ def finish(run: Run, step: int, seconds: float, *, status: str) -> None:
         (run.run_dir / "events.json").write_text(
             json.dumps([e.as_dict() for e in run.warnings.events], indent=1)
         )
-        set_status(run.run_dir, status, step=step, wall_seconds=round(seconds, 2))
+        mark_finished(
+            run.run_dir, status, step=step, wall_seconds=seconds, max_requeues=run.recipe.cluster.max_requeues
+        )
         if run.tracker.console is not None:
             run.tracker.console.print(text, highlight=False)
     run.tracker.close()

@@ -1,8 +1,28 @@
-"""Run folders: ``<output_dir>/<run name>/<timestamp>/`` holding everything a run writes."""
+"""Run folders: ``<output_dir>/<run name>/<timestamp>/`` holding everything a run writes.
+
+This module is the one owner of a run folder's ``run.json`` status. Every transition goes through it:
+
+    created / submitted -> running -> completed
+                                   -> preempted   (checkpoint written in this attempt; requeue allowed or not)
+                                   -> failed      (any error, start-up included, with its reason)
+
+A Slurm job requeues itself only when ``run.json`` carries ``requeue_attempt`` equal to the attempt that
+is ending (``<job id>.<restart count>``, see :func:`attempt_id`). Only :func:`mark_finished` writes it, for
+a run that checkpointed after a SIGTERM in this very attempt and still has requeues left
+(``cluster.max_requeues``). A resume that fails before its first checkpoint therefore ends the loop.
+
+It also guards what a run folder records: :func:`adopt_recipe` compares a recipe given for an existing
+folder with the recorded one, and ``run.lock`` (:mod:`tim_megatron.run_lock`) keeps a second process out.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -11,6 +31,29 @@ from tim_megatron.recipe.loader import load_recipe
 
 RECIPE_FILE = "recipe.yaml"
 META_FILE = "run.json"
+RESERVE_FILE = ".run.json.reserve"
+"""Space set aside at the start of an attempt, given back when ``run.json`` cannot be written (full disk)."""
+RESERVE_BYTES = 64 * 1024
+
+IGNORED_CHANGES = ("run.output_dir",)
+"""Recipe keys that say where run folders live, not what a run computes: never a recipe change."""
+FIXED_KEYS = ("model.dims.", "parallel.")
+"""Prefixes of keys a checkpoint cannot continue across (tensor shapes, the rank layout of its shards)."""
+
+
+class RunDirError(RuntimeError):
+    """A run folder that cannot be used as asked; the message names the folder, the cause and the fix."""
+
+
+class RecipeChangeError(RunDirError):
+    pass
+
+
+class DiskFullError(RunDirError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- folders
 
 
 def new_run_dir(loaded: LoadedRecipe, *, root: str | Path | None = None) -> Path:
@@ -31,18 +74,24 @@ def new_run_dir(loaded: LoadedRecipe, *, root: str | Path | None = None) -> Path
 
 
 def write_resolved(loaded: LoadedRecipe, d: Path) -> None:
-    (d / RECIPE_FILE).write_text(
-        f"# resolved from {loaded.path} with overrides {loaded.overrides}\n" + recipe_to_yaml(loaded.recipe)
-    )
+    _write_recipe(loaded, d)
     meta = {
         "name": loaded.name,
         "recipe_path": str(loaded.path),
         "overrides": loaded.overrides,
         "sweep_id": loaded.recipe.run.sweep_id,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "created": _now(),
         "status": "created",
     }
     (d / META_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def _write_recipe(loaded: LoadedRecipe, d: Path) -> None:
+    tmp = d / f".{RECIPE_FILE}.tmp"
+    tmp.write_text(
+        f"# resolved from {loaded.path} with overrides {loaded.overrides}\n" + recipe_to_yaml(loaded.recipe)
+    )
+    tmp.replace(d / RECIPE_FILE)
 
 
 def load_run(d: str | Path) -> LoadedRecipe:
@@ -51,15 +100,290 @@ def load_run(d: str | Path) -> LoadedRecipe:
     if not (d / RECIPE_FILE).exists():
         raise FileNotFoundError(f"{d} is not a run folder (no {RECIPE_FILE})")
     loaded = load_recipe(d / RECIPE_FILE)
-    meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).exists() else {}
+    meta = read_meta(d)
     loaded.name = meta.get("name", loaded.name)
     return loaded
 
 
-def set_status(d: Path, status: str, **extra) -> None:
+def read_meta(d: Path) -> dict:
+    p = Path(d) / META_FILE
+    try:
+        meta = json.loads(p.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+# ------------------------------------------------------------------------------------- recipe changes
+
+
+def _flat(data, prefix: str = "") -> dict:
+    if isinstance(data, dict) and data:
+        out = {}
+        for k, v in data.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: data}
+
+
+def recipe_changes(old, new) -> dict[str, tuple]:
+    """``{dotted key: (recorded value, new value)}`` for every key where two recipes differ."""
+    a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    return {
+        k: (a.get(k), b.get(k))
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k) and k not in IGNORED_CHANGES
+    }
+
+
+def _show(v) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def has_checkpoint(d: Path) -> bool:
+    return any((Path(d) / "checkpoints").glob("step_*/state.json"))
+
+
+def adopt_recipe(d: Path, loaded: LoadedRecipe, *, allow_change: bool = False) -> dict[str, tuple]:
+    """Make ``loaded`` the recipe of run folder ``d``; return the changes accepted (empty: none).
+
+    A folder without a recipe gets this one. An identical recipe continues. A different one is refused
+    with the differing keys listed, unless ``allow_change``: then it replaces ``recipe.yaml`` and the
+    change (keys, old and new values, the step it applies from) is appended to ``run.json``'s
+    ``recipe_changes``. Shapes and the rank layout cannot change under a checkpoint, flag or not.
+    """
+    d = Path(d)
+    if not (d / RECIPE_FILE).exists():
+        write_resolved(loaded, d)
+        return {}
+    recorded = load_recipe(d / RECIPE_FILE).recipe
+    changes = recipe_changes(recorded, loaded.recipe)
+    if not changes:
+        return {}
+    lines = "\n".join(f"  {k}: {_show(old)} -> {_show(new)}" for k, (old, new) in changes.items())
+    fixed = [k for k in changes if k.startswith(FIXED_KEYS)]
+    if fixed and has_checkpoint(d):
+        raise RecipeChangeError(
+            f"{d} holds checkpoints of another model shape or rank layout; these keys cannot change under a "
+            f"checkpoint: {', '.join(fixed)}\n{lines}\n"
+            f"Start a new run folder for the new values (give no --run-dir), or resume as recorded "
+            f"(tim train --resume {d})."
+        )
+    if not allow_change:
+        raise RecipeChangeError(
+            f"{d} was started with another recipe; {len(changes)} key(s) differ (recorded -> given):\n{lines}\n"
+            f"Resume as recorded (tim train --resume {d}), or pass --allow-recipe-change to continue with "
+            f"the new values (the change is recorded in {d / META_FILE})."
+        )
+    from_step = _checkpoint_step(d)
+    _write_recipe(loaded, d)
+    entry = {
+        "at": _now(),
+        "from_step": from_step + 1 if from_step is not None else 1,
+        "changes": {k: [old, new] for k, (old, new) in changes.items()},
+        "overrides": loaded.overrides,
+    }
+    update_meta(d, lambda m: m.setdefault("recipe_changes", []).append(entry))
+    return changes
+
+
+def adopt_recipe_for_job(d: Path, loaded: LoadedRecipe, *, allow_change: bool = False) -> dict[str, tuple]:
+    """:func:`adopt_recipe` for ``tim submit --resume``: under the folder's lock (no job may be running
+    in it), and with the job script rendered again from the new recipe when it changed."""
+    from tim_megatron.run_lock import hold
+    from tim_megatron.slurm.render import render
+    from tim_megatron.slurm.submit import JOB_FILE
+
+    d = Path(d).resolve()
+    if not (d / RECIPE_FILE).exists():
+        raise RunDirError(f"{d} is not a run folder (no {RECIPE_FILE})")
+    lock = hold(d)
+    try:
+        changes = adopt_recipe(d, loaded, allow_change=allow_change)
+        if changes:
+            name = read_meta(d).get("name", loaded.name)
+            (d / JOB_FILE).write_text(render(loaded.recipe, run_dir=d, job_name=name))
+    finally:
+        lock.release()
+    return changes
+
+
+def _checkpoint_step(d: Path) -> int | None:
+    steps = []
+    for p in (Path(d) / "checkpoints").glob("step_*"):
+        with contextlib.suppress(ValueError):
+            steps.append(int(p.name.split("_", 1)[1]))
+    return max(steps) if steps else None
+
+
+# -------------------------------------------------------------------------------------------- status
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def attempt_id() -> str:
+    """This attempt: ``<Slurm job id>.<restart count>`` in a job, else ``local.<host>.<pid>``."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        return f"{job}.{os.environ.get('SLURM_RESTART_COUNT') or 0}"
+    return f"local.{socket.gethostname()}.{os.getpid()}"
+
+
+def update_meta(d: Path, change) -> dict:
+    """Read-modify-write ``run.json`` under a short lock (a submit and a running job may both write it).
+
+    Atomic (temporary file, then rename). On a full disk the space reserved by :func:`attempt` is given
+    back and the write tried once more, so that a failure can still be recorded.
+    """
+    d = Path(d)
     p = d / META_FILE
-    meta = json.loads(p.read_text()) if p.exists() else {}
-    meta.update(status=status, updated=time.strftime("%Y-%m-%dT%H:%M:%S"), **extra)
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(p)
+    with open(d / f".{META_FILE}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        meta = read_meta(d)
+        change(meta)
+        text = json.dumps(meta, indent=1)
+        tmp = d / f".{META_FILE}.tmp"
+        try:
+            tmp.write_text(text)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or not (d / RESERVE_FILE).exists():
+                raise
+            (d / RESERVE_FILE).unlink()
+            tmp.write_text(text)
+        tmp.replace(p)
+    return meta
+
+
+def set_status(d: Path, status: str, **extra) -> None:
+    def change(meta):
+        meta.update(status=status, updated=_now(), **extra)
+
+    update_meta(d, change)
+
+
+def mark_running(d: Path, *, start_step: int, resumed_from: str | None) -> None:
+    """Start-up is over: steps ``start_step``.. begin."""
+    set_status(d, "running", start_step=start_step, resumed_from=resumed_from)
+
+
+def mark_finished(
+    d: Path, status: str, *, step: int, wall_seconds: float, max_requeues: int | None = None
+) -> None:
+    """``completed``, or ``preempted`` right after the loop's SIGTERM checkpoint of ``step``.
+
+    Preempted in a Slurm job: ``requeue_attempt`` is set to this attempt while the job has been
+    restarted fewer than ``max_requeues`` times; the job script requeues only on that mark.
+    """
+    extra: dict = {"step": step, "wall_seconds": round(wall_seconds, 2)}
+    if status == "preempted":
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        extra["checkpoint_step"] = step
+        if max_requeues is not None and restarts >= max_requeues:
+            extra["requeue"] = (
+                f"refused: the job was requeued {restarts} time(s), cluster.max_requeues = {max_requeues}; "
+                f"continue with tim submit --resume {d}"
+            )
+            extra["requeue_attempt"] = None
+        else:
+            extra["requeue"] = "allowed"
+            extra["requeue_attempt"] = attempt_id()
+    set_status(d, status, **extra)
+
+
+def failure_reason(err: BaseException) -> str:
+    text = str(err).strip()
+    reason = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return reason if len(reason) <= 2000 else reason[:1997] + "..."
+
+
+def mark_failed(d: Path, err: BaseException | str, **extra) -> None:
+    reason = err if isinstance(err, str) else failure_reason(err)
+    set_status(d, "failed", reason=reason, requeue_attempt=None, **extra)
+
+
+FULL_DISK_BYTES = 64 * 2**20
+"""Free space below which a failure is reported as a full disk (writers such as torch's checkpoint writer
+do not always pass ENOSPC on: a full disk can surface as "unexpected pos 704 vs 598")."""
+
+
+def _disk_full(err: BaseException, d: Path) -> str | None:
+    """Why ``err`` looks like a full disk under ``d`` (None: it does not)."""
+    seen = set()
+    e = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            return "No space left on device"
+        e = e.__cause__ or e.__context__
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    return f"{free} bytes free" if free < FULL_DISK_BYTES else None
+
+
+@contextlib.contextmanager
+def attempt(d: Path, *, writer: bool = True):
+    """One attempt at a run (a process start, a Slurm job or a requeue of it), start-up included.
+
+    Records the attempt in ``run.json`` (and clears an earlier attempt's requeue mark); any exception
+    inside sets ``failed`` with its reason before it propagates. A full disk becomes :class:`DiskFullError`.
+    ``writer``: this process writes ``run.json`` (rank 0); the others only pass exceptions through.
+    """
+    d = Path(d)
+    if writer:
+        _reserve(d)
+
+        def start(meta):
+            meta.update(
+                status="running",
+                updated=_now(),
+                attempt=attempt_id(),
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                requeue_attempt=None,
+            )
+            meta.pop("reason", None)
+
+        update_meta(d, start)
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            raise
+        full = _disk_full(e, d)
+        if writer:
+            with contextlib.suppress(OSError):  # the original error matters more than the record
+                mark_failed(d, f"disk full ({full}): {failure_reason(e)}" if full else e)
+        if full:
+            raise DiskFullError(
+                f"the disk holding {d} is full ({full}); the error was {type(e).__name__}: "
+                f"{(str(e).strip().splitlines() or [''])[-1][:300]}\n"
+                f"run.json records the failure. Free space, then resume from the last checkpoint: "
+                f"tim train --resume {d}"
+            ) from e
+        raise
+    finally:
+        if writer:
+            with contextlib.suppress(OSError):
+                (d / RESERVE_FILE).unlink(missing_ok=True)
+
+
+def settle_launcher_exit(d: Path, code: int) -> None:
+    """After a local launcher (torchrun) exits: a run its ranks left ``running`` failed with that code."""
+    if code not in (0, 75) and read_meta(d).get("status") == "running":
+        mark_failed(d, f"the ranks' launcher exited with code {code} (a rank died; see the output above)")
+
+
+def _reserve(d: Path) -> None:
+    p = d / RESERVE_FILE
+    with contextlib.suppress(OSError):
+        if not p.exists() or p.stat().st_size < RESERVE_BYTES:
+            with open(p, "wb") as f:
+                f.write(b"\0" * RESERVE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())

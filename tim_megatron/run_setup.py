@@ -39,13 +39,13 @@ def model_path_for(recipe) -> Path:
 
 
 def build_rollout(recipe, trainer, *, model_path: Path, tokenizer):
-    """This rank's rollout engine: its share of the vLLM fleet, or the trainer-side sampler."""
+    """This rank's rollout engine: its share of the vLLM fleet, or of the exact sampler (``vexact: exact``)."""
     from tim_megatron.rollout.base import FleetLayout
     from tim_megatron.rollout.engine import VLLMEngine
-    from tim_megatron.rollout.trainer_sampler import TrainerSampler
+    from tim_megatron.rollout.exact_sampler import ExactSampler
 
-    if recipe.diagnostics.vexact == "trainer_sampler":
-        return TrainerSampler(trainer, eos_id=tokenizer.eos_token_id)
+    if recipe.diagnostics.vexact == "exact":
+        return ExactSampler(trainer, eos_id=tokenizer.eos_token_id)
     layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=recipe.rollout.tensor_parallel_size)
     return VLLMEngine(
         recipe,
@@ -66,8 +66,8 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     from tim_megatron.loop import Run, StopRequest, new_schedule, new_warnings
     from tim_megatron.rollout.engine import check_model_for_engine
     from tim_megatron.rollout.sync import WeightSync, manifest
-    from tim_megatron.run_dir import set_status
-    from tim_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from tim_megatron.run_dir import mark_running
+    from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint
     from tim_megatron.trainer.engine import MegatronTrainer
 
     r = loaded.recipe
@@ -89,7 +89,7 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     sync = WeightSync(r, expected=manifest(path), rank=trainer.rank)
     schedule, warnings = new_schedule(r), new_warnings(r)
     start = 1
-    ckpt = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    ckpt = latest_good_checkpoint(run_dir / "checkpoints") if resume else None  # corrupt ones skipped
     if ckpt is not None:
         meta = load_checkpoint(trainer, ckpt)
         schedule.load_state_dict(meta["state"]["schedule"])
@@ -129,7 +129,7 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
         console=console if trainer.is_rank0 else None,
     )
     if trainer.is_rank0:
-        set_status(run_dir, "running", start_step=start, resumed_from=str(ckpt) if ckpt else None)
+        mark_running(run_dir, start_step=start, resumed_from=str(ckpt) if ckpt else None)
         if console is not None:
             console.print(
                 f"[bold]tim train[/] {loaded.name}: steps {start}..{r.run.steps} in {run_dir}"

@@ -8,8 +8,9 @@ answer to the signal fails with ``BrokenPipeError`` on the rank whose server die
 barrier for it. Seen on the two-node test cluster: a periodic checkpoint at step 2, ``scancel`` at step 4, run
 "failed" instead of "preempted".
 
-The fix: create that queue ourselves, once, with SIGTERM and SIGINT ignored while its server process starts
-(an ignored disposition survives the server's exec), then restore our handlers. No megatron code is replaced.
+The fix: create that queue ourselves, once, in a manager whose server process ignores SIGTERM and SIGINT and
+asks the kernel to kill it when its parent (the rank) dies, so it neither dies before the final checkpoint nor
+outlives a rank killed with SIGKILL. No megatron code is replaced: megatron finds the queue already made.
 """
 
 from __future__ import annotations
@@ -28,9 +29,21 @@ SPEC = PatchSpec(
 )
 
 
+def _server_init() -> None:
+    """Runs first in the manager's server process."""
+    from tim_megatron.procs import die_with_parent
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    die_with_parent()
+
+
 def shield() -> None:
-    """Start megatron's writer results queue now, immune to SIGTERM/SIGINT (idempotent)."""
+    """Make megatron's writer results queue now, in a server immune to the job's signals (idempotent)."""
     check_version(SPEC)
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", None) is not None:
@@ -40,11 +53,7 @@ def shield() -> None:
             "megatron-core no longer has filesystem_async._get_write_results_queue: re-verify "
             "patches/megatron/checkpoint_writer_signals.py"
         )
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        for s in saved:
-            signal.signal(s, signal.SIG_IGN)
-        filesystem_async._get_write_results_queue()
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+    manager = SyncManager(ctx=mp.get_context("spawn"))  # the context megatron itself uses
+    manager.start(initializer=_server_init)
+    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._tim_results_manager = manager  # the queue lives as long as its manager object

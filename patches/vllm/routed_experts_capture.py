@@ -36,14 +36,15 @@ SPEC = PatchSpec(
 
 
 class _Capture:
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, model_name: str):
         self.num_layers = num_layers
+        self.model_name = model_name
         self.steps: list[dict] = []
         self.enabled = False
 
-    def on_topk(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+    def on_topk(self, moe_layer: int, topk_ids: torch.Tensor) -> None:
         if self.enabled and self.steps:
-            self.steps[-1]["layers"][layer_id] = topk_ids.to(torch.int16).cpu().clone()
+            self.steps[-1]["layers"][moe_layer] = topk_ids.to(torch.int16).cpu().clone()
 
 
 def _install(worker, num_layers: int) -> int:
@@ -51,13 +52,20 @@ def _install(worker, num_layers: int) -> int:
 
     runner = worker.model_runner
     model = runner.model
-    cap = _Capture(num_layers)
+    cap = _Capture(num_layers, type(model).__name__)
+    runners = [mod for mod in model.modules() if isinstance(mod, MoERunner)]
+    # Decoder layer ids of the MoE layers, in order: a model with leading dense layers (GLM-4.5) has MoE layers
+    # 1..L-1, and the trainer numbers its routers 0..n-1 in the same order.
+    order = {lid: i for i, lid in enumerate(sorted({mod.layer_id for mod in runners}))}
+    if len(order) != len(runners):
+        raise RuntimeError(
+            f"routed-experts capture: {len(runners)} MoE runners share layer ids {sorted(order)}"
+        )
     n = 0
-    for mod in model.modules():
-        if isinstance(mod, MoERunner):
-            lid = mod.layer_id
-            mod.router.set_capture_fn(lambda ids, lid=lid: cap.on_topk(lid, ids))
-            n += 1
+    for mod in runners:
+        idx = order[mod.layer_id]
+        mod.router.set_capture_fn(lambda ids, idx=idx: cap.on_topk(idx, ids))
+        n += 1
     orig = model.forward
 
     def forward(*args, **kwargs):
@@ -79,6 +87,10 @@ def _install(worker, num_layers: int) -> int:
     model.forward = forward
     worker._tim_capture = (cap, orig)
     return n
+
+
+def _model_name(worker) -> str:
+    return type(worker.model_runner.model).__name__
 
 
 def _uninstall(worker) -> None:
@@ -107,7 +119,8 @@ def _end(worker) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     for st in cap.steps:
         if len(st["layers"]) != cap.num_layers:
             raise RuntimeError(
-                f"routed-experts capture saw {len(st['layers'])} of {cap.num_layers} MoE layers in a step"
+                f"routed-experts capture saw {len(st['layers'])} of {cap.num_layers} MoE layers in a step of "
+                f"{cap.model_name}: its MoE router does not report its top-k to the capture hook"
             )
         stacked = torch.stack(
             [st["layers"][i] for i in range(cap.num_layers)], 1
@@ -130,9 +143,10 @@ def install(llm, num_layers: int) -> int:
     check_version(SPEC)
     counts = llm.collective_rpc(_install, args=(num_layers,))
     if not counts or counts[0] != num_layers:
+        name = llm.collective_rpc(_model_name)[0]
         uninstall(llm)
         raise RuntimeError(
-            f"routed-experts capture hooked {counts} routers; the model has {num_layers} MoE layers"
+            f"routed-experts capture hooked {counts} routers of {name}; the model has {num_layers} MoE layers"
         )
     return counts[0]
 

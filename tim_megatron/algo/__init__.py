@@ -10,12 +10,11 @@ from tim_megatron.algo.aggregation import aggregate, local_denominator
 from tim_megatron.algo.corrections import correction_metrics, rollout_correction
 from tim_megatron.algo.early_warning import EarlyWarning, GrowthDetector, SurgeDetector, TrendDetector
 from tim_megatron.algo.injection import (
-    add_drift,
-    add_noise,
     biased_distortion,
+    low_precision_softmax,
     objective_surrogate,
-    quantized_token_logprobs,
-    round_mantissa,
+    perturbed_logprobs,
+    quantize,
     unbiased_noise,
 )
 from tim_megatron.algo.lr_schedule import ConstantLR, CosineLR, LengthDecayLR, build_schedule
@@ -34,8 +33,6 @@ __all__ = [
     "Stats",
     "SurgeDetector",
     "TrendDetector",
-    "add_drift",
-    "add_noise",
     "aggregate",
     "biased_distortion",
     "build_schedule",
@@ -44,15 +41,16 @@ __all__ = [
     "group_advantages",
     "gspo_loss",
     "local_denominator",
+    "low_precision_softmax",
     "mismatch_metrics",
     "mismatch_stats",
     "objective_surrogate",
+    "perturbed_logprobs",
     "policy_loss_metrics",
-    "quantized_token_logprobs",
+    "quantize",
     "response_metrics",
     "response_stats",
     "rollout_correction",
-    "round_mantissa",
     "routing_agreement_metrics",
     "routing_agreement_stats",
     "token_clip_loss",

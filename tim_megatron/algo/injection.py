@@ -5,17 +5,17 @@ Objective level (objective-level-hacking paper): per-token weights multiplying t
 * biased distortion phi = delta where pi_old < pi_low, else 1 (Eq. 17-18; delta > 1, < 1 or 0);
 * unbiased noise xi ~ N(1, sigma^2), independent per token (Eq. 21).
 
-Logprob level, applied to rollout logprobs (typically after VeXact made them equal to the trainer's):
-
-* precision: probabilities recomputed from logits through a low-precision softmax (Eq. 45), with a
-  quantizer of any mantissa width (7 bits = bfloat16, 10 = float16);
-* noise: additive Gaussian noise of a given std on log-probabilities;
-* drift: a biased shift of log-probabilities, optionally only for low-probability tokens.
+Sampling level (``diagnostics.sampling_injection``): the rollout samples from mu = perturb(pi) instead of the
+policy pi and logs mu's logprobs, so the tokens trained on are drawn from mu, as with a real mismatch
+(:func:`perturbed_logprobs`: Eq. 45's low-precision softmax with real bfloat16/float16 casts, zero-mean logit
+noise, or the phi distortion applied to the sampling probabilities).
 
 Plus the surrogate J = sum A (phi - 1) (Eq. 23) used to watch objective-level hacking.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -68,49 +68,70 @@ def objective_surrogate(
     return s
 
 
-# -------------------------------------------------------------------------------------- logprob level
+# ------------------------------------------------------------------------------------- sampling level
+
+LOW_PRECISION = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The formats Eq. 45's quantizer Q can be: real torch dtypes, cast to and back."""
 
 
-def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Round to ``bits`` explicit mantissa bits, half to even (bits=7 matches bfloat16 for normal numbers)."""
-    if not 1 <= bits <= 23:
-        raise ValueError(f"mantissa bits = {bits}: allowed 1..23")
-    x32 = x.to(torch.float32)
-    mant, exp = torch.frexp(x32)  # x = mant * 2**exp, |mant| in [0.5, 1)
-    scale = float(2 ** (bits + 1))
-    return torch.ldexp(torch.round(mant * scale) / scale, exp)
+def quantize(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Q(x): a real cast to ``dtype`` and back to float32 (round to nearest even, with the format's subnormals,
+    underflow to 0 and overflow to inf)."""
+    if dtype not in LOW_PRECISION:
+        raise ValueError(f"quantize dtype = {dtype!r}: allowed {sorted(LOW_PRECISION)}")
+    return x.to(torch.float32).to(LOW_PRECISION[dtype]).to(torch.float32)
 
 
-def quantized_token_logprobs(
-    *, logits: torch.Tensor, tokens: torch.Tensor, mantissa_bits: int = 7, temperature: float = 1.0
-) -> torch.Tensor:
-    """log p~ of ``tokens`` with p~_i = Q(exp(Q(z_i)) / sum_j exp(Q(z_j))) (Eq. 45), z = logits / temperature.
+def low_precision_softmax(*, logits: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Eq. 45: p~_i = Q(exp(Q(z_i)) / sum_j exp(Q(z_j))) over the last dimension, from float32 logits ``z``.
 
-    The sum runs in float32 over the whole last dimension; pass a chunk of positions at a time.
-    """
-    z = round_mantissa(logits.to(torch.float32) / temperature, mantissa_bits)
-    lse = torch.logsumexp(z, dim=-1)
-    zt = z.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    p = round_mantissa(torch.exp(zt - lse), mantissa_bits)
-    return torch.log(p)
+    The exponentials and their sum are float32 (Eq. 45 quantizes only the logits and the quotient). ``logits``
+    must be float32: rounding logits that a low-precision head already rounded does nothing."""
+    if logits.dtype != torch.float32:
+        raise ValueError(f"low_precision_softmax needs float32 logits (got {logits.dtype})")
+    zq = quantize(logits, dtype)
+    return quantize(torch.exp(zq - torch.logsumexp(zq, dim=-1, keepdim=True)), dtype)
 
 
-def add_noise(*, logprobs: torch.Tensor, std: float, seed: int) -> torch.Tensor:
-    """log p + N(0, std^2), clamped to <= 0."""
-    noise = torch.randn(logprobs.shape, generator=_generator(seed), dtype=torch.float32).to(logprobs.device)
-    return (logprobs + std * noise.to(logprobs.dtype)).clamp(max=0.0)
+def sampling_noise(*, seed: int, sample_seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Standard normal noise over the vocabulary for one sample's token ``position`` (0 = the first response
+    token), a function of (injection seed, sample seed, position) only, so every engine and layout draws the same."""
+    g = _generator((seed * 1_000_003 + sample_seed) * 65_537 + position)
+    return torch.randn(vocab, generator=g, dtype=torch.float32)
 
 
-def add_drift(
+def perturbed_logprobs(
     *,
-    logprobs: torch.Tensor,
-    drift: float,
-    reference_logprobs: torch.Tensor | None = None,
-    pi_low: float | None = None,
+    logits: torch.Tensor,
+    kind: str,
+    dtype: str = "bfloat16",
+    std: float = 0.0,
+    delta: float = 1.0,
+    pi_low: float = 0.1,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log p + drift for every token, or only where the reference probability is below ``pi_low``; <= 0."""
-    shift = torch.full_like(logprobs, drift)
-    if pi_low is not None:
-        ref = logprobs if reference_logprobs is None else reference_logprobs
-        shift = torch.where(torch.exp(ref) < pi_low, shift, torch.zeros_like(shift))
-    return (logprobs + shift).clamp(max=0.0)
+    """log mu over the last dimension, for the sampling distribution mu = perturb(pi), pi = softmax(logits).
+
+    ``logits`` are float32 and already divided by the temperature. Every mu is normalised (its exp sums to 1;
+    -inf where mu is 0, and such a token is never sampled):
+
+    * ``precision``: mu = p~ / sum p~ with p~ from Eq. 45 (:func:`low_precision_softmax`) in ``dtype``;
+    * ``noise``: mu = softmax(logits + std * noise), ``noise`` standard normal per vocabulary entry (zero-mean
+      logit noise: no token is preferred on average);
+    * ``bias``: mu_i = pi_i phi_i / sum_j pi_j phi_j with phi_i = ``delta`` where pi_i < ``pi_low``, else 1 (the
+      distortion phi of Eq. 17-18, put into the sampling probabilities instead of the loss weights).
+    """
+    z = logits.to(torch.float32)
+    if kind == "precision":
+        p = low_precision_softmax(logits=z, dtype=dtype)
+        return torch.log(p) - torch.log(p.sum(-1, keepdim=True))
+    if kind == "noise":
+        if noise is None or noise.shape != z.shape:
+            raise ValueError("noise injection needs standard normal noise of the logits' shape")
+        return torch.log_softmax(z + std * noise.to(z.dtype), dim=-1)
+    if kind == "bias":
+        if not delta > 0:
+            raise ValueError(f"bias injection needs delta > 0 (got {delta})")
+        low = torch.softmax(z, dim=-1) < pi_low
+        return torch.log_softmax(torch.where(low, z + math.log(delta), z), dim=-1)
+    raise ValueError(f"sampling injection type {kind!r}: allowed precision, noise, bias")

@@ -15,6 +15,7 @@ BENCHES = {
     "rollout": "tim_megatron.bench.rollout",
     "step": "tim_megatron.bench.step",
     "fleet": "tim_megatron.bench.fleet",
+    "exact": "tim_megatron.bench.exact",
 }
 
 

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 from tim_megatron.doctor.base import GIB, Context, Result, dist_version, recipe_of
+from tim_megatron.slurm.plan import param_count
 
 LOW_DISK_GIB = 20
 """Below this much free disk at the HF cache, a warning."""
@@ -140,7 +141,7 @@ def check_hf_cache(ctx: Context) -> list[Result]:
     repo = hub_model(ctx)
     if repo is not None:
         r = recipe_of(ctx)
-        need = r.model.dims.approx_params()[0] * 2  # bf16 safetensors
+        need = param_count(r.model.dims).total * 2  # bf16 safetensors
         cached = (folder / f"models--{repo.replace('/', '--')}").exists()
         if not cached and (free < need or not writable):
             return [

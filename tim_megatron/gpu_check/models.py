@@ -137,7 +137,7 @@ def recipe_for(
     if gpu_type:
         over.append(f"cluster.gpu_type={gpu_type}")
     if str(path) != "tiny" and dims is not None:
-        for key, value in dims.model_dump().items():
+        for key, value in dims.model_dump(exclude_none=True).items():
             over.append(f"model.dims.{key}={str(value).lower() if isinstance(value, bool) else value}")
     return load_recipe(BASE_RECIPE, over).recipe
 

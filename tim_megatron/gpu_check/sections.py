@@ -23,6 +23,7 @@ from tim_megatron.gpu_check.models import (
 )
 from tim_megatron.gpu_check.report import Finding
 from tim_megatron.recipe.schema import ModelDims
+from tim_megatron.slurm.plan import param_count
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class Bench:
 
 def model_finding(model: Model, section: str) -> Finding:
     """The first line of every section: which model, and its size."""
-    return Finding(section, f"model: {model.name}", model.dims.approx_params()[0] / 1e9, "B params")
+    return Finding(section, f"model: {model.name}", param_count(model.dims).total / 1e9, "B params")
 
 
 # ------------------------------------------------------------------------------------------- parity

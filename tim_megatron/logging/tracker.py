@@ -28,6 +28,45 @@ def _clean(v):
     return v
 
 
+WANDB_PROBE_SECONDS = 5.0
+"""How long to try reaching the wandb server before logging offline."""
+WANDB_INIT_TIMEOUT = 60.0
+"""wandb's own ``init_timeout`` (its default is 90 s) for a server that answers the probe but not init."""
+
+
+def unreachable(url: str, *, timeout: float) -> str | None:
+    """Why ``url``'s host (or the HTTPS proxy in the environment) cannot be connected to; None if it can.
+
+    The connect runs in a daemon thread, so a slow name lookup cannot hold the caller past ``timeout``.
+    """
+    import socket
+    import threading
+    import urllib.parse
+    import urllib.request
+
+    u = urllib.parse.urlsplit(url)
+    host, port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(u.scheme or "https")
+    if proxy and host and not urllib.request.proxy_bypass(host):
+        p = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = p.hostname, p.port or 80
+    if not host:
+        return f"no host in {url!r}"
+    result: list[str | None] = []
+
+    def connect():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(None)
+        except OSError as e:
+            result.append(f"{host}:{port}: {e}")
+
+    t = threading.Thread(target=connect, daemon=True)
+    t.start()
+    t.join(timeout)
+    return result[0] if result else f"{host}:{port}: no answer within {timeout:g} s"
+
+
 def truncate_jsonl(path: Path, *, after_step: int) -> int:
     """Drop lines of steps > ``after_step`` (written after the checkpoint a resumed run restarts from)."""
     if not path.exists():
@@ -62,6 +101,12 @@ class Tracker:
             self.wandb = self._wandb(name, run_id)
 
     def _wandb(self, name: str, run_id: str):
+        """A wandb run; online falls back to offline (with a warning) when the server cannot be reached.
+
+        A quick connect to the server (or the HTTPS proxy) decides first, so no network costs seconds, not
+        wandb's own 90 s init timeout; an init that fails anyway is retried offline. Offline runs upload
+        later with ``wandb sync``. Nothing wandb does stops a run: metrics.jsonl has every step.
+        """
         cfg = self.recipe.logging.wandb
         mode = cfg.mode
         if mode == "auto":
@@ -73,20 +118,48 @@ class Tracker:
         tags = [*cfg.tags, self.recipe.rl.loss]
         if self.recipe.run.sweep_id:
             tags.append(f"sweep:{self.recipe.run.sweep_id}")
-        with _no_weave():
-            return wandb.init(
-                project=cfg.project,
-                entity=cfg.entity,
-                name=name,
-                id=run_id,
-                resume="allow",
-                mode=mode,
-                dir=str(self.run_dir),
-                config=self.recipe.model_dump(mode="json"),
-                tags=tags,
-                group=self.recipe.run.sweep_id,
-                settings=wandb.Settings(silent=True),
+        kwargs = dict(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            config=self.recipe.model_dump(mode="json"),
+            tags=tags,
+            group=self.recipe.run.sweep_id,
+        )
+        offline = f"logging offline into {self.run_dir / 'wandb'} (upload it later with `wandb sync`)"
+        if mode == "online":
+            url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+            problem = unreachable(url, timeout=WANDB_PROBE_SECONDS)
+            if problem:
+                self._warn(f"wandb server {url} cannot be reached ({problem}): {offline}")
+                mode = "offline"
+        settings = wandb.Settings(silent=True, init_timeout=WANDB_INIT_TIMEOUT)
+        try:
+            with _no_weave():
+                return wandb.init(mode=mode, settings=settings, **kwargs)
+        except Exception as e:
+            if mode != "online":
+                self._warn(f"wandb.init failed ({type(e).__name__}: {e}); metrics.jsonl keeps every step")
+                return None
+            self._warn(f"wandb.init online failed ({type(e).__name__}: {str(e)[:300]}): {offline}")
+        try:
+            wandb.teardown()  # forget the failed online run, whose id the offline one reuses
+            with _no_weave():
+                return wandb.init(mode="offline", settings=settings, **kwargs)
+        except Exception as e:
+            self._warn(
+                f"wandb.init offline failed too ({type(e).__name__}: {e}); metrics.jsonl keeps every step"
             )
+            return None
+
+    @staticmethod
+    def _warn(msg: str) -> None:
+        import warnings
+
+        warnings.warn(msg, stacklevel=3)
 
     def log(self, step: int, metrics: dict, *, events: list | None = None) -> None:
         if not self.enabled:

@@ -1,4 +1,5 @@
-"""The built-in tiny Qwen3-MoE: a real HF checkpoint and tokenizer, made offline and deterministically.
+"""The built-in tiny models (Qwen3-MoE by default, any registered family by ``model.dims.family``): a real HF
+checkpoint and tokenizer, made offline and deterministically.
 
 ``ensure_tiny_checkpoint(dims, ...)`` writes ``config.json``, ``model.safetensors`` (checkpoint layout,
 per-expert tensors) and a character-level tokenizer into a cache folder keyed by every input, and returns
@@ -18,10 +19,12 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
+from tim_megatron.integrity import IntegrityWarning, sha256_file
 from tim_megatron.recipe.schema import ModelDims, TaskConfig
 
 EOS = "<|endoftext|>"
@@ -30,6 +33,7 @@ UNK = "<unk>"
 CHARS = list("0123456789+-*/=^ ().,?:{}\\\n") + list("abcdefghijklmnopqrstuvwxyz")
 VOCAB = [EOS, UNK, *CHARS]
 TOKENIZER_VERSION = 1
+MANIFEST = "tim_tiny.json"
 
 
 def cache_root() -> Path:
@@ -55,37 +59,10 @@ def build_tokenizer(vocab_size: int):
 
 
 def hf_config(dims: ModelDims):
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    """The transformers config of a tiny model of ``dims``' family (each family builds its own)."""
+    from tim_megatron.trainer.families import get_family
 
-    common = dict(
-        vocab_size=dims.vocab_size,
-        hidden_size=dims.hidden_size,
-        intermediate_size=dims.intermediate_size,
-        num_hidden_layers=dims.num_layers,
-        num_attention_heads=dims.num_attention_heads,
-        num_key_value_heads=dims.num_key_value_heads,
-        head_dim=dims.head_dim,
-        rms_norm_eps=dims.rms_norm_eps,
-        max_position_embeddings=dims.max_position_embeddings,
-        tie_word_embeddings=dims.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": dims.rope_theta},
-        eos_token_id=0,
-        pad_token_id=0,
-        bos_token_id=None,
-        attention_bias=False,
-    )
-    if dims.is_moe:
-        return Qwen3MoeConfig(
-            **common,
-            num_experts=dims.num_experts,
-            num_experts_per_tok=dims.num_experts_per_tok,
-            moe_intermediate_size=dims.moe_intermediate_size,
-            norm_topk_prob=dims.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-        )
-    return Qwen3Config(**common)
+    return get_family(dims.resolved_family).hf_config(dims)
 
 
 def _key(dims: ModelDims, seed: int, warmup_steps: int, task: TaskConfig) -> str:
@@ -110,20 +87,59 @@ def ensure_tiny_checkpoint(
     task: TaskConfig | None = None,
     root: Path | None = None,
 ) -> Path:
-    """Return the folder of the tiny checkpoint for these settings, building it on first use."""
+    """Return the folder of the tiny checkpoint for these settings, building it on first use.
+
+    The build records the sha256 of every file it wrote (``tim_tiny.json``); each use verifies them, and a
+    cache folder that fails (flipped bits, a truncated or missing file) is rebuilt with a warning.
+    """
     task = task or TaskConfig()
     root = Path(root) if root is not None else cache_root() / "tiny"
     target = root / _key(dims, seed, warmup_steps, task)
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
     root.mkdir(parents=True, exist_ok=True)
-    with open(
-        root / ".lock", "w"
-    ) as lock:  # ranks and test workers building at once: one builds, the rest wait
+    with open(root / ".lock", "w") as lock:  # ranks and test workers at once: one builds, the rest wait
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists() and (target / "model.safetensors").exists():
-            return target
+        if target.exists():
+            problems = verify_tiny_checkpoint(target)
+            if not problems:
+                return target
+            warnings.warn(
+                f"tiny-model cache {target} is corrupt ({'; '.join(problems[:3])}): rebuilding it. "
+                f"The cache lives under {root} (TIM_CACHE moves it); delete a folder there to force a rebuild.",
+                IntegrityWarning,
+                stacklevel=2,
+            )
+            aside = root / f".corrupt-{target.name}-{os.getpid()}"
+            os.replace(target, aside)
+            shutil.rmtree(aside, ignore_errors=True)
         return _build_atomically(root, target, dims=dims, seed=seed, warmup_steps=warmup_steps, task=task)
+
+
+def _checksums(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def verify_tiny_checkpoint(folder: Path) -> list[str]:
+    """What is wrong with a cached tiny checkpoint (empty: every file as built)."""
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text())["sha256"]
+        if not isinstance(recorded, dict):
+            raise TypeError("no file table")
+    except FileNotFoundError:
+        return [f"{MANIFEST} is missing"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{MANIFEST} has no checksums ({type(e).__name__}: {e}); built by an older version?"]
+    problems = [f"{n}: missing" for n in ("config.json", "model.safetensors") if n not in recorded]
+    actual = _checksums(folder)
+    for name, digest in recorded.items():
+        if name not in actual:
+            problems.append(f"{name}: missing")
+        elif actual[name] != digest:
+            problems.append(f"{name}: sha256 mismatch")
+    return problems
 
 
 def _build_atomically(root: Path, target: Path, **kw) -> Path:
@@ -154,6 +170,7 @@ def _build(folder: Path, *, dims: ModelDims, seed: int, warmup_steps: int, task:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            _family_init(model, dims, seed)
             if warmup_steps:
                 _warmup(model, tokenizer, steps=warmup_steps, seed=seed, task=task)
     finally:
@@ -166,8 +183,17 @@ def _build(folder: Path, *, dims: ModelDims, seed: int, warmup_steps: int, task:
         "seed": seed,
         "warmup_steps": warmup_steps,
         "task": task.model_dump(),
+        "sha256": _checksums(folder),
     }
-    (folder / "tim_tiny.json").write_text(json.dumps(meta, indent=2))
+    (folder / MANIFEST).write_text(json.dumps(meta, indent=2))
+
+
+def _family_init(model, dims: ModelDims, seed: int) -> None:
+    from tim_megatron.trainer.families import get_family
+
+    init = get_family(dims.resolved_family).tiny_init
+    if init is not None:
+        init(model, seed)
 
 
 def _warmup(model, tokenizer, *, steps: int, seed: int, task: TaskConfig) -> None:

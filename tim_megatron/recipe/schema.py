@@ -51,59 +51,165 @@ class RecipeValueError(ValueError):
 # ----------------------------------------------------------------------------------------------- model
 
 
-class ModelDims(Section):
-    """Architecture numbers of a Qwen3(-MoE) model, as in its HF ``config.json``."""
+# Sanity bounds on architecture numbers: far above any published model, far below what would overflow a plan.
+_MAX_WIDTH = 1 << 17
+_MAX_LAYERS = 1024
+_MAX_HEADS = 1024
+_MAX_HEAD_DIM = 4096
+_MAX_VOCAB = 1 << 23
+_MAX_EXPERTS = 4096
+_MAX_POSITIONS = 1 << 24
 
-    hidden_size: int = Field(128, gt=0)
+
+class ModelDims(Section):
+    """Architecture numbers of the policy model, as in its HF ``config.json``.
+
+    The defaults describe the built-in tiny Qwen3-MoE. Each model family
+    (:mod:`tim_megatron.trainer.families`) reads its own config.json keys into these fields; the fields after
+    ``tie_word_embeddings`` are the features some families need beside Qwen3's, and their defaults are Qwen3's.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
+
+    hidden_size: int = Field(128, gt=0, le=_MAX_WIDTH)
     """Width of the residual stream (``hidden_size``)."""
-    num_layers: int = Field(2, gt=0)
-    """Number of transformer layers (``num_hidden_layers``)."""
-    num_attention_heads: int = Field(4, gt=0)
+    num_layers: int = Field(2, gt=0, le=_MAX_LAYERS)
+    """Number of transformer layers (``num_hidden_layers``; a multi-token-prediction layer is not counted)."""
+    num_attention_heads: int = Field(4, gt=0, le=_MAX_HEADS)
     """Query heads (``num_attention_heads``)."""
-    num_key_value_heads: int = Field(2, gt=0)
+    num_key_value_heads: int = Field(2, gt=0, le=_MAX_HEADS)
     """Key/value heads for grouped-query attention (``num_key_value_heads``)."""
-    head_dim: int = Field(32, gt=0)
+    head_dim: int = Field(32, gt=0, le=_MAX_HEAD_DIM)
     """Per-head width (``head_dim``). vLLM's CPU attention rejects 16."""
-    vocab_size: int = Field(64, gt=0)
+    vocab_size: int = Field(64, gt=0, le=_MAX_VOCAB)
     """Vocabulary size (``vocab_size``)."""
-    num_experts: int = Field(8, ge=0)
-    """Routed experts per MoE layer (``num_experts``); 0 means a dense Qwen3 model."""
-    num_experts_per_tok: int = Field(2, ge=0)
+    num_experts: int = Field(8, ge=0, le=_MAX_EXPERTS)
+    """Routed experts per MoE layer (``num_experts``, ``num_local_experts`` or ``n_routed_experts``); 0 means a
+    dense model."""
+    num_experts_per_tok: int = Field(2, ge=0, le=_MAX_EXPERTS)
     """Experts chosen per token (``num_experts_per_tok``, the router's top-k)."""
-    moe_intermediate_size: int = Field(64, ge=0)
-    """Hidden width of each expert's SwiGLU MLP (``moe_intermediate_size``)."""
-    intermediate_size: int = Field(256, gt=0)
+    moe_intermediate_size: int = Field(64, ge=0, le=_MAX_WIDTH * 16)
+    """Hidden width of each routed expert's SwiGLU MLP (``moe_intermediate_size``; Mixtral and OLMoE:
+    ``intermediate_size``)."""
+    intermediate_size: int = Field(256, gt=0, le=_MAX_WIDTH * 16)
     """Hidden width of dense MLP layers (``intermediate_size``)."""
     norm_topk_prob: bool = True
-    """Renormalize the top-k routing probabilities to sum to one (``norm_topk_prob``)."""
-    rope_theta: float = Field(1_000_000.0, gt=0)
+    """Renormalize the top-k routing probabilities to sum to one (``norm_topk_prob``; Mixtral: always)."""
+    rope_theta: float = Field(1_000_000.0, gt=0, le=1e12)
     """RoPE base frequency (``rope_theta``)."""
-    rms_norm_eps: float = Field(1e-6, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0, lt=1)
     """RMSNorm epsilon (``rms_norm_eps``)."""
-    max_position_embeddings: int = Field(512, gt=0)
+    max_position_embeddings: int = Field(512, gt=0, le=_MAX_POSITIONS)
     """Longest sequence the position encoding is set up for (``max_position_embeddings``)."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the LM head (``tie_word_embeddings``)."""
+    family: str | None = None
+    """Model family, by registry name: a module of tim_megatron/trainer/families (qwen3, qwen3_moe, glm4_moe, mixtral,
+    olmoe).
+    Unset: qwen3_moe when ``num_experts`` > 0, else qwen3."""
+    qk_norm: Literal["per_head", "whole", "none"] = "per_head"
+    """RMSNorm on queries and keys before RoPE: ``per_head`` (Qwen3: one head_dim-wide weight for every head),
+    ``whole`` (OLMoE: over the whole q and k projections, one weight entry per channel), ``none`` (Mixtral,
+    GLM-4.5-Air)."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (``attention_bias``; GLM-4.5). The output projection has none."""
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1)
+    """Fraction of each head's channels that RoPE rotates, the leading ones (``partial_rotary_factor``;
+    GLM-4.5: 0.5). The rest pass through unrotated."""
+    first_k_dense_layers: int = Field(0, ge=0, le=_MAX_LAYERS)
+    """Leading layers with a dense MLP of width ``intermediate_size`` instead of experts
+    (``first_k_dense_replace``; GLM-4.5: 1 for Air, 3 for the 355B model)."""
+    shared_expert_intermediate_size: int = Field(0, ge=0, le=_MAX_WIDTH * 16)
+    """Width of the shared-expert SwiGLU MLP that every token passes through beside its routed experts
+    (``n_shared_experts`` x ``moe_intermediate_size``; GLM-4.5). 0: no shared expert."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score function: softmax over the experts (Qwen3, Mixtral, OLMoE) or an independent sigmoid per
+    expert (GLM-4.5), whose top-k scores are then renormalized."""
+    router_expert_bias: bool = False
+    """The router picks experts by score plus a per-expert correction bias (``e_score_correction_bias``) but
+    weights them by the score alone (GLM-4.5). The bias is loaded from the checkpoint and kept fixed in RL."""
+    routed_scaling_factor: float = Field(1.0, gt=0, le=1000)
+    """Multiplier on the routed experts' gating weights (``routed_scaling_factor``; GLM-4.5-Air: 1.0)."""
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def approx_params(self) -> tuple[int, int]:
-        """(total, active-per-token) parameter counts, for memory planning."""
-        h, L, v = self.hidden_size, self.num_layers, self.vocab_size
-        attn = h * self.head_dim * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
-        norms = 2 * h + 2 * self.head_dim
-        if self.is_moe:
-            expert = 3 * h * self.moe_intermediate_size
-            mlp_total = self.num_experts * expert + h * self.num_experts
-            mlp_active = self.num_experts_per_tok * expert + h * self.num_experts
-        else:
-            mlp_total = mlp_active = 3 * h * self.intermediate_size
-        emb = v * h * (1 if self.tie_word_embeddings else 2)
-        total = L * (attn + norms + mlp_total) + emb + h
-        active = L * (attn + norms + mlp_active) + emb + h
-        return total, active
+    @property
+    def resolved_family(self) -> str:
+        """The registry name of the family: ``family``, or qwen3_moe / qwen3 by ``num_experts``."""
+        if self.family is not None:
+            return self.family
+        return "qwen3_moe" if self.is_moe else "qwen3"
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with routed experts (0 for a dense model)."""
+        return self.num_layers - self.first_k_dense_layers if self.is_moe else 0
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """One entry per layer: 1 for an MoE layer, 0 for a dense one (megatron-core's ``moe_layer_freq``)."""
+        dense = self.num_layers - self.num_moe_layers
+        return [0] * dense + [1] * self.num_moe_layers
+
+    @model_validator(mode="after")
+    def _features_fit_together(self) -> ModelDims:
+        _check_dims(self)
+        return self
+
+
+def _check_dims(d: ModelDims) -> None:
+    """Cross-field rules of the architecture features. Each failure names the keys involved."""
+    if d.family is not None:
+        from tim_megatron.trainer.families import family_names
+
+        names = family_names()
+    if d.family is not None and d.family not in names:
+        raise RecipeValueError(
+            ["model.dims.family"],
+            f"model.dims.family = {d.family!r} is not a known model family; allowed: {', '.join(names)} "
+            "(or leave it unset for Qwen3)",
+        )
+    rot = d.head_dim * d.partial_rotary_factor
+    if rot != int(rot) or int(rot) % 2:
+        raise RecipeValueError(
+            ["model.dims.partial_rotary_factor", "model.dims.head_dim"],
+            f"partial_rotary_factor = {d.partial_rotary_factor} x head_dim = {d.head_dim} must be an even "
+            "whole number of rotated channels",
+        )
+    if not d.is_moe:
+        moe_only = {
+            "first_k_dense_layers": d.first_k_dense_layers != 0,
+            "shared_expert_intermediate_size": d.shared_expert_intermediate_size != 0,
+            "router_score": d.router_score != "softmax",
+            "router_expert_bias": d.router_expert_bias,
+            "routed_scaling_factor": d.routed_scaling_factor != 1.0,
+        }
+        bad = [k for k, v in moe_only.items() if v]
+        if bad:
+            raise RecipeValueError(
+                [f"model.dims.{k}" for k in bad] + ["model.dims.num_experts"],
+                f"model.dims.{bad[0]} is an MoE setting, but num_experts = 0 (a dense model); remove it",
+            )
+        return
+    if d.first_k_dense_layers >= d.num_layers:
+        raise RecipeValueError(
+            ["model.dims.first_k_dense_layers", "model.dims.num_layers"],
+            f"first_k_dense_layers = {d.first_k_dense_layers} leaves no MoE layer of num_layers = {d.num_layers}",
+        )
+    if d.router_expert_bias and d.router_score != "sigmoid":
+        raise RecipeValueError(
+            ["model.dims.router_expert_bias", "model.dims.router_score"],
+            "router_expert_bias = true needs router_score = sigmoid (the bias corrects sigmoid scores)",
+        )
+    if d.router_score == "sigmoid" and not d.norm_topk_prob:
+        raise RecipeValueError(
+            ["model.dims.router_score", "model.dims.norm_topk_prob"],
+            "router_score = sigmoid needs norm_topk_prob = true (megatron-core renormalizes sigmoid top-k scores)",
+        )
 
 
 class ModelConfig(Section):
@@ -369,19 +475,29 @@ class ObjectiveInjection(Section):
     """Seed of the unbiased noise (each step derives its own)."""
 
 
-class LogprobInjection(Section):
-    type: Literal["none", "precision", "noise", "drift"] = "none"
-    """Mismatch put back into rollout logprobs: quantized softmax, additive noise, or biased drift."""
-    mantissa_bits: int = Field(7, ge=1, le=23)
-    """Precision: mantissa bits of the quantizer (7 = bf16, 10 = fp16); fewer bits, more mismatch."""
-    std: float = Field(0.01, ge=0)
-    """Noise: std of the additive logprob noise."""
-    drift: float = 0.0047
-    """Drift: added to every affected rollout logprob (log-space; 0.0047 ~ the rho=1.0047 example)."""
-    drift_pi_low: float | None = Field(None, gt=0, le=1)
-    """Drift: only tokens below this trainer probability drift; unset: all tokens."""
+class SamplingInjection(Section):
+    """Controlled mismatch in the SAMPLING distribution: the rollout samples every token from mu = perturb(pi)
+    and logs log mu as its logprob, so training uses tokens drawn from mu, as with a real mismatch
+    (:func:`tim_megatron.algo.injection.perturbed_logprobs`). pi = softmax(logits / temperature)."""
+
+    type: Literal["off", "precision", "noise", "bias"] = "off"
+    """``precision``: Eq. 45's low-precision softmax on float32 logits; ``noise``: zero-mean logit noise of std
+    ``std``; ``bias``: the sampling probabilities of tokens with pi < ``pi_low`` multiplied by ``delta``, then
+    renormalised."""
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """Precision: the format of Eq. 45's quantizer Q (a real cast, subnormals included)."""
+    std: float = Field(0.1, ge=0)
+    """Noise: std of the standard normal noise added to every logit (after the temperature)."""
+    delta: float = Field(2.0, gt=0)
+    """Bias: phi for tokens below ``pi_low`` (> 1 favours them, < 1 suppresses them); 1 changes nothing."""
+    pi_low: float = Field(0.1, gt=0, lt=1)
+    """Bias: the policy probability below which a token is distorted."""
     seed: int = Field(0, ge=0)
-    """Seed of the noise (each step derives its own)."""
+    """Noise: seed of the noise; each sample and position derives its own from it and the sample's seed."""
+    engine: Literal["trainer", "vllm"] = "trainer"
+    """Where it acts: ``trainer``, the exact sampler (needs ``diagnostics.vexact: exact``, so the only mismatch
+    is the injected one), or ``vllm``, a vLLM logits processor in the rollout fleet (real and injected mismatch
+    stack)."""
 
 
 class DumpsConfig(Section):
@@ -423,15 +539,26 @@ class SyncFault(Section):
     """The engine the fault hits."""
 
 
+_REMOVED_VEXACT = {
+    "recompute": "it only overwrote the rollout logprobs with the trainer's (the metrics read zero while the tokens "
+    "still came from vLLM, so training was unchanged)",
+    "trainer_sampler": "it sampled with the trainer's model but not with the training forward's shapes, so its "
+    "logprobs were not bit-identical",
+}
+
+
 class DiagnosticsConfig(Section):
-    vexact: Literal["off", "recompute", "trainer_sampler"] = "off"
-    """Zero-mismatch mode: rollout logprobs from the trainer itself (recompute), or sampling by it too."""
+    vexact: Literal["off", "exact"] = "off"
+    """Zero-mismatch mode. ``exact``: the trainer samples every token from its own logits, computed by the
+    training forward with the old-logprob pass's shapes (one forward of the micro-batch per generated token, MoE
+    experts on a shape-invariant path), so each logged rollout logprob equals the old logprob bit for bit; the
+    loop checks it every step and stops at the first token where they differ."""
     allow_precision_mismatch: bool = False
     """Permit trainer and rollout dtypes or heads to differ (an experiment, not an accident)."""
     objective_injection: ObjectiveInjection = ObjectiveInjection()
     """Controlled token-weight distortion in the loss (objective-level hacking experiments)."""
-    logprob_injection: LogprobInjection = LogprobInjection()
-    """Controlled mismatch added to rollout logprobs (VeXact causality experiments)."""
+    sampling_injection: SamplingInjection = SamplingInjection()
+    """Controlled mismatch in the sampling distribution (VeXact causality experiments)."""
     surrogate_delta: float = Field(2.0, ge=0)
     """delta used by the logged surrogate J = sum A (phi - 1), whether or not injection is on."""
     bucket_edges: list[float] = [0.0, 0.01, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
@@ -444,6 +571,28 @@ class DiagnosticsConfig(Section):
     """Early-warning detector settings."""
     sync_fault: SyncFault = SyncFault()
     """Deliberate weight-sync fault on one engine (verification tests only)."""
+
+    @field_validator("vexact", mode="before")
+    @classmethod
+    def _removed_vexact_modes(cls, v):
+        if v in _REMOVED_VEXACT:
+            raise ValueError(
+                f"{v!r} was removed: {_REMOVED_VEXACT[v]}. Use 'exact' (the trainer samples from its own training "
+                "forward: rho = 1 bit for bit), or 'off'"
+            )
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_logprob_injection(cls, data):
+        if isinstance(data, dict) and "logprob_injection" in data:
+            raise ValueError(
+                "diagnostics.logprob_injection was removed: it changed only the logged rollout logprobs, never the "
+                "sampled tokens, so with rl.correction.mode = none training was unchanged. Use "
+                "diagnostics.sampling_injection (type precision, noise or bias), which samples from the perturbed "
+                "distribution"
+            )
+        return data
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -534,6 +683,16 @@ class CheckpointConfig(Section):
 
 # ------------------------------------------------------------------------------------------ cluster
 
+GPU_MEMORY_GIB: dict[str, int] = {
+    "a100-40gb": 40,
+    "a100-80gb": 80,
+    "h100-80gb": 80,
+    "h100-94gb": 94,
+    "h200-141gb": 141,
+    "b200-180gb": 180,
+}
+"""Memory of each GPU type ``cluster.gpu_type`` may name, GiB (the memory plan's budget)."""
+
 
 class ClusterConfig(Section):
     nodes: int = Field(1, ge=1)
@@ -541,7 +700,19 @@ class ClusterConfig(Section):
     gpus_per_node: int = Field(0, ge=0)
     """GPUs per node (0: a CPU partition; gloo instead of NCCL)."""
     gpu_type: str = "a100-80gb"
-    """GPU model, for memory planning (a100-80gb, a100-40gb, h100-80gb, h200-141gb)."""
+    """GPU model, for memory planning: one of ``GPU_MEMORY_GIB`` (a100-40gb, a100-80gb, h100-80gb, h100-94gb,
+    h200-141gb, b200-180gb)."""
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        if v not in GPU_MEMORY_GIB:
+            raise ValueError(
+                f"unknown GPU type; allowed: {', '.join(GPU_MEMORY_GIB)} (the plan needs its memory size; "
+                "pick the closest one with no more memory than yours)"
+            )
+        return v
+
     cpus_per_task: int = Field(2, ge=1)
     """CPUs per launcher task (one per node)."""
     mem: str = "0"
@@ -558,6 +729,9 @@ class ClusterConfig(Section):
     """Job name (unset: the run name)."""
     requeue: bool = True
     """Let Slurm requeue the job after preemption; the run resumes from its SIGTERM checkpoint."""
+    max_requeues: int = Field(3, ge=0, le=1000)
+    """Most times the job requeues itself (after a time-limit SIGTERM, and only when that attempt wrote a
+    checkpoint); then it stops as ``preempted`` and ``tim submit --resume`` continues it."""
     signal_seconds: int = Field(120, ge=10)
     """Slurm sends SIGTERM this long before the time limit so the run can checkpoint."""
     container_image: str | None = None
@@ -782,11 +956,11 @@ def _check(r: Recipe) -> None:
     # The rollout fleet.
     R = r.rollout.tensor_parallel_size
     gpn = r.cluster.gpus_per_node
-    if gpn and gpn % R:
+    if gpn and gpn % R and R % gpn:
         raise RecipeValueError(
             ["rollout.tensor_parallel_size", "cluster.gpus_per_node"],
-            f"rollout.tensor_parallel_size = {R} must divide cluster.gpus_per_node = {gpn}: an engine's ranks "
-            "never cross a node",
+            f"rollout.tensor_parallel_size = {R} must divide cluster.gpus_per_node = {gpn} (engines inside a node) "
+            f"or be a multiple of it (engines of whole nodes)",
         )
     if r.data.prompts_per_step % p.dp:
         raise RecipeValueError(
@@ -794,7 +968,7 @@ def _check(r: Recipe) -> None:
             f"data.prompts_per_step = {r.data.prompts_per_step} must be a multiple of parallel.dp = {p.dp}: each "
             "data-parallel rank trains whole prompt groups",
         )
-    if r.diagnostics.vexact != "trainer_sampler" and p.world_size % R == 0:
+    if r.diagnostics.vexact != "exact" and p.world_size % R == 0:
         engines = p.world_size // R
         if r.data.prompts_per_step < engines:
             raise RecipeValueError(
@@ -805,22 +979,75 @@ def _check(r: Recipe) -> None:
 
     # Diagnostics.
     dg = r.diagnostics
-    if dg.logprob_injection.type == "precision" and dg.vexact == "off":
-        raise RecipeValueError(
-            ["diagnostics.logprob_injection.type", "diagnostics.vexact"],
-            "diagnostics.logprob_injection.type = precision recomputes rollout probabilities from the trainer's "
-            "logits, so it needs diagnostics.vexact = recompute or trainer_sampler",
-        )
     if dg.vexact != "off" and r.rl.correction.bypass:
         raise RecipeValueError(
             ["diagnostics.vexact", "rl.correction.bypass"],
             "rl.correction.bypass has no effect in VeXact mode (rollout and old logprobs are the same forward)",
         )
-    if dg.vexact == "trainer_sampler" and r.remedies.router_replay == "r3":
+    if dg.vexact == "exact":
+        if r.remedies.router_replay == "r3":
+            raise RecipeValueError(
+                ["diagnostics.vexact", "remedies.router_replay"],
+                "remedies.router_replay = r3 replays vLLM's experts, but vexact = exact uses no vLLM rollout "
+                "(its routing is the trainer's own already)",
+            )
+        ro = r.rollout
+        if ro.top_p < 1 or ro.top_k != -1 or ro.stop:
+            raise RecipeValueError(
+                ["diagnostics.vexact", "rollout.top_p", "rollout.top_k", "rollout.stop"],
+                f"vexact = exact samples from the whole softmax and stops at the end-of-text token only; got "
+                f"rollout.top_p = {ro.top_p}, rollout.top_k = {ro.top_k}, rollout.stop = {ro.stop} (leave them unset)",
+            )
+        if p.ep > 1:
+            raise RecipeValueError(
+                ["diagnostics.vexact", "parallel.ep"],
+                f"vexact = exact supports data and tensor parallelism; parallel.ep = {p.ep} would pair the "
+                "micro-batches of several data-parallel ranks in the expert dispatch (not implemented): use "
+                "parallel.ep = 1",
+            )
+        if r.trainer.moe_dispatcher == "alltoall":
+            raise RecipeValueError(
+                ["diagnostics.vexact", "trainer.moe_dispatcher"],
+                "vexact = exact runs the experts on a shape-invariant path over the allgather dispatcher; "
+                "set trainer.moe_dispatcher = allgather or auto",
+            )
+    inj = dg.sampling_injection
+    if inj.type != "off" and inj.engine == "trainer" and dg.vexact != "exact":
         raise RecipeValueError(
-            ["diagnostics.vexact", "remedies.router_replay"],
-            "remedies.router_replay = r3 replays vLLM's experts, but vexact = trainer_sampler uses no vLLM rollout",
+            ["diagnostics.sampling_injection.engine", "diagnostics.vexact"],
+            f"diagnostics.sampling_injection.engine = trainer perturbs the exact sampler's distribution, so it "
+            f"needs diagnostics.vexact = exact (got {dg.vexact}); or use engine = vllm",
         )
+    if inj.type == "precision":
+        side = "trainer" if inj.engine == "trainer" else "rollout"
+        dtype = r.trainer_dtype if side == "trainer" else r.rollout_dtype
+        if dtype != "float32" and not r.remedies.fp32_lm_head:
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.type", f"{side}.dtype", "remedies.fp32_lm_head"],
+                f"precision injection rounds float32 logits (Eq. 45), but the {side}'s LM head makes {dtype} "
+                f"logits, already rounded: the logit rounding would cancel in rho. Set {side}.dtype = float32 or "
+                "remedies.fp32_lm_head = true",
+            )
+    if inj.type != "off" and inj.engine == "vllm":
+        if dg.vexact != "off":
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.engine", "diagnostics.vexact"],
+                "diagnostics.sampling_injection.engine = vllm acts in the vLLM fleet, which vexact = exact does not "
+                "use; set engine = trainer",
+            )
+        if r.rollout.sync_check == "every":
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.engine", "rollout.sync_check"],
+                "rollout.sync_check = every verifies each weight sync on the next step's samples by comparing the "
+                "trainer's logprobs with the rollout's, which the injection makes mu's: set rollout.sync_check = "
+                "probe (every sync verified on a probe batch, scored without the injection)",
+            )
+        if not r.rollout.logprobs_after_temperature:
+            raise RecipeValueError(
+                ["diagnostics.sampling_injection.engine", "rollout.logprobs_after_temperature"],
+                "with engine = vllm the logged logprobs must be the perturbed distribution's, which vLLM reports "
+                "only after its logits processors (rollout.logprobs_after_temperature = true)",
+            )
     t = r.data.task
     if t.kind == "countdown" and not t.min_target <= t.max_target <= 9 * t.max_terms:
         raise RecipeValueError(

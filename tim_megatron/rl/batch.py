@@ -47,6 +47,8 @@ class StepBatch:
     """Rows in the whole step (all engines)."""
     routed_experts: torch.Tensor | None = None
     """``[layers, n, L, top_k]`` experts the rollout used for each input position, when captured."""
+    policy_logprobs: torch.Tensor | None = None
+    """``[n, L]`` the trainer policy's logprob of each response token when it was sampled (exact sampler only)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -73,8 +75,9 @@ class StepBatch:
         if w == self.width:
             return self
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for k in ("input_ids", "response_mask", "rollout_logprobs"):
-            kw[k] = kw[k][:, :w]
+        for k in ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs"):
+            if kw[k] is not None:
+                kw[k] = kw[k][:, :w]
         if self.routed_experts is not None:
             kw["routed_experts"] = self.routed_experts[:, :, :w]
         return StepBatch(**kw)
@@ -98,6 +101,7 @@ def from_samples(
     lp = torch.zeros(n, width)
     lengths = torch.zeros(n, dtype=torch.long)
     plens = torch.zeros(n, dtype=torch.long)
+    policy = torch.zeros(n, width) if any(s.policy_logprobs is not None for s in flat) else None
     routed = None
     if any(s.routed_experts is not None for s in flat):
         routed = (
@@ -108,6 +112,8 @@ def from_samples(
         ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         mask[i, p : p + r] = True
         lp[i, p : p + r] = torch.tensor(s.logprobs)
+        if policy is not None:
+            policy[i, p : p + r] = torch.tensor(s.policy_logprobs)
         lengths[i], plens[i] = p + r, p
         if routed is not None and s.routed_experts is not None and len(s.routed_experts):
             e = torch.from_numpy(s.routed_experts.astype("int16"))  # [positions, layers, k]
@@ -126,6 +132,7 @@ def from_samples(
         group_size=group_size,
         total_rows=total_rows,
         routed_experts=routed,
+        policy_logprobs=policy,
     )
 
 
@@ -144,8 +151,8 @@ def concat(parts: list[StepBatch]) -> StepBatch:
     kw = {}
     for f in fields(StepBatch):
         vals = [getattr(p, f.name) for p in parts]
-        if f.name in ("input_ids", "response_mask", "rollout_logprobs"):
-            kw[f.name] = torch.cat([pad(v, 1) for v in vals])
+        if f.name in ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs"):
+            kw[f.name] = None if vals[0] is None else torch.cat([pad(v, 1) for v in vals])
         elif f.name == "routed_experts":
             kw[f.name] = None if vals[0] is None else torch.cat([pad(v, 2) for v in vals], 1)
         elif isinstance(vals[0], torch.Tensor):

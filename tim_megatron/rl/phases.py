@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.algo import (
-    add_drift,
     correction_metrics,
     group_advantages,
     mismatch_metrics,
@@ -98,9 +97,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def rollouts(run, step: int) -> tuple[StepBatch, dict]:
+def rollouts(run, step: int) -> tuple[StepBatch, dict, list[list[int]]]:
     """Every engine samples ``rollout.n`` responses for its block of the step's prompts and scores them where they
-    are; this rank keeps the rows it trains."""
+    are; this rank keeps the rows it trains. Also returns this engine's probe sequences for an eager sync check:
+    one sample of each of up to 8 prompts of its own block (the same on all of the engine's ranks, which must
+    submit identical requests; the rows this rank trains may come from another engine)."""
     r = run.recipe
     tr = run.trainer
     ro = run.rollout
@@ -148,7 +149,8 @@ def rollouts(run, step: int) -> tuple[StepBatch, dict]:
         "reward/groups_all_equal_frac": equal / (n / batch.group_size),
         "batch/width": float(global_width(batch)),
     }
-    return batch, metrics
+    probe = [g[0].prompt_ids + g[0].response_ids for g in groups[:8]]
+    return batch, metrics, probe
 
 
 def _text(run, s) -> str:
@@ -163,24 +165,17 @@ class OldPass:
     old: torch.Tensor
     """``[n, L]`` trainer logprobs at the old weights for this rank's rows (NaN-free; 0 off-response)."""
     rollout: torch.Tensor
-    """``[n, L]`` rollout logprobs the objective uses (after VeXact replacement and injections)."""
+    """``[n, L]`` rollout logprobs the objective uses (the sampling distribution's)."""
     entropy: torch.Tensor | None
     trainer_routing: torch.Tensor | None
     recomputed: bool
     sync: dict = field(default_factory=dict)
-    """Metrics of the previous sync's check on these samples (when one ran)."""
-
-
-def _grid_noise(batch: StepBatch, *, seed: int, width: int) -> torch.Tensor:
-    """Standard normal noise drawn for the whole step's ``[rows, width]`` grid and cut to this rank's rows, so an
-    injection does not depend on the layout."""
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn((batch.total_rows, width), generator=g, dtype=torch.float32)
-    return z[batch.row, : batch.width]
+    """Metrics of the previous sync's check on these samples (when one ran), and exact mode's check."""
 
 
 def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
-    """Recompute the old policy's logprobs on this rank's rows; check the last sync; apply VeXact and injections."""
+    """Recompute the old policy's logprobs on this rank's rows; check the last sync, or in exact mode that every
+    sampled token's logprob is the old pass's bit for bit (the run stops at the first that is not)."""
     r = run.recipe
     tr = run.trainer
     mask = batch.response_mask
@@ -188,38 +183,40 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
     replay = r.remedies.router_replay
     routing = {"r3": "replay", "r2": "record"}.get(replay, "record" if run.capture_agreement else "off")
     seq = SeqBatch(batch.input_ids, batch.lengths, batch.routed_experts if replay == "r3" else None)
-    inj = dg.logprob_injection
-    quant = inj.mantissa_bits if inj.type == "precision" else None
-    recomputed = not (r.rl.correction.bypass and dg.vexact == "off")
-    sync_metrics: dict = {}
+    exact = dg.vexact == "exact"
+    recomputed = not r.rl.correction.bypass
+    checks: dict = {}
     if recomputed:
+        # Exact mode: the sampler's shapes (its micro-batches are this rank's rows in order, at this width).
+        width = tr.exact_width(int(batch.prompt_lens.max())) if exact else None
         out, recorded = tr.logprobs(
-            seq, with_entropy=True, quantize_bits=quant, routing=routing if tr.replay_enabled else "off"
+            seq, with_entropy=True, routing=routing if tr.replay_enabled else "off", width=width
         )
         old, ent = out.logprobs * mask, out.entropy
-        sync_metrics = run.sync.check_samples(
-            trainer_logprobs=old,
-            rollout_logprobs=batch.rollout_logprobs,
-            mask=mask,
-            engine=batch.engine,
-            engines=run.rollout.layout.engines,
+        if exact:
+            from tim_megatron.rollout.exact_sampler import check_exact
+
+            checks = check_exact(
+                step=step,
+                rows=batch.row,
+                prompt_lens=batch.prompt_lens,
+                old=old,
+                sampled=batch.policy_logprobs * mask,
+                mask=mask,
+                group=_dp_group(),
+            )
+        checks.update(
+            run.sync.check_samples(
+                trainer_logprobs=old,
+                rollout_logprobs=batch.rollout_logprobs,
+                mask=mask,
+                engine=batch.engine,
+                engines=run.rollout.layout.engines,
+            )
         )
     else:
-        old, ent, recorded, out = batch.rollout_logprobs.clone(), None, None, None
+        old, ent, recorded = batch.rollout_logprobs.clone(), None, None
     rollout = batch.rollout_logprobs.clone()
-    if dg.vexact != "off":
-        # Zero mismatch by construction: the rollout logprobs ARE the trainer's, same forward, same layout.
-        rollout = old.clone()
-    if inj.type == "precision":
-        rollout = out.quantized * mask
-    elif inj.type == "noise":
-        z = _grid_noise(batch, seed=step_seed(inj.seed, step, 2), width=global_width(batch))
-        rollout = (rollout + inj.std * z).clamp(max=0.0) * mask
-    elif inj.type == "drift":
-        rollout = (
-            add_drift(logprobs=rollout, drift=inj.drift, reference_logprobs=old, pi_low=inj.drift_pi_low)
-            * mask
-        )
     if r.rl.correction.bypass:
         old = rollout.clone()
     trainer_routing = recorded
@@ -233,7 +230,7 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
         entropy=ent,
         trainer_routing=trainer_routing,
         recomputed=recomputed,
-        sync=sync_metrics,
+        sync=checks,
     )
 
 

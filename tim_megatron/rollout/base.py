@@ -1,8 +1,9 @@
 """What the RL loop needs from a rollout engine, whichever implementation serves it.
 
 Two implementations: the vLLM fleet (:mod:`tim_megatron.rollout.engine`, one vLLM engine per group of
-``rollout.tensor_parallel_size`` ranks, in the trainer's own processes) and the trainer-side sampler
-(:mod:`tim_megatron.rollout.trainer_sampler`, the Megatron model samples itself). Every rank holds one and
+``rollout.tensor_parallel_size`` ranks, in the trainer's own processes) and the exact sampler
+(:mod:`tim_megatron.rollout.exact_sampler`, the Megatron model samples from its own training forward, one engine
+per data-parallel rank). Every rank holds one and
 calls the same methods in the same order: there is no rank-0-only branch in the loop.
 
 The fleet splits a step's prompts into contiguous blocks of whole prompt groups, one block per engine
@@ -42,6 +43,9 @@ class Sample:
     """Index of the sample in its prompt's group."""
     engine: int = 0
     """The engine that generated it."""
+    policy_logprobs: list[float] | None = None
+    """The trainer policy's logprob of each response token, computed when it was sampled (the exact sampler; with
+    a sampling injection ``logprobs`` are the perturbed distribution's and these the unperturbed policy's)."""
 
     @property
     def truncated(self) -> bool:
@@ -73,7 +77,7 @@ class FleetLayout:
     world: int
     """Ranks in the job."""
     ranks_per_engine: int
-    """R: vLLM's tensor-parallel size (1 for the trainer-side sampler's per-rank view is not used: it spans all)."""
+    """R: the ranks of one engine (vLLM's tensor-parallel size; the trainer's TP size for the exact sampler)."""
 
     def __post_init__(self) -> None:
         if self.ranks_per_engine < 1 or self.world % self.ranks_per_engine:

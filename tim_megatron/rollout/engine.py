@@ -9,6 +9,8 @@
   of engines. (vLLM gives every child of an ``n > 1`` request the same seed, hence identical samples.)
 * Logprobs: the sampled token's logprob, after temperature (``logprobs_mode="processed_logprobs"``) when
   ``rollout.logprobs_after_temperature`` is on; the trainer divides its logits by the same temperature.
+* Sampling injection (``diagnostics.sampling_injection.engine: vllm``): a logits processor makes vLLM sample
+  from, and log, mu = perturb(pi) (:mod:`tim_megatron.rollout.vllm_injection`).
 * Routed experts (R3): vLLM's native capture on GPU where available, else the CPU capture patch.
 * Weights: loaded in place from the trainer's export, by reference (same process, same device); verified by
   :mod:`tim_megatron.rollout.sync`.
@@ -136,6 +138,14 @@ class VLLMEngine:
                 self._native_capture = True
         if recipe.remedies.fp32_lm_head:
             kwargs["hf_overrides"] = {"head_dtype": "float32"}  # vLLM's own fp32 head GEMM (no patch needed)
+        self.injection = recipe.diagnostics.sampling_injection
+        if self.injection.type != "off" and self.injection.engine == "vllm":
+            from tim_megatron.rollout.vllm_injection import SamplingInjection
+
+            # mu = perturb(pi) is sampled, and log mu is what vLLM logs.
+            kwargs["logits_processors"] = [SamplingInjection]
+        else:
+            self.injection = None
         t = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.load_seconds = time.perf_counter() - t
@@ -186,14 +196,16 @@ class VLLMEngine:
         first_index: int = 0,
         n: int | None = None,
         greedy: bool = False,
+        max_tokens: int | None = None,
     ) -> tuple[list[list[Sample]], GenerationStats]:
         """``n`` samples for each prompt (token ids), grouped per prompt; ``first_index`` is the global index of
-        ``prompts[0]`` in the step (it seeds the samples, so they do not depend on how prompts are split)."""
+        ``prompts[0]`` in the step (it seeds the samples, so they do not depend on how prompts are split).
+        ``max_tokens`` overrides ``rollout.max_tokens`` (tests capture routing on a prompt with 1 token)."""
         from vllm import SamplingParams
 
         r = self.recipe.rollout
         n = r.n if n is None else n
-        max_tokens = r.max_tokens
+        max_tokens = r.max_tokens if max_tokens is None else max_tokens
         self.check_prompts(prompts, max_tokens)
         temp = 0.0 if greedy else r.temperature
         reqs, params = [], []
@@ -210,6 +222,7 @@ class VLLMEngine:
                         stop=list(r.stop) or None,
                         logprobs=0,
                         seed=sample_seed(self.recipe.run.seed, step, first_index + i, j),
+                        extra_args=self._injection_args(step, first_index + i, j, greedy),
                         **({"return_routed_experts": True} if self._native_capture else {}),
                     )
                 )
@@ -238,7 +251,7 @@ class VLLMEngine:
                 engine=self.engine_index,
             )
             if self._native_capture:
-                s.routed_experts = np.asarray(c.routed_experts)
+                s.routed_experts = _moe_layers_only(np.asarray(c.routed_experts), self.num_moe_layers)
             elif capture:
                 s.routed_experts = _assemble(s, by_request.get(o.request_id), prefix_experts)
             samples[idx // n].append(s)
@@ -250,6 +263,15 @@ class VLLMEngine:
         n_resp = sum(len(s.response_ids) for g in samples for s in g)
         n_prompt = sum(len(p) for p in prompts) * n
         return samples, GenerationStats(seconds=seconds, prompt_tokens=n_prompt, response_tokens=n_resp)
+
+    def _injection_args(self, step: int, prompt: int, sample: int, greedy: bool) -> dict | None:
+        """The sampling injection's per-request arguments (sampled requests only: validation sees the policy)."""
+        if self.injection is None or greedy:
+            return None
+        from tim_megatron.rollout.vllm_injection import request_args
+
+        seed = sample_seed(self.recipe.run.seed, step, prompt, sample)
+        return request_args(self.injection, sample_seed=seed, temperature=self.recipe.rollout.temperature)
 
     # ------------------------------------------------------------------------------------- weights
 
@@ -268,7 +290,8 @@ class VLLMEngine:
             fixed = cpu_moe_reload.after_reload(self.llm)
             if fixed != self.num_moe_layers:
                 raise RuntimeError(
-                    f"re-prepacked {fixed} CPU MoE layers after a reload; the model has {self.num_moe_layers}"
+                    f"re-prepacked {fixed} CPU MoE layers of {self.hf_config.get('architectures')} after a reload; "
+                    f"the model has {self.num_moe_layers}"
                 )
 
     def reset_prefix_cache(self) -> None:
@@ -327,6 +350,14 @@ class VLLMEngine:
 def _head_dtype(worker) -> str:
     lp = worker.model_runner.model.logits_processor
     return str(lp.head_dtype or worker.model_runner.model_config.dtype)
+
+
+def _moe_layers_only(experts: np.ndarray, num_moe_layers: int) -> np.ndarray:
+    """vLLM's native capture has a row per decoder layer; the trainer's routers are the MoE layers, which come
+    after the leading dense ones (GLM-4.5's ``first_k_dense_replace``)."""
+    if experts.ndim == 3 and experts.shape[1] > num_moe_layers:
+        return experts[:, experts.shape[1] - num_moe_layers :]
+    return experts
 
 
 def _native_capture_supported() -> bool:

@@ -36,17 +36,24 @@ class WeightSyncError(RuntimeError):
 
 
 def manifest(model_path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape of an HF checkpoint (without reading the data)."""
+    """Every tensor name and shape of an HF checkpoint (without reading the data), less the tensors its model
+    family deliberately does not load (e.g. GLM-4.5's multi-token-prediction layer): those are never synced."""
     from safetensors import safe_open
 
+    from tim_megatron.trainer.families import family_for_hf
+    from tim_megatron.trainer.hf_config import read_hf_config
     from tim_megatron.trainer.weights import HFCheckpoint
 
+    cfg = read_hf_config(model_path)
+    family = family_for_hf(cfg)
+    dims = family.read_dims(cfg)
     ck = HFCheckpoint(model_path)
     out = {}
     for fname in sorted(set(ck.weight_map.values())):
         with safe_open(Path(model_path) / fname, "pt") as f:
             for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                out[k] = tuple(f.get_slice(k).get_shape())
+                if not family.ignored_hf(k, dims):
+                    out[k] = tuple(f.get_slice(k).get_shape())
     return out
 
 

@@ -54,12 +54,13 @@ class FleetPlan:
 def _rollout_minutes(
     recipe: Recipe, *, engines: int, kv_bytes_per_engine: float
 ) -> tuple[float, int, int, int]:
+    from tim_megatron.slurm.plan import kv_cache_bytes_per_token, split_params
+
     d, r = recipe.model.dims, recipe.rollout
     R = r.tensor_parallel_size
     bw = HBM_BYTES_PER_S.get(recipe.cluster.gpu_type)
-    total, _ = d.approx_params()
-    weights = total * 2  # bf16/fp16 rollout weights
-    kv_per_token = 2 * d.num_layers * d.num_key_value_heads * d.head_dim * 2
+    weights = sum(split_params(d)) * 2  # bf16/fp16 rollout weights
+    kv_per_token = R * kv_cache_bytes_per_token(d, rollout_tp=R, dtype="bfloat16")  # over the engine's GPUs
     full = recipe.data.max_prompt_tokens + r.max_tokens
     seqs = math.ceil(recipe.sequences_per_step / engines)
     concurrent = max(1, int(kv_bytes_per_engine // (kv_per_token * full))) if kv_bytes_per_engine else seqs
@@ -83,7 +84,9 @@ def fleet_plan(recipe: Recipe) -> FleetPlan:
         recipe, engines=layout.engines, kv_bytes_per_engine=kv_engine
     )
     single, *_ = _rollout_minutes(recipe, engines=1, kv_bytes_per_engine=kv_engine)
-    total, _ = recipe.model.dims.approx_params()
+    from tim_megatron.slurm.plan import split_params
+
+    total = sum(split_params(recipe.model.dims))
     rollout_bytes = {"float32": 4}.get(recipe.rollout_dtype, 2)
     return FleetPlan(
         engines=layout.engines,

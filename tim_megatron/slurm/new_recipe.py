@@ -1,13 +1,16 @@
 """``make new-recipe``: a recipe folder for another HF model, copied from an existing one.
 
 The new folder's ``base.yaml`` is a short diff over the source folder's ``base.yaml``: the model path, its
-dimensions read from ``config.json``, and a TP/EP layout chosen by :func:`tim_megatron.slurm.plan.choose_layout`.
-The variant files are copied as they are (they inherit from ``base.yaml`` in their own folder). Everything
-is validated before the folder appears; an existing folder is never overwritten.
+dimensions read from ``config.json`` by its family (:mod:`tim_megatron.trainer.families`), and the layout
+:func:`tim_megatron.slurm.plan.choose_layout` finds for the source's GPU type: TP, EP, the node count (scaled up
+when the source's does not fit), vLLM's tensor-parallel size and memory share. The header says what was tried
+and why it did not fit. The variant files are copied as they are (they inherit from ``base.yaml`` in their own
+folder). Everything is validated before the folder appears; an existing folder is never overwritten.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,7 +19,7 @@ import yaml
 
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.recipe.loader import yaml_load
-from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf, read_hf_config
 
 
 def new_recipe(
@@ -26,42 +29,72 @@ def new_recipe(
 
     src = Path(src)
     root = Path(recipes_root)
-    if not (src / "base.yaml").exists():
-        raise RecipeError(f"FROM={src}: not a recipe folder (no base.yaml)")
-    import re
-
+    if not root.is_dir():
+        raise RecipeError(
+            f"--recipes-root = {str(root)!r}: no such folder; allowed: an existing folder of recipe folders "
+            "(fix: create it, or leave it unset for recipes/)"
+        )
+    if not (src / "base.yaml").is_file():
+        raise RecipeError(
+            f"FROM={src}: not a recipe folder (no base.yaml); allowed: a folder like recipes/qwen3-30b-a3b"
+        )
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{0,63}", name):
-        raise RecipeError(f"NAME={name!r}: use lowercase letters, digits, '.' and '-'")
+        raise RecipeError(
+            f"NAME={name!r}: allowed: lowercase letters, digits, '.' and '-', starting with a letter or digit"
+        )
     dest = root / name
     if dest.exists():
         raise RecipeError(
             f"{dest} already exists; refusing to overwrite it (pick another NAME or delete it first)"
         )
     hf = Path(hf)
-    cfg = read_hf_config(hf)
-    dims = dims_from_hf(cfg)
-    model_path = str(hf if hf.is_dir() else hf.parent)
+    try:
+        dims = dims_from_hf(read_hf_config(hf))
+    except UnsupportedModelError as e:  # a bad config.json included: each names the key, value and fix
+        raise RecipeError(f"HF={hf}: {e}") from None
+    model_path = str(hf.parent if hf.name == "config.json" and hf.is_file() else hf)
     rel = (
         Path("..") / src.resolve().relative_to(root.resolve()) / "base.yaml"
         if src.resolve().is_relative_to(root.resolve())
         else (src / "base.yaml").resolve()
     )
-    diff = {"base": str(rel), "model": {"path": model_path, "dims": dims.model_dump()}}
+    diff: dict = {
+        "base": str(rel),
+        "model": {"path": model_path, "dims": dims.model_dump()},
+        "logging": {"wandb": {"project": f"tim-megatron-{name}"}},
+    }
+    rollout, notes = _fit_context(load_recipe(src / "base.yaml").recipe, dims.max_position_embeddings)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         t = Path(tmp)
         for f in sorted(src.glob("*.yaml")):
             if f.name != "base.yaml":
                 shutil.copy(f, t / f.name)
-        _write(t / "base.yaml", src, hf, diff)
-        # Pick the layout with the new dimensions, then write it into the diff.
-        probe = load_recipe(
-            t / "base.yaml",
-            ["parallel.tp=1", "parallel.ep=1", "parallel.expert_tp=null", f"parallel.dp={_world(t)}"],
-        )
-        tp, ep, _ = choose_layout(probe.recipe)
-        world = _world(t)
-        diff["parallel"] = {"tp": tp, "ep": ep, "dp": world // tp, "expert_tp": 1 if ep > 1 else None}
-        _write(t / "base.yaml", src, hf, diff)
+        if rollout:
+            diff["rollout"] = dict(rollout)
+        _write(t / "base.yaml", src, hf, diff, notes)
+        # Search the layout with the new dimensions (from the source's cluster size up), then write it.
+        probe = load_recipe(t / "base.yaml", _single_gpu_layout(t))
+        choice = choose_layout(probe.recipe)
+        per_node = max(probe.recipe.cluster.gpus_per_node, 1)
+        world = choice.nodes * per_node
+        diff["parallel"] = {
+            "tp": choice.tp,
+            "ep": choice.ep,
+            "dp": world // choice.tp,
+            "expert_tp": 1 if choice.ep > 1 else None,
+        }
+        if choice.nodes != probe.recipe.cluster.nodes:
+            diff["cluster"] = {"nodes": choice.nodes}
+        if choice.rollout_tp != probe.recipe.rollout.tensor_parallel_size:
+            rollout["tensor_parallel_size"] = choice.rollout_tp
+        if choice.gpu_memory_utilization != probe.recipe.rollout.gpu_memory_utilization:
+            rollout["gpu_memory_utilization"] = choice.gpu_memory_utilization
+        if rollout:
+            diff["rollout"] = rollout
+        notes += [f"did not fit: {line}" for line in choice.tried]
+        if not choice.fits:
+            notes.append("NOTHING FITS up to the largest cluster tried: this is the smallest plan found.")
+        _write(t / "base.yaml", src, hf, diff, notes)
         checked = []
         for f in sorted(t.glob("*.yaml")):
             load_recipe(f)  # raises RecipeError naming the file and key
@@ -70,17 +103,43 @@ def new_recipe(
     return dest, checked
 
 
-def _world(folder: Path) -> int:
+def _fit_context(src, max_positions: int) -> tuple[dict, list[str]]:
+    """Lower the source's rollout.max_model_len (and max_tokens) to what the model's positions allow."""
+    r = src.rollout
+    if r.max_model_len <= max_positions:
+        return {}, []
+    out = {"max_model_len": max_positions}
+    prompt = src.data.max_prompt_tokens
+    if r.max_tokens + prompt > max_positions:
+        if max_positions - prompt < 1:
+            raise RecipeError(
+                f"the model has max_position_embeddings = {max_positions}, which leaves no room for responses after "
+                f"data.max_prompt_tokens = {prompt} of the source recipe (fix: copy a recipe with shorter prompts)"
+            )
+        out["max_tokens"] = max_positions - prompt
+    note = f"rollout.max_model_len {r.max_model_len} -> {max_positions} (the model's max_position_embeddings)"
+    if "max_tokens" in out:
+        note += f", rollout.max_tokens {r.max_tokens} -> {out['max_tokens']}"
+    return out, [note]
+
+
+def _single_gpu_layout(folder: Path) -> list[str]:
+    """Overrides that make any dimensions load (the search then picks the real layout)."""
     c = load_recipe(
         folder / "base.yaml", ["parallel.tp=1", "parallel.ep=1", "parallel.expert_tp=null", "parallel.dp=1"]
     ).recipe.cluster
-    return c.nodes * max(c.gpus_per_node, 1)
+    world = c.nodes * max(c.gpus_per_node, 1)
+    return ["parallel.tp=1", "parallel.ep=1", "parallel.expert_tp=null", f"parallel.dp={world}"]
 
 
-def _write(path: Path, src: Path, hf: Path, diff: dict) -> None:
+def _write(path: Path, src: Path, hf: Path, diff: dict, notes: list[str]) -> None:
     body = {k: v for k, v in diff.items() if v is not None}
     if "parallel" in body:
         body["parallel"] = {k: v for k, v in body["parallel"].items() if v is not None}
-    header = f"# Generated by `tim new-recipe` from {src}; dimensions from {hf}.\n# Layout chosen by `tim plan` to fit the cluster's GPU memory.\n"
-    path.write_text(header + yaml.safe_dump(body, sort_keys=False))
+    header = [
+        f"# Generated by `tim new-recipe` from {src}; dimensions from {hf}.",
+        "# Layout chosen by `tim plan` to fit the cluster's GPU memory (`make plan RECIPE=...` shows it).",
+        *(f"# {n}" for n in notes),
+    ]
+    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(body, sort_keys=False))
     yaml_load(path.read_text())

@@ -1,9 +1,10 @@
-"""Per-GPU memory estimate for a recipe, and the TP/EP choice ``make new-recipe`` makes with it.
+"""Per-GPU memory estimate for a recipe, and the layout search ``make new-recipe`` makes with it.
 
 The estimate, per GPU (bytes; all numbers are upper-bound style, documented so they can be argued with):
 
 * parameters: dense params / tp, plus routed-expert params / (ep x expert_tp), in the trainer dtype
-  (2 bytes for bf16/fp16, 4 for fp32);
+  (2 bytes for bf16/fp16, 4 for fp32); the parameter count comes from the model's family
+  (:mod:`tim_megatron.trainer.families`, checked against transformers by the tests);
 * gradients: the same counts in float32 (megatron's grad buffers reduce in fp32);
 * optimizer: Adam's fp32 master copy, first and second moments (12 bytes per parameter), divided by the
   data-parallel size (dense) or expert-data-parallel size (experts) with the distributed optimizer;
@@ -12,32 +13,52 @@ The estimate, per GPU (bytes; all numbers are upper-bound style, documented so t
   ``5 x heads x s^2 x b / tp`` for materialized attention scores on CPU (fused attention on GPU keeps none);
   with ``trainer.recompute: full`` only each layer's input is kept (``2 x s x b x h / tp`` per layer) plus one
   layer's full set during its recomputation; plus one logits chunk (``logprob_chunk x b x vocab / tp x 4``);
-* vLLM: the bf16 weights (whole model / rollout.tensor_parallel_size) and the KV cache it reserves, taken as
-  ``gpu_memory_utilization`` x GPU memory minus those weights (vLLM fills its share with KV cache).
+* vLLM: the weights in the rollout dtype (whole model / rollout.tensor_parallel_size) and the KV cache it
+  reserves: vLLM takes ``gpu_memory_utilization`` x GPU memory and fills what its weights leave with KV cache.
+  The plan asks for room for at least one GRPO group there (``rollout.n`` sequences of ``rollout.max_model_len``
+  tokens; K and V of every layer, a GPU holding ``max(kv_heads / rollout TP, 1)`` heads).
+
+Two phases share the GPU. While vLLM generates, the trainer's state (parameters, gradients, optimizer) stays
+resident beside vLLM's share; during the update, the activations join, and vLLM's share leaves only with
+``rollout.sleep_between_steps``. The plan's total is the larger phase; it fits within 95% of the GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-from tim_megatron.recipe.schema import ModelDims, Recipe
+from tim_megatron.recipe.schema import GPU_MEMORY_GIB, ModelDims, Recipe
 
-GPU_MEMORY_GIB = {
-    "a100-80gb": 80,
-    "a100-40gb": 40,
-    "h100-80gb": 80,
-    "h100-94gb": 94,
-    "h200-141gb": 141,
-    "cpu": 0,
-}
 GIB = 2**30
+HEADROOM = 0.95
+"""Fraction of GPU memory a plan may use (the rest: CUDA context, NCCL buffers, fragmentation)."""
+MAX_NODES = 64
+"""The layout search's largest cluster."""
+MAX_ROLLOUT_TP = 16
+"""Largest vLLM tensor-parallel size the search tries (beyond one node it needs a multi-node vLLM engine)."""
+MAX_GPU_MEMORY_UTILIZATION = 0.9
+"""Largest vLLM memory share the search sets."""
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def param_count(d: ModelDims):
+    """The model's parameter counts (total, active, routed experts), from its family."""
+    from tim_megatron.trainer.families import get_family
+
+    return get_family(d.resolved_family).params(d)
 
 
 def split_params(d: ModelDims) -> tuple[int, int]:
-    """(dense, routed-expert) parameter counts."""
-    total, _ = d.approx_params()
-    experts = d.num_layers * d.num_experts * 3 * d.hidden_size * d.moe_intermediate_size if d.is_moe else 0
-    return total - experts, experts
+    """(dense, routed-expert) parameter counts, from the model's family."""
+    c = param_count(d)
+    return c.dense, c.routed_experts
+
+
+def kv_cache_bytes_per_token(d: ModelDims, *, rollout_tp: int, dtype: str) -> float:
+    """K and V of every layer for one token on one vLLM GPU (KV heads are replicated when TP exceeds them)."""
+    heads = max(math.ceil(d.num_key_value_heads / rollout_tp), 1)
+    return 2 * d.num_layers * heads * d.head_dim * _BYTES[dtype]
 
 
 @dataclass
@@ -49,18 +70,73 @@ class Plan:
     vllm_weights: float
     vllm_kv_cache: float
     gpu_gib: float
+    vllm_share: float = 0.0
+    """gpu_memory_utilization x GPU memory: what vLLM takes (its weights, then KV cache)."""
+    kv_needed: float = 0.0
+    """KV cache for one GRPO group of full-length sequences."""
+    sleep: bool = False
+    """vLLM's share leaves the GPU during the update (rollout.sleep_between_steps)."""
+    rollout_tp: int = 1
+    gpu_memory_utilization: float = 0.0
+
+    @property
+    def trainer_state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def vllm_resident(self) -> float:
+        return max(self.vllm_share, self.vllm_weights)
+
+    @property
+    def rollout_phase(self) -> float:
+        return self.trainer_state + self.vllm_resident
+
+    @property
+    def update_phase(self) -> float:
+        return self.trainer_state + self.activations + (0.0 if self.sleep else self.vllm_resident)
 
     @property
     def trainer(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.trainer_state + self.activations
 
     @property
     def total(self) -> float:
-        return self.trainer + self.vllm_weights + self.vllm_kv_cache
+        return max(self.rollout_phase, self.update_phase)
+
+    @property
+    def budget(self) -> float:
+        return HEADROOM * self.gpu_gib * GIB
 
     @property
     def fits(self) -> bool:
-        return self.gpu_gib == 0 or self.total <= 0.95 * self.gpu_gib * GIB
+        return self.gpu_gib == 0 or not self.problems()
+
+    def problems(self) -> list[str]:
+        """Why the plan does not fit, one reason per line (empty when it fits)."""
+        if self.gpu_gib == 0:
+            return []
+        out = []
+        g = GIB
+        if self.vllm_weights >= self.vllm_share:
+            out.append(
+                f"vLLM weights {self.vllm_weights / g:.1f} GiB (rollout TP {self.rollout_tp}) exceed its share "
+                f"rollout.gpu_memory_utilization {self.gpu_memory_utilization:g} x {self.gpu_gib} GiB = "
+                f"{self.vllm_share / g:.1f} GiB: no room for a KV cache"
+            )
+        elif self.vllm_kv_cache < self.kv_needed:
+            out.append(
+                f"vLLM KV cache {self.vllm_kv_cache / g:.1f} GiB holds less than one group of rollout.n sequences "
+                f"of rollout.max_model_len tokens ({self.kv_needed / g:.1f} GiB)"
+            )
+        if self.rollout_phase > self.budget:
+            out.append(
+                f"generation: trainer state {self.trainer_state / g:.1f} GiB + vLLM {self.vllm_resident / g:.1f} GiB "
+                f"= {self.rollout_phase / g:.1f} GiB > {self.budget / g:.1f} GiB ({HEADROOM:.0%} of {self.gpu_gib} GiB)"
+            )
+        if self.update_phase > self.budget:
+            what = "trainer state + activations" + ("" if self.sleep else " + vLLM (not asleep)")
+            out.append(f"update: {what} = {self.update_phase / g:.1f} GiB > {self.budget / g:.1f} GiB")
+        return out
 
     def rows(self) -> list[tuple[str, float]]:
         return [
@@ -73,82 +149,217 @@ class Plan:
         ]
 
 
-def estimate(recipe: Recipe, *, tp: int | None = None, ep: int | None = None) -> Plan:
-    d, p, c = recipe.model.dims, recipe.parallel, recipe.cluster
+def estimate(
+    recipe: Recipe,
+    *,
+    tp: int | None = None,
+    ep: int | None = None,
+    nodes: int | None = None,
+    rollout_tp: int | None = None,
+    gpu_memory_utilization: float | None = None,
+) -> Plan:
+    """The recipe's plan, or the plan it would have with another layout (unset: the recipe's own)."""
+    d, p, c, r = recipe.model.dims, recipe.parallel, recipe.cluster, recipe.rollout
+    relayout = tp is not None or ep is not None or nodes is not None
     tp = tp or p.tp
     ep = ep or p.ep
-    etp = 1 if ep > 1 else tp
-    world = p.world_size if tp == p.tp else c.nodes * max(c.gpus_per_node, 1)
+    etp = (1 if ep > 1 else tp) if relayout else p.etp
+    world = (nodes or c.nodes) * max(c.gpus_per_node, 1) if relayout else p.world_size
     dp = max(world // (tp * p.pp), 1)
     edp = max(world // (ep * etp * p.pp), 1)
     dense, experts = split_params(d)
-    pbytes = {"float32": 4, "bfloat16": 2, "float16": 2}[recipe.trainer_dtype]
+    pbytes = _BYTES[recipe.trainer_dtype]
     dense_local = dense / tp
     expert_local = experts / (ep * etp)
     dist_opt = recipe.trainer.distributed_optimizer is not False
     params = (dense_local + expert_local) * pbytes
     grads = (dense_local + expert_local) * 4
     optimizer = 12 * (dense_local / (dp if dist_opt else 1) + expert_local / (edp if dist_opt else 1))
-    s, b, h = recipe.rollout.max_model_len, recipe.trainer.micro_batch_size, d.hidden_size
+    s, b, h = r.max_model_len, recipe.trainer.micro_batch_size, d.hidden_size
     layer = 34 * s * b * h / tp + (0 if c.gpus_per_node else 5 * d.num_attention_heads * s * s * b / tp)
     if recipe.trainer.recompute == "full":
         act = d.num_layers * 2 * s * b * h / tp + layer
     else:
         act = d.num_layers * layer
     act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 4
-    gpu = GPU_MEMORY_GIB.get(c.gpu_type, 80) if c.gpus_per_node else 0
-    total_params = dense + experts
-    vllm_w = total_params * 2 / recipe.rollout.tensor_parallel_size if c.gpus_per_node else 0
-    kv = max(recipe.rollout.gpu_memory_utilization * gpu * GIB - vllm_w, 0) if c.gpus_per_node else 0
-    return Plan(params, grads, optimizer, act, vllm_w, kv, gpu)
+    if not c.gpus_per_node:
+        return Plan(params, grads, optimizer, act, 0.0, 0.0, 0)
+    gpu = GPU_MEMORY_GIB[c.gpu_type]
+    rtp = rollout_tp or r.tensor_parallel_size
+    util = gpu_memory_utilization or r.gpu_memory_utilization
+    rbytes = _BYTES[recipe.rollout_dtype]
+    vllm_w = (dense + experts) * rbytes / rtp
+    share = util * gpu * GIB
+    kv = max(share - vllm_w, 0.0)
+    kv_needed = kv_cache_bytes_per_token(d, rollout_tp=rtp, dtype=recipe.rollout_dtype) * s * r.n
+    return Plan(
+        params,
+        grads,
+        optimizer,
+        act,
+        vllm_w,
+        kv,
+        gpu,
+        vllm_share=share,
+        kv_needed=kv_needed,
+        sleep=r.sleep_between_steps,
+        rollout_tp=rtp,
+        gpu_memory_utilization=util,
+    )
 
 
-def choose_layout(recipe: Recipe) -> tuple[int, int, Plan]:
-    """Smallest TP (less communication), then smallest EP, that divides heads/KV heads/experts and fits."""
+# ------------------------------------------------------------------------------------------- layout search
+
+
+@dataclass
+class LayoutChoice:
+    """What ``make new-recipe`` writes into a new recipe, and why."""
+
+    tp: int
+    ep: int
+    nodes: int
+    rollout_tp: int
+    gpu_memory_utilization: float
+    plan: Plan
+    tried: list[str] = field(default_factory=list)
+    """One line per cluster size that did not fit, with its best layout's reasons."""
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
+
+
+def _needed_utilization(recipe: Recipe, rollout_tp: int) -> float:
+    """The smallest vLLM share (in 0.05 steps, never below the recipe's) that holds its weights and one group."""
+    probe = estimate(recipe, rollout_tp=rollout_tp)
+    gpu = GPU_MEMORY_GIB[recipe.cluster.gpu_type] * GIB
+    need = (probe.vllm_weights + probe.kv_needed) / gpu
+    return max(
+        recipe.rollout.gpu_memory_utilization, min(math.ceil(need * 20) / 20, MAX_GPU_MEMORY_UTILIZATION)
+    )
+
+
+def _layouts(recipe: Recipe, nodes: int):
+    """Candidate (tp, ep, rollout_tp) on ``nodes`` nodes: a single-node vLLM engine first, then small TP and small
+    EP (less communication), then vLLM's size as ordered below. Each satisfies the recipe checks (divisibility of
+    heads, experts, vocab and the minibatch)."""
     d, c = recipe.model.dims, recipe.cluster
     per_node = max(c.gpus_per_node, 1)
-    world = c.nodes * per_node
-    best = None
-    for tp in (1, 2, 4, 8):
-        if tp > per_node or d.num_key_value_heads % tp or d.num_attention_heads % tp or d.vocab_size % tp:
-            continue
-        eps = [
-            e
-            for e in (1, 2, 4, 8, 16, 32, 64)
-            if (not d.is_moe and e == 1) or (d.is_moe and d.num_experts % e == 0)
-        ]
-        for ep in eps:
-            dp = world // tp
-            if dp * tp != world or (ep > 1 and dp * tp % ep):
+    world = nodes * per_node
+    mb_seqs = recipe.sequences_per_step // recipe.rl.minibatches
+    src = recipe.rollout.tensor_parallel_size
+    valid = [
+        t
+        for t in _powers_of_two(min(MAX_ROLLOUT_TP, world))
+        if d.num_attention_heads % t == 0 and d.vocab_size % t == 0
+    ]
+    # One engine serves every rollout, so its GPU count is the rollout throughput: the source's size first, then
+    # larger, then smaller ones on one node; an engine spanning nodes last.
+    rtps = (
+        [t for t in valid if t == src]
+        + [t for t in valid if src < t <= per_node]
+        + sorted((t for t in valid if t < src), reverse=True)
+        + [t for t in valid if t > per_node and t != src]
+    )
+    for multi_node_engine in (False, True):
+        for tp in (1, 2, 4, 8):
+            if tp > per_node or d.num_key_value_heads % tp or d.num_attention_heads % tp or d.vocab_size % tp:
                 continue
-            plan = estimate(recipe, tp=tp, ep=ep)
-            if best is None or plan.total < best[2].total:
-                best = (tp, ep, plan)
+            dp = world // tp
+            if mb_seqs % dp:
+                continue
+            eps = [e for e in _powers_of_two(world) if d.num_experts % e == 0] if d.is_moe else [1]
+            for ep in eps:
+                if world % ep:
+                    continue
+                for rtp in rtps:
+                    if (rtp > per_node) != multi_node_engine:
+                        continue
+                    yield tp, ep, rtp
+
+
+def choose_layout(recipe: Recipe, *, max_nodes: int = MAX_NODES) -> LayoutChoice:
+    """The fewest nodes (from the recipe's, doubling) and on them the first layout of :func:`_layouts` that fits.
+
+    When nothing fits up to ``max_nodes``, the layout with the smallest total on the largest cluster tried is
+    returned (``fits`` is False) and ``tried`` says why each size failed.
+    """
+    c = recipe.cluster
+    tried: list[str] = []
+    nodes = c.nodes
+    best = None
+    while True:
+        best_here = None
+        for tp, ep, rtp in _layouts(recipe, nodes):
+            util = _needed_utilization(recipe, rtp)
+            plan = estimate(recipe, tp=tp, ep=ep, nodes=nodes, rollout_tp=rtp, gpu_memory_utilization=util)
+            choice = LayoutChoice(tp, ep, nodes, rtp, util, plan, tried)
             if plan.fits:
-                return tp, ep, plan
+                return choice
+            if best_here is None or plan.total < best_here.plan.total:
+                best_here = choice
+        if best_here is not None:
+            best = best_here
+            b = best_here
+            tried.append(
+                f"{nodes} node(s) x {c.gpus_per_node} {c.gpu_type}: best tp={b.tp} ep={b.ep} rollout TP {b.rollout_tp} "
+                f"needs {b.plan.total / GIB:.1f} GiB per GPU: " + "; ".join(b.plan.problems())
+            )
+        else:
+            tried.append(f"{nodes} node(s): no layout divides the model and the minibatch")
+        if nodes * 2 > max_nodes or not c.gpus_per_node:
+            break
+        nodes *= 2
     if best is None:
-        raise ValueError(f"no tensor/expert-parallel layout divides the model over {world} GPUs")
+        raise ValueError(
+            f"no tensor/expert-parallel layout divides the model and the minibatch on up to {nodes} node(s): "
+            + " | ".join(tried)
+        )
     return best
+
+
+# ----------------------------------------------------------------------------------------------- output
 
 
 def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
     p, c = recipe.parallel, recipe.cluster
     lines = [
-        f"{name}: {c.nodes} node(s) x {c.gpus_per_node} x {c.gpu_type or 'cpu'}; tp={p.tp} ep={p.ep} pp={p.pp} dp={p.dp}, "
+        f"{name}: {c.nodes} node(s) x {c.gpus_per_node} x {c.gpu_type if c.gpus_per_node else 'cpu'}; "
+        f"tp={p.tp} ep={p.ep} pp={p.pp} dp={p.dp}, "
         f"micro-batch {recipe.trainer.micro_batch_size} x {recipe.rollout.max_model_len} tokens, trainer {recipe.trainer_dtype}"
     ]
     dense, experts = split_params(recipe.model.dims)
     lines.append(
         f"  model: {(dense + experts) / 1e9:.2f}B parameters ({experts / 1e9:.2f}B in routed experts)"
+        f" [{recipe.model.dims.resolved_family}]"
     )
     for label, v in plan.rows():
         lines.append(f"  {label:<32} {v / GIB:9.2f} GiB")
+    if not plan.gpu_gib:
+        lines.append(f"  {'total per GPU':<32} {plan.total / GIB:9.2f} GiB (CPU: no GPU budget)")
+        return "\n".join(lines)
     lines.append(
-        f"  {'total per GPU':<32} {plan.total / GIB:9.2f} GiB"
-        + (
-            f" of {plan.gpu_gib} GiB: {'fits' if plan.fits else 'DOES NOT FIT'}"
-            if plan.gpu_gib
-            else " (CPU: no GPU budget)"
-        )
+        f"  {'vLLM':<32} TP {plan.rollout_tp}, gpu_memory_utilization {plan.gpu_memory_utilization:g}, "
+        f"KV cache for one group {plan.kv_needed / GIB:.2f} GiB"
     )
+    sleep = "vLLM asleep" if plan.sleep else "vLLM resident"
+    lines.append(
+        f"  {'peak: generation / update':<32} {plan.rollout_phase / GIB:9.2f} / {plan.update_phase / GIB:.2f} GiB ({sleep})"
+    )
+    lines.append(
+        f"  {'total per GPU':<32} {plan.total / GIB:9.2f} GiB of {plan.gpu_gib} GiB: "
+        + ("fits" if plan.fits else "DOES NOT FIT")
+    )
+    for why in plan.problems():
+        lines.append(f"    {why}")
+    if recipe.rollout.tensor_parallel_size > max(c.gpus_per_node, 1):
+        lines.append(
+            f"  note: rollout.tensor_parallel_size {recipe.rollout.tensor_parallel_size} spans nodes: each engine is "
+            f"{recipe.rollout.tensor_parallel_size // max(c.gpus_per_node, 1)} whole nodes, with vLLM tensor "
+            "parallelism over the inter-node network (slow; not yet run anywhere)"
+        )
     return "\n".join(lines)

@@ -8,6 +8,11 @@ Layout under a run's ``checkpoints/`` folder::
 A checkpoint is written into ``.tmp_step_<N>/`` and renamed to ``step_<N>/`` only after every rank has
 finished, then ``latest`` is replaced atomically. A crash at any point leaves the previous checkpoint
 and ``latest`` untouched. Old checkpoints beyond ``keep`` are deleted only after the new one is in place.
+
+Every file of a checkpoint has its sha256 and size in ``checksums.json``, written last (the ranks hash
+shares of the files in parallel). Loading verifies them first: :func:`latest_good_checkpoint` skips a
+corrupt or truncated checkpoint with a warning and takes the newest good one, so flipped bits never load
+silently. ``state.json`` also records the model dimensions, checked before any tensor is read.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +29,15 @@ import torch
 import torch.distributed as dist
 
 from patches.megatron.cpu_shims import cuda_placement_to_cpu
+from tim_megatron.integrity import IntegrityWarning, sha256_file
 from tim_megatron.trainer.model import unwrap
 
 LATEST = "latest"
+CHECKSUMS = "checksums.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names it, the cause and the fix."""
 
 
 def _rank() -> int:
@@ -49,16 +61,128 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoint folders, newest first (the one ``latest`` names leads)."""
     root = Path(root)
+    if not root.exists():
+        return []
+    done = sorted((p for p in root.glob("step_*") if (p / "state.json").exists()), reverse=True)
     marker = root / LATEST
-    if marker.exists():
-        p = root / marker.read_text().strip()
-        if p.is_dir() and (p / "state.json").exists():
-            return p
-    done = sorted(p for p in root.glob("step_*") if (p / "state.json").exists()) if root.exists() else []
-    return done[-1] if done else None
+    try:
+        named = root / marker.read_text().strip() if marker.exists() else None
+    except (OSError, UnicodeDecodeError):
+        named = None
+    if named in done:
+        done.remove(named)
+        done.insert(0, named)
+    return done
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint folder, or None (unverified: see :func:`latest_good_checkpoint`)."""
+    done = complete_checkpoints(root)
+    return done[0] if done else None
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS
+    )
+
+
+def _my_share(names: list[str]) -> list[str]:
+    """The files this rank hashes: every world-size-th, so the ranks share the work."""
+    if not dist.is_initialized():
+        return names
+    return names[dist.get_rank() :: dist.get_world_size()]
+
+
+def _gather(part):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [part]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return parts
+
+
+def _broadcast(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def write_checksums(folder: Path) -> dict:
+    """Hash every file of ``folder`` (shared over the ranks) and write ``checksums.json`` (rank 0)."""
+    names = _broadcast(_files(folder) if _rank() == 0 else None)
+    mine = {
+        n: {"sha256": sha256_file(folder / n), "size": (folder / n).stat().st_size} for n in _my_share(names)
+    }
+    table = {k: v for part in _gather(mine) for k, v in part.items()}
+    if _rank() == 0:
+        (folder / CHECKSUMS).write_text(json.dumps({"algorithm": "sha256", "files": table}, indent=1))
+    return table
+
+
+def verify_checkpoint(folder: str | Path) -> list[str]:
+    """Problems found in ``folder`` against its ``checksums.json`` (empty: intact). Same answer on every rank.
+
+    A checkpoint written before checksums existed gives one problem starting with ``unverified``.
+    """
+    folder = Path(folder)
+    try:
+        table = json.loads((folder / CHECKSUMS).read_text())["files"]
+        if not isinstance(table, dict):
+            raise ValueError("no file table")
+    except FileNotFoundError:
+        return [f"unverified: {folder} has no {CHECKSUMS} (written before checksums were recorded)"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{CHECKSUMS} is unreadable ({e})"]
+    problems = []
+    for name in _my_share(sorted(table)):
+        want, p = table[name], folder / name
+        if not p.is_file():
+            problems.append(f"{name}: missing")
+        elif p.stat().st_size != want.get("size"):
+            problems.append(f"{name}: {p.stat().st_size} bytes, {want.get('size')} when written (truncated?)")
+        elif sha256_file(p) != want.get("sha256"):
+            problems.append(f"{name}: sha256 mismatch (the content changed after it was written)")
+    if _rank() == 0:
+        problems += [f"{n}: not in {CHECKSUMS}" for n in _files(folder) if n not in table]
+    return sorted({p for part in _gather(problems) for p in part})
+
+
+def latest_good_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint that passes :func:`verify_checkpoint`; corrupt ones are skipped with a warning.
+
+    None when there is no checkpoint at all; :class:`CheckpointError` when every one is corrupt.
+    """
+    tried = []
+    for p in complete_checkpoints(root):
+        problems = verify_checkpoint(p)
+        if not problems:
+            break
+        if problems[0].startswith("unverified"):
+            _warn(f"checkpoint {p} has no checksums (written by an older version): loading it unverified")
+            break
+        tried.append(f"{p}: {'; '.join(problems[:4])}")
+        _warn(f"checkpoint {p} is corrupt, skipping it: {'; '.join(problems[:4])}")
+    else:
+        if tried:
+            raise CheckpointError(
+                "every checkpoint failed verification:\n  " + "\n  ".join(tried) + "\n"
+                "Restore them from a copy, or move the checkpoints folder away to start the run over."
+            )
+        return None
+    if tried:
+        _warn(f"resuming from the newest intact checkpoint, {p}")
+    return p
+
+
+def _warn(msg: str) -> None:
+    if _rank() == 0:
+        warnings.warn(msg, IntegrityWarning, stacklevel=3)
 
 
 def _rng_state() -> dict:
@@ -119,8 +243,13 @@ def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: 
             "state": state,
             "updates": trainer.updates,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "model_dims": trainer.recipe.model.dims.model_dump(mode="json"),
         }
         (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+    _barrier()
+    write_checksums(tmp)
+    if _rank() == 0:
+        _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -132,6 +261,14 @@ def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: 
     return final
 
 
+def _fsync_tree(folder: Path) -> None:
+    """Data on disk before the rename publishes the checkpoint (a power loss leaves no torn files)."""
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
 def load_checkpoint(trainer, path: str | Path) -> dict:
     """Restore ``trainer`` (model, optimizer, RNG) from ``path``; return the loop state saved with it."""
     from megatron.core import dist_checkpointing
@@ -140,7 +277,21 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     meta = json.loads((path / "state.json").read_text())
     world = dist.get_world_size() if dist.is_initialized() else 1
     if meta.get("world_size", 1) != world:
-        raise ValueError(f"checkpoint {path} was written by {meta['world_size']} ranks; this run has {world}")
+        raise CheckpointError(
+            f"checkpoint {path} was written by {meta['world_size']} ranks; this run has {world}. "
+            f"Resume with the recorded parallel layout (parallel.tp x pp x dp = {meta['world_size']})."
+        )
+    dims, recorded = trainer.recipe.model.dims.model_dump(mode="json"), meta.get("model_dims") or {}
+    diff = ", ".join(  # keys both know: a field added since the checkpoint was written is not a change
+        f"model.dims.{k}: {recorded[k]} -> {dims[k]}"
+        for k in sorted(dims.keys() & recorded.keys())
+        if recorded[k] != dims[k]
+    )
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {path} holds a model of other dimensions ({diff}, recorded -> this run). "
+            f"A run cannot change its model's shape: restore the recorded model.dims, or start a new run folder."
+        )
     sharded = _sharded(trainer, loading=True)
     with cuda_placement_to_cpu():
         loaded = dist_checkpointing.load(sharded, str(path))

@@ -9,6 +9,12 @@ and this rank's place in the TP/EP/DP layout. It does three things for the loop:
   micro-batches, with a loss given by the loop (the math lives in ``tim_megatron.algo``);
 * :meth:`MegatronTrainer.export_hf`: the weights in HF checkpoint layout, for the rollout engine.
 
+Exact mode (``diagnostics.vexact: exact``) changes two things, both local: the MoE layers run their experts on
+the shape-invariant path (``patches/megatron/shape_invariant_moe.py``), and callers can fix every micro-batch's
+width (``width=``, :meth:`MegatronTrainer.exact_width`) so that the exact sampler
+(:mod:`tim_megatron.rollout.exact_sampler`, through :meth:`MegatronTrainer.sample_forward`) and the old-logprob
+pass run the same rows, in the same micro-batches, at the same width.
+
 Checkpoints are in :mod:`tim_megatron.trainer.checkpoint`.
 """
 
@@ -23,18 +29,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from patches.megatron import cpu_shims, router_replay
+from patches.megatron import cpu_shims, router_replay, shape_invariant_moe
 from tim_megatron.algo.stats import Stats
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
-from tim_megatron.trainer.logprobs import HeadSpec, TokenLogprobs, head_weight, token_logprobs
+from tim_megatron.trainer.logprobs import ChunkSampler, HeadSpec, TokenLogprobs, head_weight, token_logprobs
 from tim_megatron.trainer.model import BuildOptions, build_model, final_hidden_states, unwrap
 from tim_megatron.trainer.parallel import DistEnv, init_parallel
 from tim_megatron.trainer.weights import export_hf, load_hf_into_model
 
 
 class NonFiniteAbort(RuntimeError):
-    """Too many consecutive non-finite updates: the loop saves a checkpoint and stops."""
+    """Too many consecutive non-finite updates: the loop checkpoints the last good state and stops.
+
+    Raised on every rank at the same update (the finiteness test is reduced over ranks). The skipped updates
+    changed nothing, so the weights and optimizer state in memory are those of the last applied update; the
+    loop saves them under the last completed step (with updates applied earlier in the aborting step, if
+    the streak began mid-step)."""
 
 
 @dataclass
@@ -105,6 +116,7 @@ class MegatronTrainer:
         self.sequence_parallel = self.tp > 1
         self.dtype = recipe.trainer_dtype
         self.replay_enabled = recipe.remedies.router_replay != "off" and self.dims.is_moe
+        self.exact = recipe.diagnostics.vexact == "exact"
         if recipe.trainer.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
 
@@ -114,13 +126,15 @@ class MegatronTrainer:
             recipe.parallel,
             BuildOptions(
                 dtype=self.dtype,
-                dispatcher=recipe.trainer.moe_dispatcher,
+                dispatcher="allgather" if self.exact else recipe.trainer.moe_dispatcher,
                 routing_replay=self.replay_enabled,
                 recompute=recipe.trainer.recompute,
             ),
         )
         if self.replay_enabled:
             router_replay.attach(gpt)
+        if self.exact:
+            shape_invariant_moe.apply(gpt)
         self.model = self._wrap(gpt)
         self.head = HeadSpec(
             temperature=recipe.rollout.temperature if recipe.rollout.logprobs_after_temperature else 1.0,
@@ -212,19 +226,35 @@ class MegatronTrainer:
         return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
     def num_moe_layers(self) -> int:
-        return self.dims.num_layers if self.dims.is_moe else 0
+        return self.dims.num_moe_layers
 
     # -------------------------------------------------------------------------------------- forwards
 
-    def _micro_batches(self, n: int) -> Iterator[torch.Tensor]:
+    def micro_batches(self, n: int) -> Iterator[torch.Tensor]:
+        """The rows of each micro-batch of a batch of ``n`` sequences, in order."""
         mbs = self.recipe.trainer.micro_batch_size
         for start in range(0, n, mbs):
             yield torch.arange(start, min(start + mbs, n))
 
-    def _trimmed(self, batch: SeqBatch, rows: torch.Tensor) -> tuple[SeqBatch, int]:
-        mb = batch.select(rows)
-        s = _round_up(max(int(mb.lengths.max()), 2), self.tp)
+    def exact_width(self, longest_prompt: int) -> int:
+        """Exact mode's micro-batch width: the longest prompt of the step on any rank plus the generation budget,
+        rounded up for TP (every rank calls it: the maximum is all-reduced)."""
+        w = torch.tensor([longest_prompt + self.recipe.rollout.max_tokens], device=self._device())
         if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(w, op=dist.ReduceOp.MAX)
+        return _round_up(max(int(w.item()), 2), self.tp)
+
+    def _trimmed(self, batch: SeqBatch, rows: torch.Tensor, width: int | None = None) -> tuple[SeqBatch, int]:
+        mb = batch.select(rows)
+        if width is not None:  # exact mode: the width the sampler used, whatever the rows hold
+            if int(mb.lengths.max()) > width or width % self.tp:
+                raise ValueError(
+                    f"micro-batch width {width}: rows up to {int(mb.lengths.max())} tokens, TP {self.tp}"
+                )
+            s = width
+        else:
+            s = _round_up(max(int(mb.lengths.max()), 2), self.tp)
+        if width is None and dist.is_initialized() and dist.get_world_size() > 1:
             # Expert-parallel dispatch exchanges equal-sized token blocks: every rank pads to the same length.
             t = torch.tensor([s], device=self._device())
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -276,6 +306,7 @@ class MegatronTrainer:
         )
 
     def _forward(self, ids: torch.Tensor, **kw) -> TokenLogprobs:
+        """The forward every pass runs: model to the final norm, then the chunked head (``kw``: token_logprobs')."""
         hidden = final_hidden_states(self.model, ids.to(self._device()))
         return token_logprobs(
             hidden=hidden,
@@ -292,43 +323,59 @@ class MegatronTrainer:
         batch: SeqBatch,
         *,
         with_entropy: bool = False,
-        quantize_bits: int | None = None,
         routing: str = "off",
+        width: int | None = None,
     ) -> tuple[TokenLogprobs, torch.Tensor | None]:
         """Logprobs ``[N, L]`` of every token (position t: log p(token t | < t)); optionally the routing.
 
         routing: ``off``; ``record`` (also return ``[layers, N, L, k]`` expert ids used); ``replay``
-        (use ``batch.routed_experts``).
+        (use ``batch.routed_experts``). width: pad every micro-batch to exactly this many positions (exact mode's
+        :meth:`exact_width`) instead of its longest row.
         """
         self.model.eval()
-        n, width = batch.input_ids.shape
-        lp = torch.zeros(n, width)
-        ent = torch.zeros(n, width) if with_entropy else None
-        qlp = torch.zeros(n, width) if quantize_bits is not None else None
+        n, cols = batch.input_ids.shape
+        lp = torch.zeros(n, cols)
+        ent = torch.zeros(n, cols) if with_entropy else None
         routed = None
-        for rows in self._micro_batches(n):
-            mb, s = self._trimmed(batch, rows)
-            keep = min(s, width)
+        for rows in self.micro_batches(n):
+            mb, s = self._trimmed(batch, rows, width)
+            keep = min(s, cols)
             with self._routing(routing, mb) as rec:
-                out = self._forward(mb.input_ids, with_entropy=with_entropy, quantize_bits=quantize_bits)
+                out = self._forward(mb.input_ids, with_entropy=with_entropy)
             lp[rows, :keep] = out.logprobs[:, :keep].float().cpu()
             if ent is not None:
                 ent[rows, :keep] = out.entropy[:, :keep].float().cpu()
-            if qlp is not None:
-                qlp[rows, :keep] = out.quantized[:, :keep].float().cpu()
             if routing == "record":
                 rec_t = self._gather_recorded(rec.indices, len(rows), s)
                 if routed is None:
-                    routed = torch.zeros(rec_t.shape[0], n, width, rec_t.shape[-1], dtype=torch.int16)
+                    routed = torch.zeros(rec_t.shape[0], n, cols, rec_t.shape[-1], dtype=torch.int16)
                 routed[:, rows, :keep] = rec_t[:, :, :keep].to(torch.int16)
         self._check_clean()
         beyond = (
-            torch.arange(width)[None, :] >= batch.lengths[:, None]
+            torch.arange(cols)[None, :] >= batch.lengths[:, None]
         )  # padding: defined as 0 whatever the layout
-        for t in (lp, ent, qlp):
+        for t in (lp, ent):
             if t is not None:
                 t.masked_fill_(beyond, 0.0)
-        return TokenLogprobs(lp, ent, qlp), routed
+        return TokenLogprobs(lp, ent), routed
+
+    @torch.no_grad()
+    def sample_forward(
+        self, ids: torch.Tensor, sampler: ChunkSampler, *, record: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Exact mode: one forward of a micro-batch ``[b, W]`` (W from :meth:`exact_width`) in which ``sampler``
+        picks each row's next token from the head's logits. Returns the logprobs ``[b, W]`` of that forward, the
+        sampled tokens' included (the chunks the sampler skips read 0), and with ``record`` the experts each
+        position was routed to, ``[layers, b, W, k]``."""
+        if not self.exact:
+            raise RuntimeError("sample_forward is exact mode's (diagnostics.vexact = exact)")
+        self.model.eval()
+        mb = SeqBatch(ids, torch.full((ids.shape[0],), ids.shape[1]))
+        with self._routing("record" if record else "off", mb) as rec:
+            out = self._forward(ids, sampler=sampler)
+        self._check_clean()
+        routed = self._gather_recorded(rec.indices, ids.shape[0], ids.shape[1]) if record else None
+        return out.logprobs.float().cpu(), routed
 
     def _routing(self, mode: str, mb: SeqBatch):
         import contextlib
@@ -375,7 +422,7 @@ class MegatronTrainer:
         total_loss = 0.0
         t0 = time.perf_counter()
         width = batch.input_ids.shape[1]
-        for rows in self._micro_batches(len(batch)):
+        for rows in self.micro_batches(len(batch)):
             mb, s = self._trimmed(batch, rows)
             keep = min(s, width)  # the layout's padding never reaches the loss
             with self._routing(routing, mb):
@@ -397,7 +444,7 @@ class MegatronTrainer:
             g["lr"] = lr
         # fp16: inf/nan gradients are loss-scale overflow, which megatron's grad scaler skips and backs off
         # from by itself; only a non-finite loss counts against the guard.
-        finite = math.isfinite(loss) and (self.dtype == "float16" or self._grads_finite())
+        finite = self._all_finite(loss, grads=self.dtype != "float16")
         applied, grad_norm = False, float("nan")
         if finite or self.dtype == "float16":  # fp16: megatron's scaler skips and backs off by itself
             with cpu_shims.cuda_placement_to_cpu():
@@ -425,9 +472,10 @@ class MegatronTrainer:
             times={"optimizer": time.perf_counter() - t1},
         )
 
-    def _grads_finite(self) -> bool:
-        ok = torch.ones(1)
-        for p in unwrap(self.model).parameters():
+    def _all_finite(self, loss: float, *, grads: bool) -> bool:
+        """Loss (and gradients) finite on every rank: the ranks agree, so they skip and abort together."""
+        ok = torch.ones(1) if math.isfinite(loss) else torch.zeros(1)
+        for p in unwrap(self.model).parameters() if grads and ok.item() else ():
             g = getattr(p, "main_grad", None)
             if g is None:
                 g = p.grad

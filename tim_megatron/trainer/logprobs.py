@@ -8,17 +8,20 @@ extra memory is one chunk's logits whether or not we train.
 
 Temperature: logits are divided by ``temperature`` before the softmax, the convention vLLM uses for
 sampled-token logprobs when ``logprobs_mode`` is "processed_logprobs".
+
+Exact mode samples through this same function (a :class:`ChunkSampler` picks each chunk's next tokens from its
+logits before the cross-entropy runs), so a sampled token's logprob is computed by the very line, on the very
+logits, that the old-logprob pass uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
-
-from tim_megatron.algo.injection import round_mantissa
 
 
 @dataclass(frozen=True)
@@ -80,21 +83,18 @@ def _entropy(logits: torch.Tensor, group, size: int) -> torch.Tensor:
     return torch.log(s) - ez / s
 
 
-@torch.no_grad()
-def _quantized_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, bits: int, group, size: int, rank: int
-) -> torch.Tensor:
-    """Eq. 45 of the objective-level-hacking paper on vocab-sharded logits (see algo.injection)."""
-    zq = round_mantissa(logits, bits)
-    m = _all_reduce(zq.max(-1).values, dist.ReduceOp.MAX, group, size)
-    s = _all_reduce(torch.exp(zq - m.unsqueeze(-1)).sum(-1), dist.ReduceOp.SUM, group, size)
-    v = logits.shape[-1]
-    lo = rank * v
-    local = (targets >= lo) & (targets < lo + v)
-    zt = zq.gather(-1, (targets - lo).clamp(0, v - 1).unsqueeze(-1)).squeeze(-1) * local
-    zt = _all_reduce(zt, dist.ReduceOp.SUM, group, size)
-    p = round_mantissa(torch.exp(zt - m - torch.log(s)), bits)
-    return torch.log(p)
+class ChunkSampler(Protocol):
+    """Chooses the next token of each sequence from the logits of the chunk of positions that predicts it."""
+
+    def wants(self, start: int, stop: int) -> bool:
+        """Does any sequence predict its next token from a position in ``[start, stop)``? (Else the chunk is
+        skipped: no logits, logprobs left at 0.)"""
+        ...
+
+    def choose(self, start: int, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sample from ``logits`` ``[chunk, batch, vocab / tp]`` (copy what is needed: the cross-entropy consumes
+        them) and return ``targets`` ``[chunk, batch]`` with each sampled token at the position predicting it."""
+        ...
 
 
 @dataclass
@@ -103,8 +103,6 @@ class TokenLogprobs:
     """``[batch, seq]``: log p(token_t | tokens_<t) at position t (0 at t = 0)."""
     entropy: torch.Tensor | None = None
     """``[batch, seq]``: entropy of the distribution that produced token_t (0 at t = 0)."""
-    quantized: torch.Tensor | None = None
-    """``[batch, seq]``: logprobs through a low-precision softmax, for precision injection."""
 
 
 def token_logprobs(
@@ -115,19 +113,20 @@ def token_logprobs(
     spec: HeadSpec,
     sequence_parallel: bool,
     with_entropy: bool = False,
-    quantize_bits: int | None = None,
+    sampler: ChunkSampler | None = None,
 ) -> TokenLogprobs:
     """Logprobs of ``input_ids`` (``[batch, seq]``) from final hidden states ``[seq(/tp), batch, hidden]``.
 
     ``weight`` is this rank's vocab shard of the LM head. Differentiable in ``hidden`` and ``weight``
-    when gradients are enabled.
+    when gradients are enabled. With ``sampler`` (no gradients), each chunk's targets come from
+    :meth:`ChunkSampler.choose` and chunks it does not want are skipped (logprob 0).
     """
     from megatron.core.tensor_parallel import (
         copy_to_tensor_model_parallel_region,
         gather_from_sequence_parallel_region,
     )
 
-    group, size, rank = _tp()
+    group, size, _rank = _tp()
     if size > 1:
         hidden = (
             gather_from_sequence_parallel_region(hidden)
@@ -140,18 +139,24 @@ def token_logprobs(
     # Position t predicts token t + 1; the last position predicts nothing (target 0, dropped below).
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], 1).t().contiguous()  # [s, b]
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    lps, ents, qs = [], [], []
+    if grad and sampler is not None:
+        raise ValueError("token_logprobs: sampling runs without gradients")
+    lps, ents = [], []
     for start in range(0, s, spec.chunk):
         h = hidden[start : start + spec.chunk]
         t = targets[start : start + spec.chunk].contiguous()
         if grad:
             lps.append(checkpoint(_chunk_logprobs, h, t, weight, spec, use_reentrant=False))
+        elif sampler is not None and not sampler.wants(start, start + h.shape[0]):
+            lps.append(torch.zeros(t.shape, dtype=torch.float32, device=t.device))
+            if with_entropy:
+                ents.append(torch.zeros(t.shape, dtype=torch.float32, device=t.device))
         else:
             logits = _logits(h, weight, spec)
+            if sampler is not None:
+                t = sampler.choose(start, logits, t)
             if with_entropy:
                 ents.append(_entropy(logits, group, size))
-            if quantize_bits is not None:
-                qs.append(_quantized_logprobs(logits, t, quantize_bits, group, size, rank))
             from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
             lps.append(-vocab_parallel_cross_entropy(logits, t))  # consumes ``logits`` in place
@@ -160,11 +165,7 @@ def token_logprobs(
         x = torch.cat(parts, 0).t()  # [b, s]: x[:, t] predicts token t + 1
         return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
 
-    return TokenLogprobs(
-        logprobs=shift(lps),
-        entropy=shift(ents) if ents else None,
-        quantized=shift(qs) if qs else None,
-    )
+    return TokenLogprobs(logprobs=shift(lps), entropy=shift(ents) if ents else None)
 
 
 def head_weight(model) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""Build a megatron-core ``GPTModel`` for a Qwen3(-MoE) model, and run it to its final hidden states.
+"""Build a megatron-core ``GPTModel`` for any registered model family, and run it to its final hidden states.
+
+The architecture (TransformerConfig features, one layer spec per layer) comes from the family
+(:mod:`tim_megatron.trainer.families`); this module adds what the run decides: dtype, parallel layout, the MoE
+dispatcher, routing replay and recomputation.
 
 The LM head is not run inside the model: :func:`final_hidden_states` stops after the final norm, and
 :mod:`tim_megatron.trainer.logprobs` applies the head chunk by chunk, so full-vocabulary logits never
@@ -61,6 +65,8 @@ def transformer_config(
 ):
     from megatron.core.transformer import TransformerConfig
 
+    from tim_megatron.trainer.families import get_family
+
     on_gpu = torch.cuda.is_available()
     dtype = _DTYPES[opts.dtype]
     dispatcher = opts.dispatcher if opts.dispatcher != "auto" else ("alltoall" if on_gpu else "allgather")
@@ -68,16 +74,10 @@ def transformer_config(
         raise ValueError(
             "trainer.moe_dispatcher = alltoall needs CUDA streams; use allgather (or auto) on CPU"
         )
-    moe = {}
+    arch = get_family(dims.resolved_family).transformer_config(dims)
+    run = {}
     if dims.is_moe:
-        moe = dict(
-            num_moe_experts=dims.num_experts,
-            moe_router_topk=dims.num_experts_per_tok,
-            moe_ffn_hidden_size=dims.moe_intermediate_size,
-            # Qwen3-MoE: softmax over all experts, top-k, renormalize (norm_topk_prob) == softmax over the
-            # top-k logits, which is megatron's pre_softmax=False. Without renormalization: pre_softmax=True.
-            moe_router_pre_softmax=not dims.norm_topk_prob,
-            moe_router_score_function="softmax",
+        run = dict(
             moe_router_load_balancing_type="aux_loss" if model_cfg.load_balancing == "aux_loss" else "none",
             moe_aux_loss_coeff=model_cfg.aux_loss_coeff if model_cfg.load_balancing == "aux_loss" else 0.0,
             moe_router_dtype=model_cfg.router_dtype,
@@ -94,14 +94,11 @@ def transformer_config(
         num_attention_heads=dims.num_attention_heads,
         num_query_groups=dims.num_key_value_heads,
         kv_channels=dims.head_dim,
-        ffn_hidden_size=dims.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=dims.rms_norm_eps,
-        qk_layernorm=True,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
@@ -121,47 +118,36 @@ def transformer_config(
         sequence_parallel=parallel.tp > 1,
         calculate_per_token_loss=True,  # our losses are pre-normalized by global denominators: sum grads over DP
         **recompute_kwargs(opts.recompute),
-        **moe,
+        **arch,
+        **run,
     )
 
 
-def layer_spec(dims: ModelDims, use_te: bool):
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+def block_spec(dims: ModelDims, use_te: bool):
+    """The decoder's layer specs (from the family) and its final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    n_exp = dims.num_experts if dims.is_moe else None
+    from tim_megatron.trainer.families import get_family
+
+    specs = get_family(dims.resolved_family).layer_specs(dims, use_te)
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=True
-        )
-    spec = get_gpt_layer_local_spec(
-        num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
-    )
-    sub = spec.submodules
-    sub.input_layernorm = SequenceParallelRMSNorm
-    sub.pre_mlp_layernorm = SequenceParallelRMSNorm
-    sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
-    sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
-    return spec
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final = TENorm
+    else:
+        final = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final)
 
 
 def build_model(dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismConfig, opts: BuildOptions):
     """The bare ``GPTModel`` (no DDP or Float16 wrappers) on this rank, weights uninitialized."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     use_te = te_available() if opts.use_te is None else opts.use_te
     config = transformer_config(dims, model_cfg, parallel, opts)
-    spec = layer_spec(dims, use_te)
-    if not use_te:
-        spec = TransformerBlockSubmodules(
-            layer_specs=[spec] * dims.num_layers, layer_norm=SequenceParallelRMSNorm
-        )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=block_spec(dims, use_te),
         vocab_size=dims.vocab_size,
         max_sequence_length=dims.max_position_embeddings,
         pre_process=True,
@@ -169,7 +155,7 @@ def build_model(dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismCo
         share_embeddings_and_output_weights=dims.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(dims.rope_theta) if float(dims.rope_theta).is_integer() else dims.rope_theta,
-        rotary_percent=1.0,
+        rotary_percent=dims.partial_rotary_factor,
         parallel_output=True,
     )
     if torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Generic HF <-> megatron-core conversion driven by the tables in :mod:`.mapping`.
+"""Generic HF <-> megatron-core conversion driven by each family's weight table (rule format: :mod:`.mapping`).
 
 * :func:`load_hf_into_model`: reads HF safetensors (sharded or not) and copies into each rank's shards,
   TP/ETP/EP aware. Every model parameter must be covered, every needed HF tensor must exist with the
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.recipe.schema import ModelDims
-from tim_megatron.trainer.weights.mapping import TABLES, Rule, canonical_name
+from tim_megatron.trainer.weights.mapping import Rule, canonical_name
 
 
 class WeightLoadError(ValueError):
@@ -118,10 +118,11 @@ def _combine(rule: Rule, parts: list[torch.Tensor], dims: ModelDims) -> torch.Te
     if rule.combine == "gate_up":
         return torch.cat(parts, 0)
     if rule.combine == "qkv":
-        q, k, v = parts
+        q, k, v = (p if p.dim() == 2 else p.unsqueeze(-1) for p in parts)  # weights [rows, h], biases [rows]
         g, d, h = dims.num_key_value_heads, dims.head_dim, q.shape[-1]
         qpg = dims.num_attention_heads // g
-        return torch.cat([q.view(g, qpg * d, h), k.view(g, d, h), v.view(g, d, h)], 1).reshape(-1, h)
+        full = torch.cat([q.view(g, qpg * d, h), k.view(g, d, h), v.view(g, d, h)], 1).reshape(-1, h)
+        return full if parts[0].dim() == 2 else full.squeeze(-1)
     raise ValueError(rule.combine)
 
 
@@ -133,10 +134,12 @@ def _uncombine(rule: Rule, full: torch.Tensor, dims: ModelDims) -> list[torch.Te
     if rule.combine == "qkv":
         g, d = dims.num_key_value_heads, dims.head_dim
         qpg = dims.num_attention_heads // g
-        h = full.shape[-1]
-        x = full.view(g, (qpg + 2) * d, h)
-        q, k, v = x.split([qpg * d, d, d], 1)
-        return [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]
+        vec = full.dim() == 1
+        x = full.unsqueeze(-1) if vec else full
+        h = x.shape[-1]
+        q, k, v = x.view(g, (qpg + 2) * d, h).split([qpg * d, d, d], 1)
+        parts = [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]
+        return [p.squeeze(-1) for p in parts] if vec else parts
     raise ValueError(rule.combine)
 
 
@@ -190,20 +193,45 @@ def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
     yield from unwrap(model).named_parameters()
 
 
+def _named_tensors(model, table: tuple[Rule, ...]) -> Iterator[tuple[str, torch.Tensor, Rule | None, dict]]:
+    """Every parameter, then every buffer a buffer rule names, each with its rule and indices (None if none)."""
+    from tim_megatron.trainer.model import unwrap
+
+    for name, p in _named_params(model):
+        hit = _match(table, canonical_name(name))
+        yield (name, p, *hit) if hit else (name, p, None, {})
+    buffer_rules = tuple(r for r in table if r.buffer)
+    if buffer_rules:
+        for name, b in unwrap(model).named_buffers():
+            hit = _match(buffer_rules, name)
+            if hit:
+                yield (name, b, *hit)
+
+
+def _table(family: str) -> tuple[Rule, ...]:
+    from tim_megatron.trainer.families import get_family
+
+    return get_family(family).weights
+
+
 def load_hf_into_model(
     model, folder: str | Path, *, family: str, dims: ModelDims, layout: Layout | None = None
 ) -> int:
-    """Copy an HF checkpoint into this rank's parameters. Returns the number of parameters loaded."""
+    """Copy an HF checkpoint into this rank's parameters (and named buffers). Returns how many were loaded."""
+    from tim_megatron.trainer.families import get_family
+
     lay = layout or Layout.current()
-    table = TABLES[family]
+    fam = get_family(family)
+    table = fam.weights
     ckpt = HFCheckpoint(folder)
     used: set[str] = set()
     n = 0
-    for name, param in _named_params(model):
-        hit = _match(table, canonical_name(name))
-        if hit is None:
-            raise WeightLoadError(f"megatron parameter {name!r} is not covered by the {family} mapping table")
-        rule, idx = hit
+    for name, param, rule, idx in _named_tensors(model, table):
+        if rule is None:
+            raise WeightLoadError(
+                f"megatron parameter {name!r} is not covered by the {family} weight table "
+                f"(tim_megatron/trainer/families/{family}.py)"
+            )
         gidx = _local_to_global_expert(idx, dims, lay)
         names = _hf_names(rule, gidx)
         parts = [ckpt.get(h) for h in names]
@@ -222,9 +250,15 @@ def load_hf_into_model(
                 f"expects {tuple(param.shape)} (is the checkpoint for another model?)"
             )
         with torch.no_grad():
-            param.copy_(shard.to(param.dtype))
+            if (
+                rule.buffer
+            ):  # kept in the checkpoint's precision (megatron keeps an expert bias in fp32 under bf16)
+                param.data = shard.to(param.device).clone()
+            else:
+                param.copy_(shard.to(param.dtype))
         n += 1
     expected_unused = ({"lm_head.weight"} & ckpt.keys()) if dims.tie_word_embeddings else set()
+    expected_unused |= {k for k in ckpt.weight_map if fam.ignored_hf(k, dims)}
     if lay.ep_size == 1:
         stray = ckpt.keys() - used - expected_unused
         if stray:
@@ -269,13 +303,17 @@ def export_hf(
     dtype: torch.dtype | None = None,
     grads: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every HF checkpoint tensor of the model (in order, on every rank); ``grads``: their gradients."""
+    """Yield every HF checkpoint tensor of the model (in order, on every rank); ``grads``: the parameters'
+    gradients (buffers, which are never trained, are left out)."""
     lay = layout or Layout.current()
-    table = TABLES[family]
+    table = _table(family)
     params = dict(_named_params(model))
     per_rank = dims.num_experts // lay.ep_size if dims.is_moe else 0
-    for name, param in params.items():
-        rule, idx = _match(table, canonical_name(name))
+    for name, param, rule, idx in _named_tensors(model, table):
+        if rule is None:
+            raise WeightLoadError(f"megatron parameter {name!r} is not covered by the {family} weight table")
+        if rule.buffer and grads:
+            continue
         if "E" not in idx:
             full = _param_full(rule, param, lay, grads)
             for hf, t in zip(_hf_names(rule, idx), _uncombine(rule, full, dims), strict=True):

@@ -1,4 +1,5 @@
-"""HF <-> megatron-core parameter mapping, as data: one small table per model family.
+"""HF <-> megatron-core parameter mapping, as data: the rule format. Each family's table is in its own module
+(:mod:`tim_megatron.trainer.families`), built mostly from the shared rules in ``families/base.py``.
 
 A rule names a megatron-core parameter (with ``{L}`` for the layer and ``{E}`` for the *global* expert
 index), the HF tensor(s) it is made of, how they combine, and how the result is split across ranks.
@@ -26,82 +27,20 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Rule:
     megatron: str
+    """megatron-core parameter (or buffer) name, ``{L}`` for the layer and ``{E}`` for the expert."""
     hf: tuple[str, ...]
+    """The HF checkpoint tensor(s) it is made of."""
     combine: str = "copy"
+    """How the HF tensors combine: copy, qkv or gate_up."""
     split: str = "rep"
+    """How the result is split across ranks."""
+    buffer: bool = False
+    """A persistent buffer rather than a parameter (loaded and exported, never trained), e.g. an expert bias."""
 
     def pattern(self) -> re.Pattern:
         rx = re.escape(self.megatron).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
         return re.compile(f"^{rx}$")
 
-
-_ATTN = [
-    Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
-    Rule(
-        "decoder.layers.{L}.self_attention.linear_qkv.weight",
-        (
-            "model.layers.{L}.self_attn.q_proj.weight",
-            "model.layers.{L}.self_attn.k_proj.weight",
-            "model.layers.{L}.self_attn.v_proj.weight",
-        ),
-        combine="qkv",
-        split="qkv",
-    ),
-    Rule(
-        "decoder.layers.{L}.self_attention.linear_proj.weight",
-        ("model.layers.{L}.self_attn.o_proj.weight",),
-        split="tp1",
-    ),
-    Rule(
-        "decoder.layers.{L}.self_attention.q_layernorm.weight", ("model.layers.{L}.self_attn.q_norm.weight",)
-    ),
-    Rule(
-        "decoder.layers.{L}.self_attention.k_layernorm.weight", ("model.layers.{L}.self_attn.k_norm.weight",)
-    ),
-    Rule(
-        "decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",)
-    ),
-]
-
-_ENDS = [
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), split="tp0"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",), split="tp0"),
-]
-
-QWEN3_MOE = (
-    *_ENDS,
-    *_ATTN,
-    Rule("decoder.layers.{L}.mlp.router.weight", ("model.layers.{L}.mlp.gate.weight",)),
-    Rule(
-        "decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
-        (
-            "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
-            "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
-        ),
-        combine="gate_up",
-        split="egate_up",
-    ),
-    Rule(
-        "decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc2.weight",
-        ("model.layers.{L}.mlp.experts.{E}.down_proj.weight",),
-        split="etp1",
-    ),
-)
-
-QWEN3 = (
-    *_ENDS,
-    *_ATTN,
-    Rule(
-        "decoder.layers.{L}.mlp.linear_fc1.weight",
-        ("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"),
-        combine="gate_up",
-        split="gate_up",
-    ),
-    Rule("decoder.layers.{L}.mlp.linear_fc2.weight", ("model.layers.{L}.mlp.down_proj.weight",), split="tp1"),
-)
-
-TABLES = {"qwen3_moe": QWEN3_MOE, "qwen3": QWEN3}
 
 # transformer-engine layer specs fuse the pre-attention (and, for dense MLPs, pre-MLP) norms into the
 # following linear layer; these aliases map its parameter names onto the local-spec names above.

@@ -1,0 +1,294 @@
+"""Exact zero-mismatch sampling (``diagnostics.vexact: exact``) and injected mismatch in the sampling distribution.
+
+Real megatron-core on CPU (gloo): the trainer samples from its own training forward, on one rank and on two (DP2,
+TP2), and every sampled token's logprob equals the old pass's bit for bit; a one-ulp difference stops the run on
+every rank, naming the step, row and position. Injections change what is sampled and trained on, by a dose.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import require
+from tests.test_loop import TIM, _stack_ok, metrics, run_folder
+from tim_megatron.recipe import RecipeError, load_recipe
+from tim_megatron.rollout.exact_sampler import ExactMismatchError, check_exact
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "exact_worker.py"
+VEXACT = ROOT / "recipes" / "tiny-moe" / "vexact.yaml"
+QUIET = ["logging.wandb.mode=disabled", "checkpoint.every=0"]
+
+
+# ------------------------------------------------------------------------------------ the check itself
+
+
+def test_a_one_ulp_difference_is_named_by_step_row_and_position():
+    g = torch.Generator().manual_seed(0)
+    old = torch.log(torch.rand(3, 8, generator=g))
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[:, 4:7] = True
+    old = old * mask
+    rows, prompt_lens = torch.tensor([10, 11, 12]), torch.tensor([4, 4, 4])
+    ok = check_exact(step=7, rows=rows, prompt_lens=prompt_lens, old=old, sampled=old.clone(), mask=mask)
+    assert ok == {"exact/mismatched_tokens": 0.0, "exact/checked_tokens": 9.0}
+    sampled = old.clone()
+    sampled[1, 5] = torch.nextafter(old[1, 5], torch.tensor(0.0))  # one ulp
+    assert sampled[1, 5] != old[1, 5] and abs(float(sampled[1, 5] - old[1, 5])) < 1e-6
+    with pytest.raises(ExactMismatchError) as e:
+        check_exact(step=7, rows=rows, prompt_lens=prompt_lens, old=old, sampled=sampled, mask=mask)
+    msg = str(e.value)
+    assert "step 7: 1 of 9 sampled tokens" in msg and "row 11 response token 1 (position 5)" in msg
+    assert float(sampled[1, 5]).hex() in msg and float(old[1, 5]).hex() in msg
+    sampled[1, 7] = 1.0  # off the response: not checked
+    with pytest.raises(ExactMismatchError, match="1 of 9"):
+        check_exact(step=7, rows=rows, prompt_lens=prompt_lens, old=old, sampled=sampled, mask=mask)
+
+
+def test_the_shape_invariant_moe_patch_refuses_an_unknown_megatron_version(monkeypatch):
+    import importlib.metadata as md
+
+    from patches import guard
+    from patches.megatron import shape_invariant_moe
+
+    real = md.version
+    monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d == "megatron-core" else real(d))
+    with pytest.raises(guard.UnverifiedVersionError, match=r"megatron-shape-invariant-moe.*0\.99\.0"):
+        shape_invariant_moe.apply(model=None)
+
+
+# ----------------------------------------------------------------------------------------- recipe rules
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys"),
+    [
+        (["remedies.router_replay=r3"], "remedies.router_replay = r3 replays vLLM's experts"),
+        (["rollout.top_p=0.9"], "rollout.top_p"),
+        (["parallel.ep=2", "parallel.dp=2"], "parallel.ep"),
+        (["trainer.moe_dispatcher=alltoall"], "trainer.moe_dispatcher"),
+        (["rl.correction.bypass=true"], "rl.correction.bypass"),
+        (
+            [
+                "trainer.dtype=bfloat16",
+                "rollout.dtype=bfloat16",
+                "diagnostics.sampling_injection.type=precision",
+            ],
+            "remedies.fp32_lm_head",
+        ),
+        (
+            ["diagnostics.sampling_injection.type=noise", "diagnostics.sampling_injection.engine=vllm"],
+            "which vexact = exact does not use",
+        ),
+        (
+            ["diagnostics.vexact=off", "diagnostics.sampling_injection.type=noise"],
+            "needs diagnostics.vexact = exact",
+        ),
+        (
+            [
+                "diagnostics.vexact=off",
+                "diagnostics.sampling_injection.type=noise",
+                "diagnostics.sampling_injection.engine=vllm",
+            ],
+            "set rollout.sync_check = probe",
+        ),
+    ],
+)
+def test_exact_mode_refuses_what_it_cannot_honour(overrides, keys):
+    with pytest.raises(RecipeError, match=keys.replace(".", r"\.")):
+        load_recipe(VEXACT, overrides)
+
+
+def test_removed_metric_only_modes_say_why_and_what_to_use():
+    for value in ("recompute", "trainer_sampler"):
+        with pytest.raises(RecipeError, match=f"'{value}' was removed: .* Use 'exact'"):
+            load_recipe(VEXACT, [f"diagnostics.vexact={value}"])
+    with pytest.raises(
+        RecipeError, match="logprob_injection was removed: .* Use diagnostics.sampling_injection"
+    ):
+        load_recipe(VEXACT, ["diagnostics.logprob_injection.type=noise"])
+
+
+def test_precision_injection_on_float32_logits_and_on_an_fp32_head_loads():
+    assert load_recipe(ROOT / "recipes/tiny-moe/vexact-precision.yaml").recipe.trainer_dtype == "float32"
+    bf16_head32 = load_recipe(
+        VEXACT,
+        [
+            "trainer.dtype=bfloat16",
+            "rollout.dtype=bfloat16",
+            "remedies.fp32_lm_head=true",
+            "diagnostics.sampling_injection.type=precision",
+        ],
+    )
+    assert bf16_head32.recipe.diagnostics.sampling_injection.type == "precision"
+
+
+# --------------------------------------------------------------------------------- the loop, bit for bit
+
+
+LAYOUTS = {"single": (1, []), "dp2": (2, ["parallel.dp=2"]), "tp2": (2, ["parallel.tp=2"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_exact_mode_gives_rho_one_bit_for_bit_for_five_steps(layout, tmp_path):
+    """Five steps of the tiny MoE, routing recorded on both sides (r2 hooks), every step's tokens dumped."""
+    require(_stack_ok(), "megatron-core and vLLM")
+    nproc, extra = LAYOUTS[layout]
+    args = [
+        str(VEXACT),
+        "--nproc",
+        str(nproc),
+        "run.steps=5",
+        "run.val_every=5",
+        f"run.output_dir={tmp_path}",
+        "diagnostics.dumps.every=1",
+        "diagnostics.dumps.routed_experts=true",
+        "remedies.router_replay=r2",
+        "rollout.capture_routed_experts=true",
+        *QUIET,
+        *extra,
+    ]
+    res = subprocess.run(
+        [*TIM, "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    d = run_folder(tmp_path)
+    rows = metrics(d)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        assert r["exact/mismatched_tokens"] == 0.0
+        assert r["exact/checked_tokens"] == r["rollout/response_tokens"] > 0  # every sampled token, once
+        assert r["mismatch/old_vs_rollout/rho_std"] == 0.0
+        assert r["mismatch/old_vs_rollout/rho_min"] == r["mismatch/old_vs_rollout/rho_max"] == 1.0
+        assert r["routing/rollout_vs_trainer/exact_match"] == 1.0  # the sampler's routing is the old pass's
+    import pyarrow.parquet as pq
+
+    experts = set()
+    for step in range(1, 6):
+        t = pq.read_table(d / "dumps" / f"step_{step:08d}.parquet").to_pydict()
+        assert len(t["pi_infer"]) == rows[step - 1]["rollout/response_tokens"]
+        assert t["pi_infer"] == t["pi_old"] == t["pi_train"]
+        experts |= {tuple(e) for e in t["routed_experts"]}
+    assert len(experts) > 4  # routing is active: tokens went to many different expert sets
+
+
+@pytest.mark.slow
+def test_a_one_ulp_nudge_stops_the_run_on_every_rank(tmp_path):
+    """The real loop on two ranks (DP2); rank 1 moves one logged logprob by one ulp at step 2. Both ranks stop with
+    ExactMismatchError (the one whose rows were fine too: no rank is left waiting in a collective)."""
+    require(_stack_ok(), "megatron-core and vLLM")
+    from tim_megatron.run_dir import write_resolved
+
+    loaded = load_recipe(VEXACT, ["run.steps=3", "run.val_every=0", "parallel.dp=2", *QUIET])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_resolved(loaded, run_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), "nudge"]
+    res = subprocess.run(
+        [*cmd, str(tmp_path / "out"), str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    outs = [torch.load(tmp_path / "out" / f"nudge-rank{r}.pt", weights_only=False) for r in (0, 1)]
+    nudged = outs[1]["rank1"]["nudged"]
+    for r, out in enumerate(outs):
+        err = out[f"rank{r}"]
+        assert err["type"] == "ExactMismatchError", err
+        assert "step 2: 1 of " in err["message"]
+        assert f"row {nudged['row']} response token 0 (position {nudged['position']})" in err["message"]
+        assert f"vs old {nudged['before']}" in err["message"]
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+
+
+# ----------------------------------------------------------------------------------- sampling injection
+
+
+@pytest.fixture(scope="module")
+def doses(tmp_path_factory):
+    require(_stack_ok(), "megatron-core and vLLM")
+    out = tmp_path_factory.mktemp("doses")
+    res = subprocess.run(
+        [sys.executable, str(WORKER), "doses", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return torch.load(out / "doses-rank0.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["precision", "noise", "bias"])
+def test_rho_std_rises_with_the_dose(doses, kind):
+    """Zero run, then each dose: the mismatch the metrics see grows, a factor at each dose (the doses are far
+    apart: measured margins 6.8x for precision, 11x and 21x for noise, 6.6x and 5.9x for bias)."""
+    stds = [doses["zero"]["rho_std"], *(r["rho_std"] for r in doses[kind])]
+    assert stds[0] == 0.0
+    assert all(b > 2 * a for a, b in itertools.pairwise(stds)), stds
+    # The policy's own logprobs still matched the old pass bit for bit (the worker ran check_exact), while mu's
+    # logged logprobs differ from them on every token.
+    assert all(r["mu_differs"] == 1.0 for r in doses[kind])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["noise", "bias"])
+def test_injection_changes_the_tokens_and_the_gradient(doses, kind):
+    """Same step, same seeds as the zero run: at the strongest dose, tokens drawn from mu differ from those drawn
+    from pi, and so does the GRPO gradient computed on them."""
+    top = doses[kind][-1]
+    assert top["tokens_differing"] > 0 and top["grad_max_diff"] > 0, top
+
+
+@pytest.mark.slow
+def test_an_injection_moves_the_gradient_only_through_the_tokens(doses):
+    """With rl.correction.mode none the loss reads no rollout logprob: an injection changes the gradient only by
+    changing what was sampled. (A bfloat16 softmax moves a tiny model's probabilities by ~1e-3 of their CDF, so in
+    one step of 128 samples a token may or may not change: measured, none did.)"""
+    for kind in ("precision", "noise", "bias"):
+        for r in doses[kind]:
+            if r["tokens_differing"] == 0:
+                assert r["grad_max_diff"] == 0.0, r
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_logits_processor_samples_from_and_logs_mu(tmp_path):
+    """engine: vllm. vLLM's own logged logprobs are log mu for the noise the sample's seed and position give (HF's
+    float32 logits as the reference: vLLM float32 matches them to ~1e-5), far from log pi; the tokens differ from
+    the same engine's unperturbed requests with the same seeds; greedy validation sees the policy itself."""
+    require(_stack_ok(), "megatron-core and vLLM")
+    res = subprocess.run(
+        [sys.executable, str(WORKER), "vllm", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out = torch.load(tmp_path / "vllm-rank0.pt", weights_only=False)
+    assert out["tokens"] > 0
+    assert out["logged_vs_mu_max"] < 1e-3, out
+    assert out["logged_vs_pi_mean"] > 0.1, out  # logit noise of std 1: far from the policy's own logprobs
+    assert out["tokens_differing"] > 0 and out["greedy_unchanged"], out

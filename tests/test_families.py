@@ -1,0 +1,562 @@
+"""Model families (issue 15): for every supported family, on CPU with real megatron-core, vLLM and transformers.
+
+Per family, three processes: ``single`` (tests/workers/family_worker.py: every one-process check on one fp32
+trainer and one vLLM engine), ``parallel`` (the same batch under TP=2, then EP=2 x DP=2, in one torchrun of two
+processes) and the family's tiny recipe for three steps through ``tim train``. Module-scoped fixtures run each
+once; the tests below only read their results.
+
+Plus the cheap checks: the registry, config.json reading with named errors, parameter counts against
+transformers, and MLA named as the missing piece for DeepSeek-V3 / Moonlight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import require
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "family_worker.py"
+DATA = ROOT / "tests" / "data"
+
+RECIPES = {
+    "qwen3_moe": "recipes/tiny-moe/grpo.yaml",
+    "glm4_moe": "recipes/tiny-glm4-moe/grpo.yaml",
+    "mixtral": "recipes/tiny-mixtral/grpo.yaml",
+    "olmoe": "recipes/tiny-olmoe/grpo.yaml",
+}
+"""Every supported MoE family and its tiny recipe (Qwen3 dense is covered by tests/test_trainer.py)."""
+
+
+def _stack_ok() -> bool:
+    try:
+        import megatron.core  # noqa: F401
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    require(_stack_ok(), "megatron-core and vLLM")
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return res
+
+
+def _tiny_checkpoint(recipe: str) -> Path:
+    """Built once here, so the workers (and both torchrun ranks) only read it."""
+    from tim_megatron.models.tiny import ensure_tiny_checkpoint
+    from tim_megatron.recipe import load_recipe
+
+    r = load_recipe(ROOT / recipe).recipe
+    return ensure_tiny_checkpoint(
+        r.model.dims, seed=r.model.tiny_seed, warmup_steps=r.model.tiny_warmup_steps, task=r.data.task
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def family(request, tmp_path_factory):
+    """Everything the slow checks produce for one family: {name, single, parallel, rows, manifest}."""
+    name = request.param
+    recipe = RECIPES[name]
+    ck = _tiny_checkpoint(recipe)
+    out = tmp_path_factory.mktemp(name)
+    _run([sys.executable, str(WORKER), "single", recipe, str(out)])
+    single = torch.load(out / "single.pt", weights_only=False)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_port()),
+    ]
+    _run(
+        [*torchrun, str(WORKER), "parallel", recipe, str(out)],
+        env={"TIM_BATCH_SEED": str(single["batch_seed"])},
+    )
+    parallel = torch.load(out / "parallel.pt", weights_only=False)
+    runs = out / "runs"
+    fast = [
+        "logging.wandb.mode=disabled",
+        "run.val_every=0",
+        "diagnostics.dumps.every=0",
+        "checkpoint.every=0",
+    ]
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "tim_megatron.cli",
+            "train",
+            recipe,
+            "run.steps=3",
+            f"run.output_dir={runs}",
+            *fast,
+        ]
+    )
+    (run_dir,) = [p.parent for p in runs.rglob("run.json")]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from tim_megatron.rollout.sync import manifest
+
+    return {"name": name, "single": single, "parallel": parallel, "rows": rows, "manifest": manifest(ck)}
+
+
+def grad_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """As tests/test_trainer.py: the largest difference, relative to the largest entry when that exceeds 1."""
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+
+# ------------------------------------------------------------------------------------------------ slow
+
+
+@pytest.mark.slow
+def test_fixed_batch_has_no_routing_near_tie(family):
+    """Every comparison below routes the same tokens in two implementations: their top-k must be unambiguous."""
+    assert family["single"]["topk_margin"] >= 1e-4, family["single"]["topk_margin"]
+
+
+@pytest.mark.slow
+def test_megatron_and_vllm_logprobs_equal_hf_transformers_in_fp32(family):
+    s = family["single"]
+    assert s["megatron_vs_hf"] < 1e-5, s["megatron_vs_hf"]
+    assert s["entropy_vs_hf"] < 1e-5, s["entropy_vs_hf"]
+    assert s["vllm_vs_hf"] < 1e-5, s["vllm_vs_hf"]
+
+
+@pytest.mark.slow
+def test_megatron_gradients_equal_hf_transformers(family):
+    """Backward too: the same loss's gradients through HF autograd, every parameter (relative to its largest)."""
+    s = family["single"]
+    assert s["grads_compared"] == len(s["grads"]) > 0
+    assert s["grads_vs_hf"] < 1e-4, s["grads_vs_hf"]
+
+
+@pytest.mark.slow
+def test_hf_megatron_hf_round_trip_is_bit_exact(family):
+    s = family["single"]
+    assert s["roundtrip_names_equal"] and s["roundtrip_not_equal"] == [], s["roundtrip_not_equal"][:5]
+    assert s["roundtrip_tensors"] == len(family["manifest"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+def test_tp2_and_ep2_match_one_process(family, layout):
+    one, par = family["single"], family["parallel"][layout]
+    assert par["world_size"] == 2
+    assert (par["logprobs"] - one["logprobs"]).abs().max().item() < 1e-5
+    assert set(par["grads"]) == set(one["grads"])
+    worst = max(grad_error(par["grads"][k], one["grads"][k]) for k in one["grads"])
+    assert worst < 1e-5, worst
+    # Real gradients are compared: every non-expert tensor, and most experts (a few may get no token).
+    dense = {k: v for k, v in one["grads"].items() if ".experts." not in k}
+    experts = {k: v for k, v in one["grads"].items() if ".experts." in k}
+    assert all(float(v.abs().sum()) > 0 for v in dense.values()), [
+        k for k, v in dense.items() if not v.abs().sum()
+    ]
+    assert sum(float(v.abs().sum()) > 0 for v in experts.values()) >= len(experts) // 2
+
+
+@pytest.mark.slow
+def test_vllm_captured_experts_equal_hf_topk(family):
+    s = family["single"]
+    assert s["capture_shape"][1:] == (s["num_moe_layers"], 2)
+    assert s["capture_agreement_with_hf"] == 1.0
+
+
+@pytest.mark.slow
+def test_weight_sync_after_an_update_is_verified_and_exact(family):
+    s = family["single"]
+    assert s["before_sync_vllm_vs_megatron"] > 1e-3  # the update (and a moved expert bias) is visible...
+    assert s["sync_tensors"] == len(
+        family["manifest"]
+    )  # ...every checkpoint tensor is sent, the check passes...
+    assert s["after_sync_vllm_vs_megatron"] < 1e-5  # ...and vLLM (experts re-prepacked) equals the trainer
+
+
+@pytest.mark.slow
+def test_r3_replays_the_given_experts_with_the_familys_own_gating(family):
+    s = family["single"]
+    assert all(s["perturbation_changed_free_routing"])  # perturbed routers would route differently...
+    assert all(s["replayed_equal_given"])  # ...but replay uses vLLM's experts
+    assert s["gating_weight_err"] < 1e-6  # weighted by the perturbed router's own scores (sigmoid + bias too)
+    if family["name"] == "glm4_moe":  # and not by score + bias, which the check would see
+        assert s["gating_gap_if_bias_weighted"] > 1e-3, s["gating_gap_if_bias_weighted"]
+    assert all(g > 0 for g in s["router_grad_abs_sum"])  # and gradients still reach the router
+    assert s["clean_after_replay"] and s["clean_after_backward"]
+
+
+@pytest.mark.slow
+def test_tiny_recipe_runs_three_steps_with_every_sync_verified(family):
+    rows = family["rows"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sync/tensors"] == len(family["manifest"]) for r in rows)
+    # First and last syncs on a probe, the one between on the next step's own samples (bf16: tolerance 0.01).
+    assert (
+        rows[0]["sync/probe_p80_abs_prob_diff"] <= 0.01 and rows[-1]["sync/probe_p80_abs_prob_diff"] <= 0.01
+    )
+    assert all(r["sync/data_p80_abs_prob_diff"] <= 0.01 for r in rows[1:])
+
+
+# ------------------------------------------------------------------------------------------------ fast
+
+REAL = {
+    "GLM-4.5-Air": ("glm4_moe", 106_852),
+    "Mixtral-8x7B-v0.1": ("mixtral", 46_703),
+    "OLMoE-1B-7B-0924": ("olmoe", 6_919),
+    "Qwen3-235B-A22B": ("qwen3_moe", 235_094),
+}
+"""The published config.json files in tests/data/hf-configs: family, and total parameters in millions."""
+
+
+def test_registry_finds_every_family_module_by_architecture():
+    from tim_megatron.trainer.families import families, family_for_hf, family_names
+
+    fams = families()
+    assert family_names() == sorted(fams) and set(RECIPES) | {"qwen3"} <= set(fams)
+    for name, fam in fams.items():
+        assert fam.name == name
+        for arch in fam.architectures:
+            assert family_for_hf({"architectures": [arch]}) is fam
+        assert family_for_hf({"model_type": fam.model_type}) is fam
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_tiny_recipe_describes_the_familys_tiny_model(name):
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.trainer.families import get_family
+
+    dims = load_recipe(ROOT / RECIPES[name]).recipe.model.dims
+    tiny = get_family(name).tiny
+    assert dims.resolved_family == tiny.resolved_family == name
+    assert dims.model_dump(exclude={"family"}) == tiny.model_dump(exclude={"family"})
+    assert (dims.num_layers, dims.hidden_size, dims.head_dim, dims.vocab_size) == (2, 128, 32, 64)
+
+
+@pytest.mark.parametrize("name", [*sorted(RECIPES), "qwen3"])
+def test_tiny_config_reads_back_to_the_same_dims(name):
+    """family.hf_config (what the tiny checkpoint is built from) and family.read_dims are inverses."""
+    from tim_megatron.trainer.families import get_family
+    from tim_megatron.trainer.hf_config import dims_from_hf
+
+    fam = get_family(name)
+    cfg = fam.hf_config(fam.tiny).to_dict()
+    cfg["architectures"] = list(fam.architectures)
+    assert dims_from_hf(json.loads(json.dumps(cfg))) == fam.tiny
+
+
+def _hf_param_count(cfg) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(t.numel() for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("model", sorted(REAL))
+def test_real_configs_read_and_count_like_transformers(model):
+    """The plan's parameter count equals transformers' own model (built on the meta device, no memory)."""
+    from transformers import AutoConfig
+
+    from tim_megatron.trainer.families import get_family
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    family, millions = REAL[model]
+    dims = dims_from_hf(read_hf_config(DATA / "hf-configs" / model))
+    assert dims.resolved_family == family
+    count = get_family(family).params(dims)
+    assert count.total == _hf_param_count(AutoConfig.from_pretrained(DATA / "hf-configs" / model))
+    assert round(count.total / 1e6) == millions
+    assert 0 < count.active < count.total and count.routed_experts < count.total
+
+
+@pytest.mark.parametrize("name", [*sorted(RECIPES), "qwen3"])
+def test_tiny_counts_equal_transformers(name):
+    from tim_megatron.trainer.families import get_family
+
+    fam = get_family(name)
+    assert fam.params(fam.tiny).total == _hf_param_count(fam.hf_config(fam.tiny))
+
+
+def test_glm_reads_its_features_and_ignores_the_mtp_layer():
+    from tim_megatron.trainer.families import get_family
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    d = dims_from_hf(read_hf_config(DATA / "hf-configs" / "GLM-4.5-Air"))
+    assert (d.first_k_dense_layers, d.shared_expert_intermediate_size, d.partial_rotary_factor) == (
+        1,
+        1408,
+        0.5,
+    )
+    assert (d.router_score, d.router_expert_bias, d.routed_scaling_factor) == ("sigmoid", True, 1.0)
+    assert (d.attention_bias, d.qk_norm, d.num_moe_layers) == (True, "none", 45)
+    ignored = get_family("glm4_moe").ignored_hf
+    assert ignored("model.layers.46.eh_proj.weight", d) and not ignored("model.layers.45.mlp.gate.weight", d)
+
+
+def test_olmoe_and_mixtral_features():
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    o = dims_from_hf(read_hf_config(DATA / "hf-configs" / "OLMoE-1B-7B-0924"))
+    assert (o.qk_norm, o.norm_topk_prob, o.moe_intermediate_size, o.num_experts) == ("whole", False, 1024, 64)
+    m = dims_from_hf(read_hf_config(DATA / "hf-configs" / "Mixtral-8x7B-v0.1"))
+    assert (m.qk_norm, m.norm_topk_prob, m.moe_intermediate_size, m.num_experts_per_tok) == (
+        "none",
+        True,
+        14336,
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"n_group": 8, "topk_group": 4}, r"n_group = 8 is not supported: group-limited routing"),
+        (
+            {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+            r"rope_scaling.rope_type = 'yarn' is not supported",
+        ),
+        ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported"),
+    ],
+)
+def test_unsupported_features_are_named(change, match):
+    from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf, read_hf_config
+
+    cfg = {**read_hf_config(DATA / "hf-configs" / "GLM-4.5-Air"), **change}
+    with pytest.raises(UnsupportedModelError, match=match):
+        dims_from_hf(cfg)
+
+
+def test_deepseek_v3_names_mla_as_the_missing_piece():
+    from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf
+
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "kv_lora_rank": 512}
+    with pytest.raises(
+        UnsupportedModelError, match=r"DeepseekV3ForCausalLM.*multi-head latent attention \(MLA\)"
+    ):
+        dims_from_hf(cfg)
+
+
+def test_recipe_rejects_unknown_family_and_impossible_features(tmp_path):
+    from tim_megatron.recipe import RecipeError, load_recipe
+
+    tiny = ROOT / "recipes/tiny-moe/grpo.yaml"
+    with pytest.raises(
+        RecipeError, match=r"model.dims.family = 'llama' is not a known model family; allowed: .*glm4_moe"
+    ):
+        load_recipe(tiny, ["model.dims.family=llama"])
+    with pytest.raises(RecipeError, match=r"router_expert_bias = true needs router_score = sigmoid"):
+        load_recipe(tiny, ["model.dims.router_expert_bias=true"])
+    with pytest.raises(RecipeError, match=r"first_k_dense_layers = 2 leaves no MoE layer"):
+        load_recipe(tiny, ["model.dims.first_k_dense_layers=2"])
+    with pytest.raises(RecipeError, match=r"partial_rotary_factor = 0.3 x head_dim = 32 must be an even"):
+        load_recipe(tiny, ["model.dims.partial_rotary_factor=0.3"])
+    with pytest.raises(
+        RecipeError, match=r"cluster.gpu_type = 'a100-8gb'.*unknown GPU type; allowed: a100-40gb"
+    ):
+        load_recipe(tiny, ["cluster.gpu_type=a100-8gb"])
+
+
+# -------------------------------------------------------------------------------------------- new-recipe
+
+NEW_RECIPES = {
+    "GLM-4.5-Air": "glm-4.5-air",
+    "Mixtral-8x7B-v0.1": "mixtral-8x7b",
+    "OLMoE-1B-7B-0924": "olmoe-1b-7b",
+    "Qwen3-235B-A22B": "qwen3-235b-a22b",
+}
+"""Published config.json -> the recipe folder made from it and committed under recipes/."""
+
+
+def _new_recipe_cli(root: Path, name: str, hf: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tim_megatron.cli",
+            "new-recipe",
+            str(root / "qwen3-30b-a3b"),
+            name,
+            str(hf),
+            "--recipes-root",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def recipes_root(tmp_path):
+    import shutil
+
+    root = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes" / "qwen3-30b-a3b", root / "qwen3-30b-a3b")
+    return root
+
+
+@pytest.mark.parametrize("model", sorted(NEW_RECIPES))
+def test_new_recipe_from_the_published_config_fits_a100_and_h100(model, recipes_root):
+    """Issue 15: the four real configs give valid recipes whose plan fits 80 GB GPUs (nodes scaled as needed),
+    and the folders committed under recipes/ are exactly what new-recipe makes (bar the hub path)."""
+    import yaml
+
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.recipe.loader import check_dir
+    from tim_megatron.slurm.plan import estimate
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    name, hf = NEW_RECIPES[model], DATA / "hf-configs" / model
+    res = _new_recipe_cli(recipes_root, name, hf)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "fits" in res.stdout and "DOES NOT FIT" not in res.stdout
+    assert all(err is None for _, err in check_dir(recipes_root / name))
+    for gpu in ("a100-80gb", "h100-80gb"):
+        r = load_recipe(recipes_root / name / "grpo.yaml", [f"cluster.gpu_type={gpu}"]).recipe
+        plan = estimate(r)
+        assert plan.fits, (gpu, plan.problems())
+    assert r.model.dims == dims_from_hf(read_hf_config(hf))
+    assert r.parallel.world_size == r.cluster.nodes * r.cluster.gpus_per_node
+    made = yaml.safe_load((recipes_root / name / "base.yaml").read_text())
+    committed = yaml.safe_load((ROOT / "recipes" / name / "base.yaml").read_text())
+    assert committed["model"].pop("path").endswith(model.split("-0924")[0]) or model.startswith("OLMoE")
+    made["model"].pop("path")
+    assert made == committed
+    assert sorted(p.name for p in (ROOT / "recipes" / name).glob("*.yaml")) == sorted(
+        p.name for p in (recipes_root / name).glob("*.yaml")
+    )
+
+
+def test_new_recipe_scales_nodes_and_says_why(recipes_root):
+    """Qwen3-235B-A22B on the 30B recipe's 4 nodes needs 169 GiB per GPU; the search doubles the nodes and the
+    header says why each smaller size did not fit."""
+    from tim_megatron.recipe import load_recipe
+
+    res = _new_recipe_cli(recipes_root, "big", DATA / "hf-configs" / "Qwen3-235B-A22B")
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = load_recipe(recipes_root / "big" / "grpo.yaml").recipe
+    assert r.cluster.nodes > 4
+    header = (recipes_root / "big" / "base.yaml").read_text()
+    assert "# did not fit: 4 node(s) x 8 a100-80gb" in header and "trainer state" in header
+    assert "spans nodes: each engine is 2 whole nodes" in res.stdout  # said, not hidden
+
+
+def _config(**change) -> dict:
+    cfg = json.loads((DATA / "hf-configs" / "Qwen3-235B-A22B" / "config.json").read_text())
+    for k, v in change.items():
+        if v is None:
+            del cfg[k]
+        else:
+            cfg[k] = v
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("{not json", r"not valid JSON: Expecting property name .* line 1 column 2"),
+        ("[1, 2]", r"top level is a JSON list; allowed: a JSON object"),
+        (json.dumps(_config(hidden_size=None)), r"key 'hidden_size' is missing"),
+        (json.dumps(_config(hidden_size="4096")), r"hidden_size = '4096': allowed: an integer >= 1"),
+        (json.dumps(_config(num_experts=True)), r"num_experts = True: allowed: an integer >= 1"),
+        (
+            json.dumps(_config()).replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": Infinity'),
+            r"rms_norm_eps = inf: allowed: a finite number > 0",
+        ),
+        (
+            json.dumps(_config(hidden_size=10**12)),
+            r"hidden_size = 1000000000000: Input should be less than or equal to 131072 \(model.dims.hidden_size",
+        ),
+        (
+            json.dumps(_config(num_hidden_layers=10**12)),
+            r"num_hidden_layers = 1000000000000: .*less than or equal",
+        ),
+        (json.dumps(_config(architectures=["LlamaForCausalLM"])), r"'LlamaForCausalLM'.*is not supported"),
+    ],
+    ids=[
+        "bad-json",
+        "list",
+        "missing-key",
+        "string",
+        "bool",
+        "infinity",
+        "huge-width",
+        "huge-depth",
+        "unknown-arch",
+    ],
+)
+def test_new_recipe_names_the_bad_key(text, match, recipes_root, tmp_path):
+    """Issue 14 (findings 7 and 8): each bad config.json is a named error, and no folder appears."""
+    from tim_megatron.recipe import RecipeError
+    from tim_megatron.slurm.new_recipe import new_recipe
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(text)
+    with pytest.raises(RecipeError, match=match) as e:
+        new_recipe(recipes_root / "qwen3-30b-a3b", "x", tmp_path / "hf", recipes_root=recipes_root)
+    assert str(tmp_path / "hf") in str(e.value)
+    assert sorted(p.name for p in recipes_root.iterdir()) == ["qwen3-30b-a3b"]
+
+
+def test_new_recipe_path_errors_are_named_without_a_traceback(recipes_root, tmp_path):
+    (tmp_path / "hf" / "config.json").mkdir(parents=True)
+    res = _new_recipe_cli(recipes_root, "x", tmp_path / "hf" / "config.json")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "config.json: is a directory, not a config.json file" in res.stdout + res.stderr
+    from tim_megatron.recipe import RecipeError
+    from tim_megatron.slurm.new_recipe import new_recipe
+
+    nope = tmp_path / "nope"  # was a raw "[Errno 2]"
+    with pytest.raises(
+        RecipeError, match=rf"--recipes-root = '{nope}': no such folder; allowed: an existing folder"
+    ):
+        new_recipe(
+            recipes_root / "qwen3-30b-a3b", "x", DATA / "hf-configs" / "OLMoE-1B-7B-0924", recipes_root=nope
+        )
+    assert not nope.exists()
+
+
+def test_glm_mtp_tensors_are_neither_loaded_nor_synced(tmp_path):
+    """A GLM-4.5 checkpoint stores its multi-token-prediction layer as layer num_hidden_layers: the sync manifest
+    leaves it out (the trainer never holds it), and every other tensor stays in."""
+    from safetensors.torch import load_file, save_file
+
+    from tim_megatron.models.tiny import ensure_tiny_checkpoint
+    from tim_megatron.rollout.sync import manifest
+    from tim_megatron.trainer.families import get_family
+
+    dims = get_family("glm4_moe").tiny
+    ck = ensure_tiny_checkpoint(dims, warmup_steps=0, root=tmp_path / "cache")
+    plain = manifest(ck)
+    tensors = load_file(str(ck / "model.safetensors"))
+    mtp = {
+        "model.layers.2.eh_proj.weight": torch.zeros(128, 256),
+        "model.layers.2.enorm.weight": torch.ones(128),
+    }
+    save_file({**tensors, **mtp}, str(ck / "model.safetensors"))
+    assert manifest(ck) == plain and len(plain) == len(tensors)

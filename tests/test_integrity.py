@@ -1,0 +1,447 @@
+"""Integrity of runs (issue 14, findings 3 to 6 and part of 8), with real megatron-core, vLLM, wandb and tmpfs.
+
+* one owner for a run's status: a failure at any point, start-up included, is ``failed`` with its reason;
+* the NaN guard checkpoints the last good state and stops with a message;
+* a run folder is locked (its holder named) and resuming it with another recipe is refused or recorded;
+* checkpoints and the tiny-model cache are checksummed: flipped bits are found, a bad latest checkpoint falls
+  back to the newest good one, a bad cache is rebuilt;
+* wandb without a network falls back to offline at once, a full disk is a failure with a reason, and no
+  process outlives a run that was killed or failed.
+
+The Slurm side (a resume that fails at start-up is not requeued forever, the requeue cap) is in test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require
+from tests.test_loop import FAST, ROOT, TIM, metrics, tim_train
+
+GRPO = "recipes/tiny-moe/grpo.yaml"
+CKPT = ["checkpoint.every=1", "checkpoint.keep=3"]
+
+
+def _meta(d: Path) -> dict:
+    return json.loads((d / "run.json").read_text())
+
+
+def _flip(path: Path, at: int, n: int = 8) -> None:
+    """Flip every bit of ``n`` bytes at ``at``."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        data = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _lm_head(ck: Path):
+    """(file, offset, length) of the LM-head weight inside a megatron dist checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ck)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "output_layer.weight")
+    return ck / info.relative_path, info.offset, info.length
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A completed 3-step tiny GRPO run with checkpoints at steps 1, 2 and 3 (tests copy it)."""
+    d = tmp_path_factory.mktemp("trained") / "run"
+    tim_train([GRPO, "run.steps=3", *FAST[:3], *CKPT, "--run-dir", str(d)], d.parent)
+    return d
+
+
+def _copy(trained: Path, tmp: Path) -> Path:
+    d = tmp / "run"
+    shutil.copytree(trained, d)
+    return d
+
+
+# ------------------------------------------------------------------------------ finding 6: checksums
+
+
+def test_flipped_bits_in_the_lm_head_are_detected_and_skipped(trained, tmp_path):
+    from tim_megatron.integrity import IntegrityWarning
+    from tim_megatron.trainer.checkpoint import CheckpointError, latest_good_checkpoint, verify_checkpoint
+
+    d = _copy(trained, tmp_path)
+    root = d / "checkpoints"
+    steps = [root / f"step_0000000{i}" for i in (1, 2, 3)]
+    assert all(verify_checkpoint(p) == [] for p in steps)
+    f, offset, length = _lm_head(steps[2])
+    _flip(f, offset + length // 2)
+    assert verify_checkpoint(steps[2]) == [
+        f"{f.name}: sha256 mismatch (the content changed after it was written)"
+    ]
+    with pytest.warns(IntegrityWarning, match="step_00000003 is corrupt"):
+        assert latest_good_checkpoint(root) == steps[1]
+    for p in steps[:2]:
+        _flip(*_lm_head(p)[:2])
+    with pytest.warns(IntegrityWarning), pytest.raises(CheckpointError, match="every checkpoint failed"):
+        latest_good_checkpoint(root)
+
+
+def test_a_truncated_latest_checkpoint_resumes_from_the_older_one(trained, tmp_path):
+    d = _copy(trained, tmp_path)
+    f = d / "checkpoints" / "step_00000003" / "__0_1.distcp"
+    os.truncate(f, f.stat().st_size // 2)
+    res = tim_train(["--resume", str(d)], tmp_path)
+    out = res.stdout + res.stderr
+    assert "step_00000003 is corrupt, skipping it: __0_1.distcp" in out and "truncated?" in out, out[-3000:]
+    assert "resuming from the newest intact checkpoint" in out
+    meta = _meta(d)
+    assert meta["status"] == "completed" and meta["resumed_from"].endswith("step_00000002"), meta
+    assert [r["step"] for r in metrics(d)] == [1, 2, 3]
+    from tim_megatron.trainer.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(d / "checkpoints" / "step_00000003") == []  # written again, whole
+
+
+def test_a_run_whose_only_checkpoint_is_corrupt_fails_by_name(trained, tmp_path):
+    d = _copy(trained, tmp_path)
+    for p in ("step_00000001", "step_00000002"):
+        shutil.rmtree(d / "checkpoints" / p)
+    f, offset, length = _lm_head(d / "checkpoints" / "step_00000003")
+    _flip(f, offset + length // 2)
+    res = tim_train(["--resume", str(d)], tmp_path, check=False)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "every checkpoint failed verification" in res.stderr and "sha256 mismatch" in res.stderr
+    assert "Traceback" not in res.stderr
+    meta = _meta(d)
+    assert meta["status"] == "failed" and "sha256 mismatch" in meta["reason"], meta
+
+
+def test_flipped_bits_in_the_tiny_model_cache_trigger_a_rebuild(tmp_path):
+    from tim_megatron.integrity import IntegrityWarning
+    from tim_megatron.models.tiny import ensure_tiny_checkpoint, verify_tiny_checkpoint
+    from tim_megatron.recipe.schema import ModelDims, TaskConfig
+
+    args = dict(warmup_steps=2, task=TaskConfig(max_operand=4), root=tmp_path / "cache")
+    folder = ensure_tiny_checkpoint(ModelDims(), **args)
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    assert verify_tiny_checkpoint(folder) == []
+    _flip(weights, len(good) // 2)
+    assert verify_tiny_checkpoint(folder) == ["model.safetensors: sha256 mismatch"]
+    with pytest.warns(IntegrityWarning, match=r"corrupt \(model.safetensors: sha256 mismatch\): rebuilding"):
+        assert ensure_tiny_checkpoint(ModelDims(), **args) == folder
+    assert weights.read_bytes() == good  # the build is deterministic: the rebuilt cache is the original
+    (folder / "tokenizer.json").unlink()
+    with pytest.warns(IntegrityWarning, match="tokenizer.json: missing"):
+        ensure_tiny_checkpoint(ModelDims(), **args)
+    assert verify_tiny_checkpoint(folder) == []
+
+
+# --------------------------------------------------------------------- finding 5: run folders protected
+
+
+def test_the_run_lock_names_its_holder_and_dies_with_it(tmp_path):
+    from tim_megatron.run_lock import RunFolderBusy, hold
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from tim_megatron.run_lock import hold; hold(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(600)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(
+            RunFolderBusy, match=f"in use by pid {holder.pid} on {socket.gethostname()} since "
+        ):
+            hold(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    hold(tmp_path).release()  # SIGKILL released it: no stale lock
+
+
+def test_two_runs_in_one_folder_the_second_stops_at_once(tmp_path):
+    """The same command twice on one folder: on main both trained, interleaving their rows in metrics.jsonl."""
+    d = tmp_path / "run"
+    args = [GRPO, "run.steps=60", *FAST, "--run-dir", str(d)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(
+        [*TIM, "train", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        t0 = time.time()
+        while not (d / "metrics.jsonl").exists() or '"step": 1' not in (d / "metrics.jsonl").read_text():
+            assert first.poll() is None and time.time() - t0 < 300, "the first run did not start training"
+            time.sleep(0.2)
+        second = subprocess.run(
+            [*TIM, "train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert first.poll() is None, "the second run ended only after the first one"
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"in use by pid {first.pid} on {socket.gethostname()} since" in second.stderr
+        assert "Traceback" not in second.stderr
+        _, err = first.communicate(timeout=600)
+        assert first.returncode == 0, err[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert [r["step"] for r in metrics(d)] == list(range(1, 61))  # its own rows, once each
+    assert _meta(d)["status"] == "completed" and _meta(d)["pid"] == first.pid
+
+
+def test_resume_with_a_changed_recipe_is_refused_or_recorded(trained, tmp_path):
+    d = _copy(trained, tmp_path)
+    same = [GRPO, "run.steps=3", *FAST[:3], *CKPT, "--run-dir", str(d)]
+    recipe_before = (d / "recipe.yaml").read_text()
+
+    res = tim_train([*same, "run.steps=4", "optim.lr=5e-4"], tmp_path, check=False)
+    assert res.returncode == 2, res.stderr[-2000:]
+    err = " ".join(res.stderr.split())
+    assert "2 key(s) differ" in err and "optim.lr: 0.001 -> 0.0005" in err and "run.steps: 3 -> 4" in err
+    assert "--allow-recipe-change" in err
+    assert (d / "recipe.yaml").read_text() == recipe_before and _meta(d)["status"] == "completed"
+
+    res = tim_train([*same, "model.dims.num_experts=4", "--allow-recipe-change"], tmp_path, check=False)
+    assert res.returncode == 2 and "cannot change under a checkpoint: model.dims.num_experts" in res.stderr
+
+    tim_train([*same, "run.steps=4", "optim.lr=5e-4", "--allow-recipe-change"], tmp_path)
+    rows = metrics(d)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["actor/lr"] for r in rows] == [1e-3, 1e-3, 1e-3, 5e-4]
+    (change,) = _meta(d)["recipe_changes"]
+    assert change["from_step"] == 4
+    assert change["changes"] == {"optim.lr": [0.001, 0.0005], "run.steps": [3, 4]}
+    from tim_megatron.run_dir import load_run
+
+    assert load_run(d).recipe.optim.lr == 5e-4
+
+
+def test_submit_resume_with_a_changed_recipe_renders_the_job_again(tmp_path):
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.run_dir import RecipeChangeError, adopt_recipe_for_job
+    from tim_megatron.slurm.submit import prepare
+
+    d, _ = prepare(load_recipe(ROOT / GRPO, ["cluster.time=01:00:00"]), output_dir=tmp_path)
+    assert "#SBATCH --time=01:00:00" in (d / "job.sbatch").read_text()
+    longer = load_recipe(ROOT / GRPO, ["cluster.time=05:00:00"])
+    with pytest.raises(RecipeChangeError, match=r'cluster.time: "01:00:00" -> "05:00:00"'):
+        adopt_recipe_for_job(d, longer)
+    assert adopt_recipe_for_job(d, longer, allow_change=True) == {"cluster.time": ("01:00:00", "05:00:00")}
+    assert "#SBATCH --time=05:00:00" in (d / "job.sbatch").read_text()
+    assert _meta(d)["recipe_changes"][0]["changes"] == {"cluster.time": ["01:00:00", "05:00:00"]}
+
+
+def test_a_different_model_shape_under_a_checkpoint_is_a_named_error(trained, tmp_path):
+    d = _copy(trained, tmp_path)
+    text = (d / "recipe.yaml").read_text()
+    assert "    num_experts: 8\n" in text
+    (d / "recipe.yaml").write_text(text.replace("    num_experts: 8\n", "    num_experts: 4\n"))  # by hand
+    res = tim_train(["--resume", str(d)], tmp_path, check=False)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "CheckpointError" in res.stderr and "model.dims.num_experts: 8 -> 4" in res.stderr
+    assert "Traceback" not in res.stderr
+    meta = _meta(d)
+    assert meta["status"] == "failed" and "model.dims.num_experts: 8 -> 4" in meta["reason"]
+
+
+# -------------------------------------------------------------------------- findings 3, 4 and 8: status
+
+
+def test_a_start_up_failure_sets_failed_with_its_reason(tmp_path):
+    d = tmp_path / "run"
+    res = tim_train(
+        [GRPO, *FAST, f"model.path={tmp_path / 'missing-model'}", "--run-dir", str(d)], tmp_path, check=False
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    meta = _meta(d)
+    assert meta["status"] == "failed" and "missing-model: no such checkpoint folder" in meta["reason"], meta
+
+
+def test_the_nan_guard_checkpoints_the_last_good_state_and_stops(tmp_path):
+    # sigma = inf makes every token weight +-inf, so every update's loss is non-finite whatever is sampled.
+    # Two updates per step and nan_guard_max = 5: the 6th non-finite update, in step 3, aborts.
+    d = tmp_path / "run"
+    inf = ["diagnostics.objective_injection.type=unbiased", "diagnostics.objective_injection.sigma=.inf"]
+    guard = ["rl.minibatches=2", "trainer.nan_guard_max=5"]
+    res = tim_train([GRPO, "run.steps=8", *FAST, *inf, *guard, "--run-dir", str(d)], tmp_path, check=False)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    err = " ".join(res.stderr.split())
+    assert "NonFiniteAbort: 6 consecutive updates had non-finite loss or gradients" in err
+    assert "last good state checkpointed" in err and "step_00000002" in err
+    meta = _meta(d)
+    assert meta["status"] == "failed" and meta["reason"].startswith("NonFiniteAbort") and meta["step"] == 3
+    assert [r["step"] for r in metrics(d)] == [1, 2]
+    from tim_megatron.trainer.checkpoint import latest_good_checkpoint
+
+    ck = latest_good_checkpoint(d / "checkpoints")
+    state = json.loads((ck / "state.json").read_text())
+    assert ck.name == "step_00000002" and state["step"] == 2
+    assert state["updates"] == 0  # every update was skipped: the checkpoint holds the untouched weights
+
+
+def test_the_run_status_owner_records_failures_and_requeue_marks(tmp_path, monkeypatch):
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.run_dir import DiskFullError, attempt, mark_finished, write_resolved
+
+    d = tmp_path / "run"
+    d.mkdir()
+    write_resolved(load_recipe(ROOT / GRPO), d)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    with pytest.raises(KeyError), attempt(d):
+        assert _meta(d)["status"] == "running" and _meta(d)["attempt"] == "77.0"
+        raise KeyError("boom")
+    assert _meta(d)["status"] == "failed" and _meta(d)["reason"] == "KeyError: 'boom'"
+    with pytest.raises(DiskFullError, match="is full"), attempt(d):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert _meta(d)["reason"].startswith("disk full (No space left on device): OSError")
+    with attempt(d):
+        mark_finished(d, "preempted", step=5, wall_seconds=1.0, max_requeues=3)
+    assert _meta(d)["status"] == "preempted" and _meta(d)["requeue_attempt"] == "77.0"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    with attempt(d):
+        assert _meta(d)["requeue_attempt"] is None  # an earlier attempt's mark never carries over
+        mark_finished(d, "preempted", step=6, wall_seconds=1.0, max_requeues=3)
+    assert _meta(d)["requeue_attempt"] is None and _meta(d)["requeue"].startswith("refused")
+
+
+# ------------------------------------------------------------------------------------- finding 8: faults
+
+
+def test_wandb_with_no_network_falls_back_to_offline_at_once(tmp_path):
+    require(os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"), "root, unshare and ip")
+    script = (
+        "import json, sys, warnings; from pathlib import Path; "
+        "from tim_megatron.recipe import load_recipe; from tim_megatron.logging.tracker import Tracker; "
+        "warnings.simplefilter('always'); r = load_recipe('recipes/tiny-moe/grpo.yaml').recipe; "
+        "t = Tracker(r, run_dir=Path(sys.argv[1]), name='x/y', run_id='nonet1', enabled=True); "
+        "t.log(1, {'a': 1.0}); mode = t.wandb.settings.mode if t.wandb else None; t.close(); print(json.dumps(mode))"
+    )
+    env = {**os.environ, "WANDB_API_KEY": "0" * 40, "PYTHONPATH": str(ROOT)}
+    env.pop("WANDB_MODE", None)
+    # A network namespace with loopback only: no route anywhere, as on a compute node without internet.
+    res = subprocess.run(
+        [
+            "unshare",
+            "--net",
+            "sh",
+            "-c",
+            'ip link set lo up && exec "$0" -c "$1" "$2"',
+            sys.executable,
+            script,
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,  # a hang guard: wandb's own init waits 90 s and then raises
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == "offline"
+    assert "cannot be reached" in res.stderr and "logging offline" in res.stderr
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_a_full_disk_fails_the_run_with_a_reason(tmp_path):
+    require(os.geteuid() == 0 and shutil.which("mount"), "root and mount (for a small tmpfs)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # 12 MiB: room for one 7.4 MB checkpoint of the tiny model, not for the second.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], check=True)
+    try:
+        d = disk / "run"
+        res = tim_train(
+            [GRPO, "run.steps=6", *FAST[:3], "checkpoint.every=1", "--run-dir", str(d)], tmp_path, check=False
+        )
+        meta = _meta(d)
+        assert res.returncode == 2, (meta, res.stderr[-3000:])
+        assert "is full" in res.stderr and "Traceback" not in res.stderr
+        assert meta["status"] == "failed" and meta["reason"].startswith("disk full"), meta
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("victim", ["launcher", "rank"])
+def test_no_process_outlives_a_killed_or_failed_run(tmp_path, victim):
+    """kill -9 of `tim train --nproc 2` (a dead launcher), or of one of its ranks (a fatal error in a rank).
+
+    The real default path: each rank holds its in-process vLLM engine (issue 14 saw an orphan engine process of
+    about 330 MB after a kill -9, when the engine still ran in processes of its own)."""
+    import psutil
+
+    d = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            *TIM,
+            "train",
+            "recipes/tiny-moe/grpo.yaml",
+            "--nproc",
+            "2",
+            "run.steps=500",
+            *FAST[1:],
+            "logging.wandb.mode=offline",
+            "--run-dir",
+            str(d),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    family: list[psutil.Process] = []
+    try:
+        t0 = time.time()
+        while not (d / "metrics.jsonl").exists() or '"step": 1' not in (d / "metrics.jsonl").read_text():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() - t0 < 400, "no step logged"
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        ranks = {_rank_of(p): p for p in family if "tim_megatron.cli" in p.cmdline()}
+        assert {"0", "1"} <= ranks.keys(), [p.cmdline() for p in family]
+        os.kill(proc.pid if victim == "launcher" else ranks["1"].pid, signal.SIGKILL)
+        code = proc.wait(timeout=300)
+        _, alive = psutil.wait_procs(family, timeout=60)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        if victim == "rank":
+            assert code != 0
+            meta = _meta(d)
+            # rank 0 records the error it saw (its peer gone), or the launcher its exit code: never "running"
+            assert meta["status"] == "failed" and meta["reason"], meta
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in family:
+            if p.is_running():
+                p.kill()
+
+
+def _rank_of(p) -> str | None:
+    import psutil
+
+    try:
+        return p.environ().get("RANK")
+    except psutil.Error:
+        return None

@@ -1,0 +1,365 @@
+"""Exact zero-mismatch sampling (``diagnostics.vexact: exact``): the trainer samples from its own training forward.
+
+Every sampled token's logged logprob equals the old-logprob pass's bit for bit, and the loop checks it
+(:func:`check_exact`). What that takes, measured on this CPU (``python -m tim_megatron.bench exact``):
+
+* A causal forward gives position t the same bits whatever sits after t only if every kernel is invariant to the
+  rows around a row. At a FIXED shape they are: a float32 or bfloat16 ``linear`` gave all 512 rows the same bits
+  when every other row changed or the rows were permuted; ``bmm`` did not depend on the batch count; masked
+  attention keys with other values changed nothing; ``log_softmax`` over one row equals that row inside 4096.
+* Across shapes they are not: a float32 ``linear`` gives the last ``M % 4`` rows other bits when its row count
+  M is below 12. The MoE experts' row counts depend on the routing of the whole micro-batch, so the default
+  (sparse) path changed 47 of 3,757 logprobs (fp32, 16 x 24) between a full forward and the same rows with their
+  future replaced by padding; the dense shape-invariant path (``patches/megatron/shape_invariant_moe.py``)
+  changed none.
+
+Hence design (a) of issue 13, not (b): a KV-cached decode would need every kernel to be invariant across shapes
+(row counts 1 vs W, softmax and ``P @ V`` over t vs W keys), which these kernels are not; (a) needs only the
+fixed-shape invariance measured above. Each micro-batch the old-logprob pass will run (the same rows, in the
+same order, :meth:`MegatronTrainer.micro_batches`) is generated at the same width W
+(:meth:`MegatronTrainer.exact_width`: the step's longest prompt plus ``rollout.max_tokens``, rounded for TP), one
+full forward per generated token, rows that finished staying in place. Each forward runs the trainer's own
+chunked head (:func:`tim_megatron.trainer.logprobs.token_logprobs`); this module's :class:`_Chooser` samples from a
+chunk's logits and the cross-entropy line the old pass uses computes the sampled token's logprob from the same
+logits. Cost: about one training forward per generated token (``make bench``'s ``exact`` ratio).
+
+Layout: one engine per data-parallel rank (its TP ranks together), generating exactly the rows that rank trains.
+Sampling injection (``diagnostics.sampling_injection``, engine ``trainer``): tokens are drawn from mu =
+perturb(pi) (:func:`tim_megatron.algo.injection.perturbed_logprobs`) and ``Sample.logprobs`` are log mu;
+``Sample.policy_logprobs`` keep pi's, which the exact check compares with the old pass. Greedy validation uses
+pi itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tim_megatron.algo.injection import perturbed_logprobs, sampling_noise
+from tim_megatron.rollout.base import FleetLayout, GenerationStats, RolloutInputError, Sample, sample_seed
+
+if TYPE_CHECKING:
+    from tim_megatron.recipe.schema import SamplingInjection
+
+
+class ExactMismatchError(RuntimeError):
+    """A sampled token's logged logprob differs from the old-logprob pass's (exact mode): the run stops."""
+
+
+class ExactSampler:
+    """This rank's share of exact sampling: the rows its data-parallel rank trains (see the module docstring)."""
+
+    shares_trainer_weights = True
+
+    def __init__(self, trainer, *, eos_id: int, injection: SamplingInjection | None = None):
+        """``injection``: the sampling injection (default: the recipe's ``diagnostics.sampling_injection``)."""
+        self.trainer = trainer
+        self.recipe = trainer.recipe
+        self.eos_id = eos_id
+        self.injection = injection or trainer.recipe.diagnostics.sampling_injection
+        self.capture = trainer.recipe.capture_routed_experts and trainer.replay_enabled
+        """Record the experts of every input position (needs the trainer's replay hooks: router_replay r2)."""
+        self.layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=trainer.tp)
+        self.engine_index = self.layout.engine_of(trainer.rank)
+        if self.engine_index != trainer.dp_rank:
+            raise RuntimeError(
+                f"exact sampler: rank {trainer.rank} is in data-parallel rank {trainer.dp_rank}, but the fleet "
+                f"layout puts it in engine {self.engine_index} (TP ranks must be consecutive)"
+            )
+
+    # ------------------------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        step: int,
+        first_index: int = 0,
+        n: int | None = None,
+        greedy: bool = False,
+    ) -> tuple[list[list[Sample]], GenerationStats]:
+        r = self.recipe.rollout
+        n = r.n if n is None else n
+        cap = self.recipe.data.max_prompt_tokens
+        for i, p in enumerate(prompts):
+            if not p or len(p) > cap:
+                raise RolloutInputError(
+                    f"rollout: prompt {i} has {len(p)} tokens; allowed 1..data.max_prompt_tokens = {cap}"
+                )
+        t0 = time.perf_counter()
+        width = self.trainer.exact_width(max((len(p) for p in prompts), default=0))  # every rank calls
+        inject = None if greedy or self.injection.type == "off" else self.injection
+        seqs = [list(p) for p in prompts for _ in range(n)]
+        seeds = [
+            sample_seed(self.recipe.run.seed, step, first_index + k // n, k % n) for k in range(len(seqs))
+        ]
+        results = [_Row(len(s)) for s in seqs]
+        forwards = 0
+        for rows in self.trainer.micro_batches(len(seqs)):
+            forwards += self._micro_batch(
+                [seqs[i] for i in rows],
+                [seeds[i] for i in rows],
+                [results[i] for i in rows],
+                width,
+                greedy,
+                inject,
+            )
+        samples = [
+            Sample(
+                s[: res.prompt_len],
+                s[res.prompt_len :],
+                res.logprobs,
+                res.finish,
+                prompt_index=first_index + k // n,
+                sample_index=k % n,
+                engine=self.engine_index,
+                policy_logprobs=res.policy,
+                routed_experts=np.stack(res.routed).astype(np.int16) if res.routed else None,
+            )
+            for k, (s, res) in enumerate(zip(seqs, results, strict=True))
+        ]
+        groups = [samples[k * n : (k + 1) * n] for k in range(len(prompts))]
+        n_resp = sum(len(s.response_ids) for s in samples)
+        n_prompt = sum(len(p) for p in prompts) * n
+        stats = GenerationStats(
+            seconds=time.perf_counter() - t0,
+            prompt_tokens=n_prompt,
+            response_tokens=n_resp,
+            extra={"forwards": forwards, "width": width},
+        )
+        return groups, stats
+
+    def _micro_batch(self, seqs, seeds, results, width: int, greedy: bool, inject) -> int:
+        """Generate one micro-batch in place (``seqs`` grow); returns the number of forwards."""
+        budget = self.recipe.rollout.max_tokens
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)] = torch.tensor(s)
+        forwards = 0
+        while True:
+            active = [row for row, res in enumerate(results) if res.finish is None]
+            if not active:
+                return forwards
+            chooser = _Chooser(
+                trainer=self.trainer,
+                rows=active,
+                lengths=[len(seqs[row]) for row in active],
+                generators=[gens[row] for row in active],
+                seeds=[seeds[row] for row in active],
+                positions=[len(results[row].logprobs) for row in active],
+                greedy=greedy,
+                injection=inject,
+            )
+            lp, routed = self.trainer.sample_forward(ids, chooser, record=self.capture)
+            forwards += 1
+            for k, row in enumerate(active):
+                tok, pos = chooser.tokens[k], len(seqs[row])
+                res = results[row]
+                if routed is not None:  # positions up to the one that predicted this token
+                    res.routed.extend(routed[:, row, len(res.routed) : pos].permute(1, 0, 2).numpy())
+                seqs[row].append(tok)
+                ids[row, pos] = tok
+                # The logprob from the old pass's own cross-entropy line, on this forward's logits.
+                policy = float(lp[row, pos])
+                res.policy.append(policy)
+                res.logprobs.append(policy if chooser.mu_logprobs is None else chooser.mu_logprobs[k])
+                if tok == self.eos_id:
+                    res.finish = "stop"
+                elif len(res.logprobs) >= budget:
+                    res.finish = "length"
+
+    # ---------------------------------------------------------------------------- the rest of the protocol
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The trainer's logprobs at T = 1 (position 0: 0.0)."""
+        from tim_megatron.trainer.engine import SeqBatch
+
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s)] = torch.tensor(s)
+        head = self.trainer.head
+        self.trainer.with_head(temperature=1.0)
+        try:
+            lp, _ = self.trainer.logprobs(SeqBatch(ids, torch.tensor([len(s) for s in sequences])))
+        finally:
+            self.trainer.head = head
+        return [lp.logprobs[i, : len(s)].tolist() for i, s in enumerate(sequences)]
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to load: the sampler runs on the trainer's parameters."""
+
+    def sleep(self, level: int) -> None:
+        """Nothing to release."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Nothing to take back."""
+
+    def reset_prefix_cache(self) -> None:
+        """No cache: one full forward per generated token."""
+
+    def head_dtype(self) -> str:
+        from tim_megatron.trainer.logprobs import head_gemm, head_weight
+
+        w = head_weight(self.trainer.model)
+        with torch.no_grad():
+            return str(head_gemm(torch.zeros(1, w.shape[1], dtype=w.dtype), w, self.trainer.head).dtype)
+
+    def describe(self) -> dict:
+        return {
+            "engine": self.engine_index,
+            "ranks": list(self.layout.ranks_of(self.engine_index)),
+            "rank": self.trainer.rank,
+            "device": "trainer (exact)",
+            "tensor_parallel_size": self.trainer.tp,
+        }
+
+    def close(self) -> None:
+        pass
+
+
+class _Row:
+    """One sequence's generation so far."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len = prompt_len
+        self.logprobs: list[float] = []
+        self.policy: list[float] = []
+        self.routed: list = []
+        """``[layers, k]`` expert ids per input position, when captured."""
+        self.finish: str | None = None
+
+
+class _Chooser:
+    """A :class:`~tim_megatron.trainer.logprobs.ChunkSampler` for one forward: each active row's next token, from
+    the logits of the position predicting it (its last token's)."""
+
+    def __init__(
+        self,
+        *,
+        trainer,
+        rows: list[int],
+        lengths: list[int],
+        generators: list[torch.Generator],
+        seeds: list[int],
+        positions: list[int],
+        greedy: bool,
+        injection: SamplingInjection | None,
+    ):
+        self.trainer = trainer
+        self.rows = rows
+        self.pred = [length - 1 for length in lengths]  # the position whose logits predict the next token
+        self.generators = generators
+        self.seeds = seeds
+        self.positions = positions
+        self.greedy = greedy
+        self.injection = injection
+        self.tokens: list[int] = [-1] * len(rows)
+        self.mu_logprobs: list[float] | None = None if injection is None else [0.0] * len(rows)
+
+    def wants(self, start: int, stop: int) -> bool:
+        return any(start <= p < stop for p in self.pred)
+
+    def choose(self, start: int, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        here = [k for k, p in enumerate(self.pred) if start <= p < start + logits.shape[0]]
+        pos = torch.tensor([self.pred[k] - start for k in here])
+        rows = torch.tensor([self.rows[k] for k in here])
+        z = _full_vocab(logits[pos, rows].float())  # [k, V]: a copy (the cross-entropy consumes ``logits``)
+        tr = self.trainer
+        temperature = tr.recipe.rollout.temperature
+        z = z * (tr.head.temperature / temperature)  # the head divided by its own temperature already
+        targets = targets.clone()
+        for j, k in enumerate(here):
+            if self.greedy:
+                tok = int(z[j].argmax())
+            elif self.injection is None:
+                tok = int(torch.multinomial(torch.softmax(z[j], -1), 1, generator=self.generators[k]))
+            else:
+                inj = self.injection
+                noise = None
+                if inj.type == "noise":
+                    noise = sampling_noise(
+                        seed=inj.seed,
+                        sample_seed=self.seeds[k],
+                        position=self.positions[k],
+                        vocab=z.shape[-1],
+                    )
+                logmu = perturbed_logprobs(
+                    logits=z[j],
+                    kind=inj.type,
+                    dtype=inj.dtype,
+                    std=inj.std,
+                    delta=inj.delta,
+                    pi_low=inj.pi_low,
+                    noise=noise,
+                )
+                tok = int(torch.multinomial(torch.exp(logmu), 1, generator=self.generators[k]))
+                self.mu_logprobs[k] = float(logmu[tok])
+            self.tokens[k] = tok
+            targets[pos[j], rows[j]] = tok
+        return targets
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+
+
+def _full_vocab(local: torch.Tensor) -> torch.Tensor:
+    """``[k, V / tp]`` vocab shards -> ``[k, V]`` on every TP rank."""
+    group, size = _tp_group()
+    if size == 1:
+        return local.cpu()
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, -1).cpu()
+
+
+# ------------------------------------------------------------------------------------------------- check
+
+
+def check_exact(
+    *,
+    step: int,
+    rows: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    old: torch.Tensor,
+    sampled: torch.Tensor,
+    mask: torch.Tensor,
+    group=None,
+    show: int = 3,
+) -> dict[str, float]:
+    """Every response token's sampled logprob must equal the old pass's bit for bit; every rank of ``group`` (the
+    data-parallel group: each row counted once) calls.
+
+    ``old`` and ``sampled`` are ``[n, L]`` (this rank's rows; ``rows`` their global indices). Raises
+    :class:`ExactMismatchError` on every rank, naming the step, the row and the position of the first tokens that
+    differ, when any rank found one; else returns the counts."""
+    m = mask.bool()
+    bad = (old != sampled) & m
+    found = [
+        f"row {int(rows[i])} response token {int(t) - int(prompt_lens[i])} (position {int(t)}): sampled "
+        f"{float(sampled[i, t]).hex()} vs old {float(old[i, t]).hex()}"
+        for i, t in bad.nonzero().tolist()[:show]
+    ]
+    counts = torch.tensor([float(bad.sum()), float(m.sum())], dtype=torch.float64)
+    everyone = [found]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, found, group=group)
+    mismatched, checked = (int(x) for x in counts.tolist())
+    if mismatched:
+        where = "; ".join(f for part in everyone for f in part)
+        raise ExactMismatchError(
+            f"exact mode, step {step}: {mismatched} of {checked} sampled tokens have a rollout logprob that differs "
+            f"from the old-logprob pass (rho != 1): {where}"
+        )
+    return {"exact/mismatched_tokens": 0.0, "exact/checked_tokens": float(checked)}

@@ -1,0 +1,470 @@
+"""What every model family shares.
+
+* :class:`Family`: the spec a family module fills in (torchtitan's model-spec habit). The registry in
+  :mod:`tim_megatron.trainer.families` finds it by HF architecture name.
+* :class:`ConfigReader`: reads config.json keys with named errors (key, value, what is allowed, the fix).
+* The megatron-core side, driven by :class:`ModelDims` features: :func:`transformer_features` (the
+  ``TransformerConfig`` arguments) and :func:`layer_specs` (one layer spec per layer, dense or MoE).
+* :func:`count_params`, the parameter count behind ``tim plan``.
+* Weight rules shared by the families' tables (the table format is :mod:`tim_megatron.trainer.weights.mapping`).
+
+Nothing here imports torch or megatron at module level: ``tim plan`` and recipe validation use the registry.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tim_megatron.recipe.schema import ModelDims
+from tim_megatron.trainer.weights.mapping import Rule
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture, or one of its features, cannot be built exactly."""
+
+
+class HFConfigError(UnsupportedModelError):
+    """A config.json key is missing, of the wrong type, or has an impossible value."""
+
+
+# ------------------------------------------------------------------------------------------ the spec
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameter counts of a model, for memory planning."""
+
+    total: int
+    """Every parameter (and persistent buffer) of the HF checkpoint, MTP layers excluded."""
+    active: int
+    """Parameters one token passes through (routed experts: only its top-k)."""
+    routed_experts: int
+    """Parameters in routed experts (split over expert parallelism rather than tensor parallelism)."""
+
+    @property
+    def dense(self) -> int:
+        return self.total - self.routed_experts
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: everything the trainer, the tiny-model builder and ``tim plan`` need to know."""
+
+    name: str
+    """Registry name, also ``model.dims.family`` (e.g. ``glm4_moe``)."""
+    architectures: tuple[str, ...]
+    """HF ``architectures`` entries this family loads."""
+    model_type: str
+    """HF ``model_type`` (used when ``architectures`` is absent)."""
+    read_dims: Callable[[dict[str, Any]], ModelDims]
+    """config.json -> :class:`ModelDims`; refuses what cannot be built exactly, naming the key."""
+    hf_config: Callable[[ModelDims], Any]
+    """:class:`ModelDims` -> a transformers config object (tiny checkpoints and tests build from it)."""
+    weights: tuple[Rule, ...]
+    """HF <-> megatron-core weight table (TP/EP aware through each rule's split)."""
+    tiny: ModelDims
+    """The family's tiny test model: 2 layers, hidden 128, head_dim 32, vocab 64."""
+    transformer_config: Callable[[ModelDims], dict[str, Any]] = None  # type: ignore[assignment]
+    """:class:`ModelDims` -> megatron-core ``TransformerConfig`` arguments (default: :func:`transformer_features`)."""
+    layer_specs: Callable[[ModelDims, bool], list] = None  # type: ignore[assignment]
+    """(dims, use transformer-engine) -> one layer spec per layer (default: :func:`layer_specs`)."""
+    params: Callable[[ModelDims], ParamCount] = None  # type: ignore[assignment]
+    """:class:`ModelDims` -> parameter counts for ``tim plan`` (default: :func:`count_params`)."""
+    ignored_hf: Callable[[str, ModelDims], bool] = lambda name, dims: False
+    """HF checkpoint tensors the model deliberately does not load (e.g. a multi-token-prediction layer)."""
+    tiny_init: Callable[[Any, int], None] | None = None
+    """Extra deterministic initialization of a freshly built tiny HF model (model, seed), e.g. a non-zero
+    expert bias so the tests exercise it."""
+    notes: tuple[str, ...] = ()
+    """What the family leaves out on purpose (the README lists it too)."""
+
+    def __post_init__(self):
+        defaults = {
+            "transformer_config": transformer_features,
+            "layer_specs": layer_specs,
+            "params": count_params,
+        }
+        for k, v in defaults.items():
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, v)
+
+
+# ------------------------------------------------------------------------------------ reading config
+
+
+_REQUIRED = object()
+
+
+class ConfigReader:
+    """Typed access to a config.json dict; every failure names the key, the value, what is allowed and a fix."""
+
+    def __init__(self, cfg: dict[str, Any], where: str):
+        self.cfg = cfg
+        self.where = where
+
+    def _fail(self, key: str, value: Any, allowed: str) -> HFConfigError:
+        return HFConfigError(
+            f"{self.where}: {key} = {value!r}: allowed: {allowed} (fix: use the model's published config.json)"
+        )
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        if key in self.cfg and self.cfg[key] is not None:
+            return self.cfg[key]
+        if default is _REQUIRED:
+            raise HFConfigError(
+                f"{self.where}: key {key!r} is missing (fix: use the model's published config.json, which has it)"
+            )
+        return default
+
+    def key_of(self, *keys: str) -> str:
+        """The first of ``keys`` the config sets (configs saved by different transformers versions differ)."""
+        for k in keys:
+            if self.cfg.get(k) is not None:
+                return k
+        return keys[0]
+
+    def int(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> int:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise self._fail(key, v, f"an integer >= {minimum}")
+        return v
+
+    def float(self, key: str, default: Any = _REQUIRED) -> float:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise self._fail(key, v, "a finite number > 0")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.get(key, default)
+        if not isinstance(v, bool):
+            raise self._fail(key, v, "true or false")
+        return v
+
+    def unsupported(self, key: str, value: Any, why: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{self.where}: {key} = {value!r} is not supported: {why}")
+
+
+def dims_from_fields(r: ConfigReader, keys: dict[str, str], **fields: Any) -> ModelDims:
+    """Build :class:`ModelDims`, turning a range error into one that names the config.json key behind it."""
+    from pydantic import ValidationError
+
+    try:
+        return ModelDims(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else ""
+        key = keys.get(name, name)
+        msg = err["msg"].removeprefix("Value error, ")
+        raise HFConfigError(
+            f"{r.where}: {key} = {r.cfg.get(key, fields.get(name))!r}: {msg} (model.dims.{name}; "
+            "fix: use the model's published config.json)"
+        ) from None
+
+
+def rope_settings(r: ConfigReader) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from either config layout (top-level keys or ``rope_parameters``)."""
+    scaling = r.cfg.get("rope_scaling") or {}
+    params = r.cfg.get("rope_parameters") or {}
+    if not isinstance(scaling, dict) or not isinstance(params, dict):
+        raise r._fail("rope_scaling", scaling, "null or an object")
+    kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type") or "default"
+    if kind != "default":
+        raise r.unsupported("rope_scaling.rope_type", kind, "only default RoPE is implemented")
+    theta = (
+        r.cfg.get("rope_theta") if r.cfg.get("rope_theta") is not None else params.get("rope_theta", 10000.0)
+    )
+    partial = r.cfg.get("partial_rotary_factor")
+    if partial is None:
+        partial = params.get("partial_rotary_factor", 1.0)
+    sub = ConfigReader({"rope_theta": theta, "partial_rotary_factor": partial}, r.where)
+    return sub.float("rope_theta"), sub.float("partial_rotary_factor")
+
+
+def common_fields(r: ConfigReader) -> dict[str, Any]:
+    """The fields every family reads the same way."""
+    heads = r.int("num_attention_heads")
+    hidden = r.int("hidden_size")
+    theta, partial = rope_settings(r)
+    if hidden % heads and "head_dim" not in r.cfg:
+        raise r._fail(
+            "hidden_size", hidden, f"a multiple of num_attention_heads = {heads} when head_dim is absent"
+        )
+    return dict(
+        hidden_size=hidden,
+        num_layers=r.int("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=r.int("num_key_value_heads", heads),
+        head_dim=r.int("head_dim", hidden // heads),
+        vocab_size=r.int("vocab_size"),
+        rope_theta=theta,
+        partial_rotary_factor=partial,
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        max_position_embeddings=r.int("max_position_embeddings", 32768),
+        tie_word_embeddings=r.bool("tie_word_embeddings", False),
+    )
+
+
+COMMON_KEYS = {
+    "num_layers": "num_hidden_layers",
+}
+"""ModelDims fields whose config.json key has another name (the rest share their name)."""
+
+
+def hf_common(dims: ModelDims) -> dict[str, Any]:
+    """transformers config arguments every family's tiny model shares (the tiny tokenizer: EOS = PAD = 0)."""
+    return dict(
+        vocab_size=dims.vocab_size,
+        hidden_size=dims.hidden_size,
+        num_hidden_layers=dims.num_layers,
+        num_attention_heads=dims.num_attention_heads,
+        num_key_value_heads=dims.num_key_value_heads,
+        head_dim=dims.head_dim,
+        rms_norm_eps=dims.rms_norm_eps,
+        max_position_embeddings=dims.max_position_embeddings,
+        tie_word_embeddings=dims.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": dims.rope_theta},
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+
+
+# ------------------------------------------------------------------------------------ megatron side
+
+
+def transformer_features(dims: ModelDims) -> dict[str, Any]:
+    """megatron-core ``TransformerConfig`` arguments that follow from the architecture features."""
+    kw: dict[str, Any] = dict(
+        qk_layernorm=dims.qk_norm != "none",
+        add_qkv_bias=dims.attention_bias,
+        ffn_hidden_size=dims.intermediate_size,
+    )
+    if not dims.is_moe:
+        return kw
+    kw.update(
+        num_moe_experts=dims.num_experts,
+        moe_router_topk=dims.num_experts_per_tok,
+        moe_ffn_hidden_size=dims.moe_intermediate_size,
+        moe_router_score_function=dims.router_score,
+        # softmax: renormalized top-k (norm_topk_prob) equals a softmax over the top-k logits, megatron's
+        # pre_softmax=False; without renormalization: softmax over all experts, then top-k (pre_softmax=True).
+        # sigmoid: megatron always renormalizes the top-k scores (norm_topk_prob is required by ModelDims).
+        moe_router_pre_softmax=dims.router_score == "softmax" and not dims.norm_topk_prob,
+    )
+    if dims.first_k_dense_layers:
+        kw["moe_layer_freq"] = dims.moe_layer_pattern
+    if dims.shared_expert_intermediate_size:
+        kw["moe_shared_expert_intermediate_size"] = dims.shared_expert_intermediate_size
+    if dims.router_expert_bias:
+        # The pretrained score-correction bias is data: RL must not move it (megatron would nudge it towards
+        # balanced loads after every step, changing the routing the rollout engine was given).
+        kw.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if dims.routed_scaling_factor != 1.0:
+        kw["moe_router_topk_scaling_factor"] = dims.routed_scaling_factor
+    return kw
+
+
+def layer_specs(dims: ModelDims, use_te: bool) -> list:
+    """One megatron-core layer spec per layer: dense MLP for the leading dense layers, MoE for the rest."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from tim_megatron.trainer.norm import SequenceParallelRMSNorm, WholeProjectionRMSNorm
+
+    qk = dims.qk_norm != "none"
+
+    def one(num_experts: int | None):
+        if use_te:
+            spec = get_gpt_layer_with_transformer_engine_spec(
+                num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk
+            )
+        else:
+            spec = get_gpt_layer_local_spec(
+                num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk, normalization="RMSNorm"
+            )
+            spec.submodules.input_layernorm = SequenceParallelRMSNorm
+            spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        attn = spec.submodules.self_attention.submodules
+        if dims.qk_norm == "per_head" and not use_te:
+            attn.q_layernorm = SequenceParallelRMSNorm
+            attn.k_layernorm = SequenceParallelRMSNorm
+        elif dims.qk_norm == "whole":
+            attn.q_layernorm = ModuleSpec(module=WholeProjectionRMSNorm, params={"projection": "q"})
+            attn.k_layernorm = ModuleSpec(module=WholeProjectionRMSNorm, params={"projection": "k"})
+        return spec
+
+    if not dims.is_moe:
+        return [one(None) for _ in range(dims.num_layers)]
+    dense, moe = one(None), one(dims.num_experts)
+    return [moe if is_moe else dense for is_moe in dims.moe_layer_pattern]
+
+
+# ---------------------------------------------------------------------------------------- param count
+
+
+def count_params(d: ModelDims) -> ParamCount:
+    """Parameters of the HF checkpoint, from the architecture features (checked against transformers)."""
+    h, hd = d.hidden_size, d.head_dim
+    q, kv = d.num_attention_heads * hd, d.num_key_value_heads * hd
+    attn = h * (q + 2 * kv) + q * h
+    if d.attention_bias:
+        attn += q + 2 * kv
+    attn += {"per_head": 2 * hd, "whole": q + kv, "none": 0}[d.qk_norm]
+    layer_base = attn + 2 * h  # + input and pre-MLP norms
+    dense_mlp = 3 * h * d.intermediate_size
+    expert = 3 * h * d.moe_intermediate_size
+    moe_fixed = h * d.num_experts + (d.num_experts if d.router_expert_bias else 0)
+    moe_fixed += 3 * h * d.shared_expert_intermediate_size
+    n_moe = d.num_moe_layers
+    n_dense = d.num_layers - n_moe
+    emb = d.vocab_size * h * (1 if d.tie_word_embeddings else 2) + h
+    routed = n_moe * d.num_experts * expert
+    total = emb + d.num_layers * layer_base + n_dense * dense_mlp + n_moe * moe_fixed + routed
+    active = total - routed + n_moe * d.num_experts_per_tok * expert
+    return ParamCount(total=total, active=active, routed_experts=routed)
+
+
+# ---------------------------------------------------------------------------------------- weight rules
+
+
+def layer_beyond(prefix: str = "model.layers.") -> Callable[[str, ModelDims], bool]:
+    """A tensor of a layer past ``num_layers`` (where multi-token-prediction layers are stored)."""
+    rx = re.compile(re.escape(prefix) + r"(\d+)\.")
+
+    def ignored(name: str, dims: ModelDims) -> bool:
+        m = rx.match(name)
+        return m is not None and int(m.group(1)) >= dims.num_layers
+
+    return ignored
+
+
+ENDS = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), split="tp0"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("output_layer.weight", ("lm_head.weight",), split="tp0"),
+)
+
+_QKV = (
+    "model.layers.{L}.self_attn.q_proj.{P}",
+    "model.layers.{L}.self_attn.k_proj.{P}",
+    "model.layers.{L}.self_attn.v_proj.{P}",
+)
+
+
+def attention_rules(*, bias: bool = False, qk_norm: str = "per_head") -> tuple[Rule, ...]:
+    """Norms and attention of a layer; ``qk_norm``: per_head, whole (OLMoE) or none."""
+    rules = [
+        Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
+        Rule(
+            "decoder.layers.{L}.self_attention.linear_qkv.weight",
+            tuple(n.replace("{P}", "weight") for n in _QKV),
+            combine="qkv",
+            split="qkv",
+        ),
+        Rule(
+            "decoder.layers.{L}.self_attention.linear_proj.weight",
+            ("model.layers.{L}.self_attn.o_proj.weight",),
+            split="tp1",
+        ),
+        Rule(
+            "decoder.layers.{L}.pre_mlp_layernorm.weight",
+            ("model.layers.{L}.post_attention_layernorm.weight",),
+        ),
+    ]
+    if bias:
+        rules.append(
+            Rule(
+                "decoder.layers.{L}.self_attention.linear_qkv.bias",
+                tuple(n.replace("{P}", "bias") for n in _QKV),
+                combine="qkv",
+                split="qkv",
+            )
+        )
+    if qk_norm != "none":  # per head or whole projection: replicated on every TP rank either way
+        rules += [
+            Rule(
+                "decoder.layers.{L}.self_attention.q_layernorm.weight",
+                ("model.layers.{L}.self_attn.q_norm.weight",),
+            ),
+            Rule(
+                "decoder.layers.{L}.self_attention.k_layernorm.weight",
+                ("model.layers.{L}.self_attn.k_norm.weight",),
+            ),
+        ]
+    return tuple(rules)
+
+
+def dense_mlp_rules(
+    hf: str = "model.layers.{L}.mlp", megatron: str = "decoder.layers.{L}.mlp"
+) -> tuple[Rule, ...]:
+    """A SwiGLU MLP split by tensor parallelism (dense layers, shared experts)."""
+    return (
+        Rule(
+            f"{megatron}.linear_fc1.weight",
+            (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
+            combine="gate_up",
+            split="gate_up",
+        ),
+        Rule(f"{megatron}.linear_fc2.weight", (f"{hf}.down_proj.weight",), split="tp1"),
+    )
+
+
+def expert_rules(
+    experts: str = "model.layers.{L}.mlp.experts.{E}",
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> tuple[Rule, ...]:
+    """Routed experts (per-expert HF tensors), placed by expert parallelism and split by expert-TP."""
+    gate, up, down = names
+    return (
+        Rule(
+            "decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
+            (f"{experts}.{gate}.weight", f"{experts}.{up}.weight"),
+            combine="gate_up",
+            split="egate_up",
+        ),
+        Rule(
+            "decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc2.weight",
+            (f"{experts}.{down}.weight",),
+            split="etp1",
+        ),
+    )
+
+
+def router_rules(gate: str = "model.layers.{L}.mlp.gate", *, expert_bias: bool = False) -> tuple[Rule, ...]:
+    rules = [Rule("decoder.layers.{L}.mlp.router.weight", (f"{gate}.weight",))]
+    if expert_bias:
+        rules.append(
+            Rule(
+                "decoder.layers.{L}.mlp.router.expert_bias", (f"{gate}.e_score_correction_bias",), buffer=True
+            )
+        )
+    return tuple(rules)
+
+
+__all__ = [
+    "ENDS",
+    "ConfigReader",
+    "Family",
+    "HFConfigError",
+    "ParamCount",
+    "UnsupportedModelError",
+    "attention_rules",
+    "common_fields",
+    "count_params",
+    "dense_mlp_rules",
+    "dims_from_fields",
+    "expert_rules",
+    "hf_common",
+    "layer_beyond",
+    "layer_specs",
+    "router_rules",
+    "transformer_features",
+]

@@ -1,0 +1,131 @@
+"""GLM-4.5 MoE (``Glm4MoeForCausalLM``: GLM-4.5, GLM-4.5-Air).
+
+Leading dense layers (``first_k_dense_replace``), then MoE layers with a shared expert beside 128-160 routed
+experts; a sigmoid router that picks experts by score plus a fixed correction bias and weights them by the
+renormalized scores times ``routed_scaling_factor``; partial RoPE (half the head channels); biases on q, k, v;
+per-head qk-norm on GLM-4.5 (``use_qk_norm``), none on GLM-4.5-Air.
+
+Not loaded on purpose: the multi-token-prediction layer (``num_nextn_predict_layers``, stored as layer
+``num_hidden_layers``). RL samples and scores one token at a time, so it is never run; its tensors are left out of
+the trainer, the export and the sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tim_megatron.recipe.schema import ModelDims
+from tim_megatron.trainer.families import base
+
+
+def read_dims(cfg: dict[str, Any]) -> ModelDims:
+    r = base.ConfigReader(cfg, "Glm4MoeForCausalLM")
+    act = r.get("hidden_act", "silu")
+    if act != "silu":
+        raise r.unsupported("hidden_act", act, "only SwiGLU (silu) MLPs are implemented")
+    n_group, topk_group = r.int("n_group", 1), r.int("topk_group", 1)
+    if topk_group != n_group:
+        raise r.unsupported(
+            "n_group",
+            n_group,
+            f"group-limited routing (topk_group = {topk_group} of {n_group} groups) is not implemented",
+        )
+    moe_inter = r.int("moe_intermediate_size")
+    fields = base.common_fields(r)
+    fields.update(
+        family="glm4_moe",
+        num_experts=r.int(r.key_of("n_routed_experts", "num_local_experts")),
+        num_experts_per_tok=r.int("num_experts_per_tok"),
+        moe_intermediate_size=moe_inter,
+        intermediate_size=r.int("intermediate_size"),
+        norm_topk_prob=r.bool("norm_topk_prob", True),
+        first_k_dense_layers=r.int("first_k_dense_replace", 0, minimum=0),
+        shared_expert_intermediate_size=r.int("n_shared_experts", 0, minimum=0) * moe_inter,
+        router_score="sigmoid",
+        router_expert_bias=True,
+        routed_scaling_factor=r.float("routed_scaling_factor", 1.0),
+        attention_bias=r.bool("attention_bias", False),
+        qk_norm="per_head" if r.bool("use_qk_norm", False) else "none",
+    )
+    keys = {
+        **base.COMMON_KEYS,
+        "num_experts": "n_routed_experts",
+        "first_k_dense_layers": "first_k_dense_replace",
+        "shared_expert_intermediate_size": "n_shared_experts",
+    }
+    return base.dims_from_fields(r, keys, **fields)
+
+
+def hf_config(dims: ModelDims):
+    from transformers import Glm4MoeConfig
+
+    common = base.hf_common(dims)
+    common["rope_parameters"] = {
+        **common["rope_parameters"],
+        "partial_rotary_factor": dims.partial_rotary_factor,
+    }
+    shared, rest = divmod(dims.shared_expert_intermediate_size, dims.moe_intermediate_size)
+    if rest:
+        raise ValueError("GLM-4.5's shared expert width is a whole number of routed experts' widths")
+    return Glm4MoeConfig(
+        **common,
+        intermediate_size=dims.intermediate_size,
+        moe_intermediate_size=dims.moe_intermediate_size,
+        n_routed_experts=dims.num_experts,
+        num_experts_per_tok=dims.num_experts_per_tok,
+        n_shared_experts=shared,
+        first_k_dense_replace=dims.first_k_dense_layers,
+        routed_scaling_factor=dims.routed_scaling_factor,
+        norm_topk_prob=dims.norm_topk_prob,
+        attention_bias=dims.attention_bias,
+        use_qk_norm=dims.qk_norm == "per_head",
+        n_group=1,
+        topk_group=1,
+        num_nextn_predict_layers=0,
+    )
+
+
+def tiny_init(model, seed: int) -> None:
+    """HF initializes the correction bias to zero; a random one (of the size of a sigmoid score's spread) makes
+    the tiny model's routing depend on it, so the tests exercise the bias."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.05)
+
+
+WEIGHTS = (
+    *base.ENDS,
+    *base.attention_rules(bias=True, qk_norm="per_head"),
+    *base.dense_mlp_rules(),
+    *base.router_rules(expert_bias=True),
+    *base.expert_rules(),
+    *base.dense_mlp_rules("model.layers.{L}.mlp.shared_experts", "decoder.layers.{L}.mlp.shared_experts"),
+)
+
+FAMILY = base.Family(
+    name="glm4_moe",
+    architectures=("Glm4MoeForCausalLM",),
+    model_type="glm4_moe",
+    read_dims=read_dims,
+    hf_config=hf_config,
+    weights=WEIGHTS,
+    tiny=ModelDims(
+        family="glm4_moe",
+        first_k_dense_layers=1,
+        shared_expert_intermediate_size=64,
+        router_score="sigmoid",
+        router_expert_bias=True,
+        routed_scaling_factor=2.5,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+        qk_norm="none",
+        rms_norm_eps=1e-5,
+    ),
+    ignored_hf=base.layer_beyond(),
+    tiny_init=tiny_init,
+    notes=("the multi-token-prediction layer (num_nextn_predict_layers) is not loaded: RL never runs it",),
+)

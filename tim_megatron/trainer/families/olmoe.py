@@ -1,0 +1,84 @@
+"""OLMoE (``OlmoeForCausalLM``): every layer MoE, softmax over all experts then top-k without renormalization
+(``norm_topk_prob: false``), and qk-norm over the whole q and k projections (one weight per channel, not per head).
+
+Not modelled: ``clip_qkv`` (null in OLMoE-1B-7B; a config that sets it is refused).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tim_megatron.recipe.schema import ModelDims
+from tim_megatron.trainer.families import base
+
+
+def read_dims(cfg: dict[str, Any]) -> ModelDims:
+    r = base.ConfigReader(cfg, "OlmoeForCausalLM")
+    act = r.get("hidden_act", "silu")
+    if act != "silu":
+        raise r.unsupported("hidden_act", act, "only SwiGLU (silu) experts are implemented")
+    if r.cfg.get("clip_qkv") is not None:
+        raise r.unsupported("clip_qkv", r.cfg["clip_qkv"], "q/k/v clipping is not implemented")
+    if r.cfg.get("attention_bias"):
+        raise r.unsupported("attention_bias", True, "OLMoE has no attention bias")
+    fields = base.common_fields(r)
+    if fields["head_dim"] * fields["num_attention_heads"] != fields["hidden_size"]:
+        raise r.unsupported(
+            "head_dim", fields["head_dim"], "OLMoE's q_norm spans hidden_size = heads x head_dim"
+        )
+    if fields["partial_rotary_factor"] != 1.0:
+        raise r.unsupported(
+            "partial_rotary_factor", fields["partial_rotary_factor"], "OLMoE rotates every channel"
+        )
+    expert = r.int("intermediate_size")
+    fields.update(
+        family="olmoe",
+        num_experts=r.int(r.key_of("num_experts", "num_local_experts")),
+        num_experts_per_tok=r.int("num_experts_per_tok"),
+        moe_intermediate_size=expert,
+        intermediate_size=expert,  # OLMoE has no dense MLP; its intermediate_size is the experts' width
+        norm_topk_prob=r.bool("norm_topk_prob", False),
+        qk_norm="whole",
+    )
+    keys = {**base.COMMON_KEYS, "moe_intermediate_size": "intermediate_size"}
+    return base.dims_from_fields(r, keys, **fields)
+
+
+def hf_config(dims: ModelDims):
+    from transformers import OlmoeConfig
+
+    common = base.hf_common(dims)
+    if dims.head_dim * dims.num_attention_heads != dims.hidden_size:
+        raise ValueError("OLMoE needs head_dim x num_attention_heads = hidden_size")
+    del common["head_dim"]  # OLMoE derives it
+    return OlmoeConfig(
+        **common,
+        intermediate_size=dims.moe_intermediate_size,
+        num_experts=dims.num_experts,
+        num_experts_per_tok=dims.num_experts_per_tok,
+        norm_topk_prob=dims.norm_topk_prob,
+        clip_qkv=None,
+        attention_bias=False,
+        output_router_logits=False,
+    )
+
+
+WEIGHTS = (
+    *base.ENDS,
+    *base.attention_rules(qk_norm="whole"),
+    *base.router_rules(),
+    *base.expert_rules(),
+)
+
+FAMILY = base.Family(
+    name="olmoe",
+    architectures=("OlmoeForCausalLM",),
+    model_type="olmoe",
+    read_dims=read_dims,
+    hf_config=hf_config,
+    weights=WEIGHTS,
+    tiny=ModelDims(
+        family="olmoe", qk_norm="whole", norm_topk_prob=False, intermediate_size=64, rms_norm_eps=1e-5
+    ),
+    notes=("clip_qkv is refused (null in OLMoE-1B-7B)",),
+)

@@ -1,0 +1,46 @@
+"""Qwen3 dense (``Qwen3ForCausalLM``): SwiGLU MLP in every layer, per-head qk-norm, no biases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tim_megatron.recipe.schema import ModelDims
+from tim_megatron.trainer.families import base
+
+
+def read_dims(cfg: dict[str, Any]) -> ModelDims:
+    r = base.ConfigReader(cfg, "Qwen3ForCausalLM")
+    if r.cfg.get("attention_bias"):
+        raise r.unsupported("attention_bias", True, "Qwen3 has no attention bias")
+    fields = base.common_fields(r)
+    if fields["partial_rotary_factor"] != 1.0:
+        raise r.unsupported(
+            "partial_rotary_factor", fields["partial_rotary_factor"], "Qwen3 rotates every channel"
+        )
+    fields.update(
+        family="qwen3",
+        num_experts=0,
+        num_experts_per_tok=0,
+        moe_intermediate_size=0,
+        intermediate_size=r.int("intermediate_size"),
+    )
+    return base.dims_from_fields(r, base.COMMON_KEYS, **fields)
+
+
+def hf_config(dims: ModelDims):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**base.hf_common(dims), intermediate_size=dims.intermediate_size, attention_bias=False)
+
+
+WEIGHTS = (*base.ENDS, *base.attention_rules(), *base.dense_mlp_rules())
+
+FAMILY = base.Family(
+    name="qwen3",
+    architectures=("Qwen3ForCausalLM",),
+    model_type="qwen3",
+    read_dims=read_dims,
+    hf_config=hf_config,
+    weights=WEIGHTS,
+    tiny=ModelDims(family="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0),
+)
