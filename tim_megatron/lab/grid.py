@@ -11,11 +11,14 @@ arms:
   - name: baseline
   - name: tis
     overrides: [rl.correction.mode=tis]
-  - name: exact
-    requires: exact zero-mismatch sampling (diagnostics.vexact=exact)
-    overrides: [diagnostics.vexact=exact]
-    group: inject              # optional: a dose series (claim C2) ...
-    dose: 0                    # ... and this arm's place in it
+  - name: inject-noise-0.3
+    overrides: [diagnostics.vexact=exact, diagnostics.sampling_injection.type=noise,
+                diagnostics.sampling_injection.std=0.3]
+    group: inject-noise        # optional: a dose series (claim C2) ...
+    dose: 0.3                  # ... and this arm's place in it
+  - name: future
+    requires: a feature this checkout lacks    # optional, see below
+    overrides: [diagnostics.some_future_key=on]
 ```
 
 An arm whose overrides this checkout's schema rejects is an error, unless it declares ``requires``: then it is
