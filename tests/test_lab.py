@@ -177,6 +177,19 @@ def test_shipped_grids_plan_and_hold_the_claims_arms():
     assert list(CLAIMS) == [f"C{i}" for i in range(1, 10)]
 
 
+def test_collapse_needs_full_reward_windows():
+    """A lucky first batch (0.40, then 0.20-0.22) is not a 30% collapse; a real drop to 0.05 is, once the
+    trailing 5-step mean has fallen 30% below its best."""
+    from tim_megatron.lab.runstats import collapse_step, score_series
+
+    rewards = [0.40, 0.20, 0.22, 0.21, 0.20, 0.22, 0.21, 0.20, 0.05, 0.05, 0.05, 0.05]
+    rows = [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]
+    x, score, _ = score_series(rows)
+    assert x[0] == 5 and score[0] == pytest.approx(sum(rewards[:5]) / 5)  # no shorter window
+    assert collapse_step(x, score) == 10
+    assert collapse_step(*score_series(rows[:8])[:2]) is None
+
+
 # ------------------------------------------------------------------- aggregation, verdicts and the report
 
 
