@@ -14,7 +14,7 @@ RECIPE ?= recipes/tiny-moe/grpo.yaml
 OVERRIDES ?=
 DEFAULT_SWEEP := recipes/sweeps/clipping-qwen3-30b-a3b.yaml
 
-.PHONY: help setup test lint demo bench submit sweep status logs cancel plan new-recipe report doctor preflight gpu-check clean-venv
+.PHONY: help setup test lint demo bench lab submit sweep status logs cancel plan new-recipe report doctor preflight gpu-check clean-venv
 
 help:
 	@echo "make setup   create .venv with the $(EXTRA) extra (idempotent)"
@@ -22,6 +22,7 @@ help:
 	@echo "make lint    ruff"
 	@echo "make demo    GRPO on the tiny built-in MoE with real vLLM + megatron-core (RECIPE=..., OVERRIDES=...)"
 	@echo "make bench   benchmarks, printed as ratios against the raw libraries"
+	@echo "make lab [PRESET=quick|full] [ONLY=arm,arm]                            the TIM lab: lab/<preset>.yaml -> report/lab-<preset>/ (index.html, verdicts.csv)"
 	@echo "make submit RECIPE=... [NODES=n] [OVERRIDES=\"k=v ...\"] [DRY_RUN=1]   Slurm job in a new run folder"
 	@echo "make sweep [SWEEP=recipes/sweeps/<name>.yaml]                          one job per variant, one sweep id (default: the 30B clipping sweep)"
 	@echo "make status | make logs JOB=id | make cancel JOB=id                    the project's Slurm jobs"
@@ -59,6 +60,11 @@ demo: setup
 	@start=$$(date +%s); \
 	$(TIM) train $(RECIPE) $(OVERRIDES); rc=$$?; \
 	echo "make demo: $(RECIPE) finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
+
+lab: setup
+	@start=$$(date +%s); \
+	$(TIM) lab $(or $(PRESET),quick) $(if $(ONLY),--only $(ONLY)); rc=$$?; \
+	echo "make lab: preset $(or $(PRESET),quick) finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 submit: setup
 	$(TIM) submit $(RECIPE) $(OVERRIDES) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1,$(DRY_RUN)),--dry-run)

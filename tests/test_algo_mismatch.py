@@ -40,7 +40,7 @@ def test_closed_form_two_tokens():
     assert m[P + "kl_old_rollout_k1"] == pytest.approx((2 * math.log(2) + 0.5 * math.log(0.5)) / 2)
     assert m[P + "chi2_token"] == pytest.approx((4 + 0.25) / 2 - 1)
     # log ppl: sequence sums are log 0.04 and log 0.04 -> no difference; per token |log 2 - log 2|... = 0.
-    assert m[P + "log_ppl_abs_diff"] == pytest.approx(0.0, abs=1e-6)
+    assert m[P + "log_ppl_abs_diff_seq_sum"] == pytest.approx(0.0, abs=1e-6)
     assert m[P + "chi2_seq"] == pytest.approx(0.0, abs=1e-6)
     assert m[P + "frac_abs_rho_minus_1_gt_0.1"] == 1.0
     # Probabilities (0.4, 0.1) vs (0.2, 0.2): the second has zero variance -> correlation undefined.
@@ -53,9 +53,40 @@ def test_log_ppl_abs_diff_is_per_sequence_sum():
     mask = torch.tensor([[True, True, True], [True, True, False]])
     m = compute_mismatch(train_logprobs=train, infer_logprobs=infer, mask=mask)
     # seq 1: |log 2| = 0.693 over 3 tokens; seq 2: |log 2| over 2 tokens.
-    assert m[P + "log_ppl_abs_diff"] == pytest.approx(math.log(2))
+    assert m[P + "log_ppl_abs_diff_seq_sum"] == pytest.approx(math.log(2))
     assert m[P + "log_ppl_abs_diff_token_mean"] == pytest.approx((math.log(2) / 3 + math.log(2) / 2) / 2)
     assert m[P + "tokens"] == 5
+
+
+def test_sum_form_grows_with_length_and_token_mean_does_not():
+    """At one per-token mismatch, the sum form (TIM-LR Eq. 8 as written) scales with length: 1000 -> 3500
+    tokens multiplies it by 3.5; the per-token form and rho_std stay put (issue 13: "length surge precedes
+    mismatch growth" must not be built into the metric the console shows)."""
+    g = torch.Generator().manual_seed(0)
+
+    def metrics(length: int) -> dict:
+        infer = torch.log(torch.rand(4, length, generator=g).clamp(0.05, 1.0))
+        train = (infer + 0.01).clamp(max=0.0)  # a fixed biased drift per token
+        return compute_mismatch(
+            train_logprobs=train, infer_logprobs=infer, mask=torch.ones(4, length, dtype=torch.bool)
+        )
+
+    short, long = metrics(1000), metrics(3500)
+    ratio = long[P + "log_ppl_abs_diff_seq_sum"] / short[P + "log_ppl_abs_diff_seq_sum"]
+    assert ratio == pytest.approx(3.5, rel=0.02)
+    assert long[P + "log_ppl_abs_diff_token_mean"] == pytest.approx(
+        short[P + "log_ppl_abs_diff_token_mean"], rel=0.02
+    )
+    assert P + "log_ppl_abs_diff" not in long  # the ambiguous name is gone
+
+
+def test_inv_rho_mean_closed_form():
+    # rho = 2 and 0.5 -> 1/rho = 0.5 and 2 -> mean 1.25; on padding nothing counts.
+    train = torch.log(torch.tensor([[0.4, 0.1, 0.3]]))
+    infer = torch.log(torch.tensor([[0.2, 0.2, 0.9]]))
+    mask = torch.tensor([[True, True, False]])
+    m = compute_mismatch(train_logprobs=train, infer_logprobs=infer, mask=mask)
+    assert m[P + "inv_rho_mean"] == pytest.approx(1.25)
 
 
 def test_worked_example_of_the_explainer():
@@ -66,7 +97,7 @@ def test_worked_example_of_the_explainer():
     train = torch.full((1, n), math.log(p_policy))
     infer = torch.full((1, n), math.log(p_rollout))
     m = compute_mismatch(train_logprobs=train, infer_logprobs=infer, mask=torch.ones(1, n, dtype=torch.bool))
-    summed = m[P + "log_ppl_abs_diff"]
+    summed = m[P + "log_ppl_abs_diff_seq_sum"]
     assert summed == pytest.approx(n * math.log(rho), rel=1e-4)
     assert 18.5 < summed < 19.5  # "about 19"
     assert m[P + "rho_std"] == pytest.approx(0.0, abs=1e-6)
@@ -95,7 +126,8 @@ def test_rho_equal_one_gives_identity_values(lp, keep):
         "chi2_seq",
     ):
         assert m[P + k] == 0.0, k
-    assert m[P + "log_ppl_abs_diff"] == 0.0
+    assert m[P + "log_ppl_abs_diff_seq_sum"] == 0.0
+    assert m[P + "inv_rho_mean"] == 1.0
     assert m[P + "frac_abs_rho_minus_1_gt_0.001"] == 0.0
     if not math.isnan(m[P + "prob_pearson"]):
         assert m[P + "prob_pearson"] == pytest.approx(1.0, abs=1e-9)
@@ -171,11 +203,11 @@ def test_inverse_ratio_expectation_at_least_one(seed):
         infer_logprobs=torch.log(p[x]).unsqueeze(0),
         mask=torch.ones(1, x.numel(), dtype=torch.bool),
     )
-    # Sample estimate of E_p[p/q] = exp(-log rho) averaged: >= 1 and close to the exact value.
+    # The logged E_infer[1/rho] (Eq. 46) is the sample mean of p/q: >= 1 and close to the exact value.
     exact = float((p * p / q).sum())
-    inv_rho_mean = float((p[x] / q[x]).mean())
-    assert inv_rho_mean > 1.0
-    assert inv_rho_mean == pytest.approx(exact, rel=0.05)
+    assert m[P + "inv_rho_mean"] == pytest.approx(float((p[x] / q[x]).mean()), rel=1e-9)
+    assert m[P + "inv_rho_mean"] > 1.0
+    assert m[P + "inv_rho_mean"] == pytest.approx(exact, rel=0.05)
     # KL(rollout || old) = E_p[log p/q] >= 0 from the k1 estimator.
     assert m[P + "kl_rollout_old_k1"] > 0
 

@@ -521,6 +521,58 @@ def report_cmd(
     )
 
 
+@app.command("lab")
+def lab_cmd(
+    grid: str = typer.Argument(..., help="grid file, or a preset under lab/ (quick, full)"),
+    only: str = typer.Option(
+        None, "--only", help="comma-separated arms to run (the report covers every arm)"
+    ),
+    out: Path = typer.Option(None, "--out", help="report folder (default: report/<grid name>)"),
+    root: Path = typer.Option(None, "--root", help="run folders (default: runs/lab/<grid name>)"),
+    aggregate_only: bool = typer.Option(
+        False, "--aggregate-only", help="run nothing; rebuild the report from the runs on disk"
+    ),
+    timeout_minutes: float = typer.Option(None, "--timeout-minutes", help="stop any one run after this long"),
+) -> None:
+    """Run a TIM lab grid (arms x seeds, one `tim train` at a time), then write verdicts.csv and index.html."""
+    from tim_megatron.lab.grid import GridError
+    from tim_megatron.lab.main import run_lab
+    from tim_megatron.recipe import RecipeError
+
+    arms = {a.strip() for a in only.split(",") if a.strip()} if only else None
+    argv = " ".join(["tim lab", grid, *(["--only", only] if only else [])])
+    try:
+        res = run_lab(
+            grid,
+            out=out,
+            root=root,
+            only=arms,
+            aggregate_only=aggregate_only,
+            timeout_s=timeout_minutes * 60 if timeout_minutes else None,
+            command=argv,
+            log=lambda m: console.print(m, highlight=False, markup=False),
+        )
+    except (GridError, RecipeError) as e:
+        _fail(str(e))
+    for v in res["verdicts"]:
+        ci = f"[{v.ci_low:.3g}, {v.ci_high:.3g}]" if v.n_seeds >= 2 else "(no CI)"
+        console.print(
+            f"{v.claim}  {v.verdict:<15} effect {v.effect:.3g} {ci}  {v.detail}",
+            highlight=False,
+            markup=False,
+        )
+    wall = f" (runs: {res['wall_seconds']:.0f} s)" if res["wall_seconds"] else ""
+    console.print(f"report: {res['page']}  (verdicts.csv beside it){wall}", highlight=False, markup=False)
+    bad = [r for r in res["records"] if r.status.startswith(("failed", "timeout"))]
+    if bad:
+        _fail(
+            f"{len(bad)} run(s) did not complete: "
+            + "; ".join(f"{r.arm} seed {r.seed}: {r.status}" for r in bad)
+            + ". Their claims count the seeds that did; run the same command again to retry them.",
+            code=1,
+        )
+
+
 def _launch_local(nproc: int, rd: Path) -> int:
     """Re-run ``tim train`` under torchrun with ``nproc`` ranks on this machine, all on run folder ``rd``."""
     import socket

@@ -307,7 +307,11 @@ def new_warnings(recipe) -> EarlyWarning:
     sv = recipe.remedies.lr_schedule.surge
     return EarlyWarning.create(
         metrics=list(ew.metrics),
+        rule=ew.rule,
         baseline_steps=ew.baseline_steps,
+        k=ew.k,
+        h=ew.h,
+        z_cap=ew.z_cap,
         window=ew.window,
         threshold=ew.threshold,
         surge=SurgeDetector(window=sv.window, baseline_steps=sv.baseline_steps, factor=sv.factor),

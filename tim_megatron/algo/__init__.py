@@ -8,7 +8,7 @@ and data-parallel ranks.
 from tim_megatron.algo.advantages import group_advantages
 from tim_megatron.algo.aggregation import aggregate, local_denominator
 from tim_megatron.algo.corrections import correction_metrics, rollout_correction
-from tim_megatron.algo.early_warning import EarlyWarning, GrowthDetector, SurgeDetector
+from tim_megatron.algo.early_warning import EarlyWarning, GrowthDetector, SurgeDetector, TrendDetector
 from tim_megatron.algo.injection import (
     biased_distortion,
     low_precision_softmax,
@@ -32,6 +32,7 @@ __all__ = [
     "LengthDecayLR",
     "Stats",
     "SurgeDetector",
+    "TrendDetector",
     "aggregate",
     "biased_distortion",
     "build_schedule",

@@ -1,11 +1,18 @@
 """Early-warning detectors: persistent growth of a mismatch metric, and response-length surges.
 
-Both are small state machines fed one value per step; their state is plain data for checkpoints.
+All are small state machines fed one value per step; their state is plain data for checkpoints.
 
-* :class:`GrowthDetector` fires when the median of the last ``window`` values reaches ``threshold`` x the
-  baseline (the median of the first ``baseline_steps`` finite values). A median needs most of the window
-  above the line, so a single spike does not fire it; for a series that crosses the line and stays, it
-  fires within ``window // 2 + 1`` steps of the crossing.
+* :class:`TrendDetector` (the run's default) is noise-aware: a one-sided CUSUM of log(value) against the run's
+  own level and noise floor. The level is the median of the first ``baseline_steps`` values; the noise is the
+  robust SD of every step-to-step difference seen so far (so it sharpens as the run goes on, and a level shift
+  adds only one outlying difference). Each step adds ``min(z, z_cap) - k``, z being the step's distance above
+  the baseline level in noise SDs; the sum never goes below 0, and the detector fires when it exceeds ``h``.
+  Growth smaller than ``k`` noise SDs is ignored however long it lasts, one step adds at most ``z_cap - k``
+  (a lone spike cannot fire it while ``h > z_cap - k``), and a series that jumps by z SDs and stays fires after
+  about ``h / (z - k)`` steps. The same relative growth fires late in a noisy run and early in a quiet one.
+* :class:`GrowthDetector` (the earlier rule, kept for comparison and for ``tim report``) fires when the median
+  of the last ``window`` values reaches ``threshold`` x the median of the first ``baseline_steps`` values. It
+  ignores the run's noise: a quiet run's 2x is a large event, a noisy run's 2x can be a fluctuation.
 * :class:`SurgeDetector` fires when the mean length of the last ``window`` steps reaches ``factor`` x the
   mean of the first ``baseline_steps`` steps (the TIM-LR paper's "length can triple in a few steps").
 """
@@ -15,6 +22,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+
+MAD_TO_SD = 1.4826
+"""Scale of the median absolute deviation to a normal SD."""
 
 
 @dataclass
@@ -72,6 +82,78 @@ class GrowthDetector:
 
 
 @dataclass
+class TrendDetector:
+    """Noise-aware persistent-growth detector (module docstring): CUSUM of log(value) in noise SDs."""
+
+    metric: str
+    baseline_steps: int = 10
+    k: float = 1.0
+    h: float = 8.0
+    z_cap: float = 3.0
+    min_sigma: float = 0.01
+    """Floor of the noise SD in log units (1%): a perfectly flat series would make any wiggle significant."""
+    max_diffs: int = 1000
+    """Most recent step-to-step differences kept for the noise estimate."""
+    baseline: list[float] = field(default_factory=list)
+    diffs: list[float] = field(default_factory=list)
+    last: float | None = None
+    center: float | None = None
+    cusum: float = 0.0
+    fired_at: int | None = None
+
+    def update(self, step: int, value: float) -> Event | None:
+        if value is None or not math.isfinite(value) or value <= 0:  # exact zero mismatch: nothing to grow
+            return None
+        x = math.log(value)
+        if self.last is not None:
+            self.diffs = [*self.diffs[-(self.max_diffs - 1) :], x - self.last]
+        self.last = x
+        if self.center is None:
+            self.baseline.append(x)
+            if len(self.baseline) >= self.baseline_steps:
+                self.center = statistics.median(self.baseline)
+            return None
+        if self.fired_at is not None:
+            return None
+        z = (x - self.center) / self.sigma
+        self.cusum = max(0.0, self.cusum + min(z, self.z_cap) - self.k)
+        if self.cusum > self.h:
+            self.fired_at = step
+            return Event(
+                step=step,
+                kind="mismatch_growth",
+                metric=self.metric,
+                value=float(value),
+                baseline=math.exp(self.center),
+            )
+        return None
+
+    @property
+    def sigma(self) -> float:
+        """Robust noise SD of one value, in log units, from every step-to-step difference seen so far."""
+        return noise_sd(self.diffs, min_sigma=self.min_sigma)
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+def noise_sd(diffs: list[float], *, min_sigma: float) -> float:
+    """SD of one value from its step-to-step differences: MAD x 1.4826 / sqrt 2, around their median.
+
+    Differences ignore the level, so neither a slow trend nor the growth being watched (one large difference
+    at a jump) inflates it much; the median absolute deviation ignores spikes."""
+    if len(diffs) < 2:
+        return min_sigma
+    mid = statistics.median(diffs)
+    sd = MAD_TO_SD * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2.0)
+    return max(sd, min_sigma)
+
+
+@dataclass
 class SurgeDetector:
     window: int = 3
     baseline_steps: int = 5
@@ -113,15 +195,33 @@ class SurgeDetector:
 class EarlyWarning:
     """A set of growth detectors plus a length-surge detector, fed the step's metrics."""
 
-    detectors: list[GrowthDetector]
+    detectors: list[TrendDetector | GrowthDetector]
     surge: SurgeDetector
     events: list[Event] = field(default_factory=list)
 
     @classmethod
     def create(
-        cls, *, metrics: list[str], baseline_steps: int, window: int, threshold: float, surge: SurgeDetector
+        cls,
+        *,
+        metrics: list[str],
+        surge: SurgeDetector,
+        rule: str = "trend",
+        baseline_steps: int = 10,
+        k: float = 1.0,
+        h: float = 8.0,
+        z_cap: float = 3.0,
+        window: int = 5,
+        threshold: float = 2.0,
     ) -> EarlyWarning:
-        return cls([GrowthDetector(m, baseline_steps, window, threshold) for m in metrics], surge)
+        """``rule``: ``trend`` (:class:`TrendDetector`: baseline_steps, k, h, z_cap) or ``median_ratio``
+        (:class:`GrowthDetector`: baseline_steps, window, threshold)."""
+        if rule == "trend":
+            dets = [TrendDetector(m, baseline_steps=baseline_steps, k=k, h=h, z_cap=z_cap) for m in metrics]
+        elif rule == "median_ratio":
+            dets = [GrowthDetector(m, baseline_steps, window, threshold) for m in metrics]
+        else:
+            raise ValueError(f"early warning rule {rule!r}: allowed trend, median_ratio")
+        return cls(dets, surge)
 
     def update(self, step: int, metrics: dict[str, float]) -> list[Event]:
         new = []

@@ -3,10 +3,15 @@
 Steps count from 1. ``lr(step)`` is the rate used for the update of that step; stateful schedules learn
 from ``observe(step, metrics)``, called after the step's rollouts and before its update.
 
-Length decay (TIM-LR paper, Algorithm 1): hold eta_0; once triggered, at every step t with
-``t % decay_period == 0`` set eta_t = max(eta_{t-1} / 2, eta_inf), eta_inf = min_lr_ratio x eta_0 (default
-10%). The trigger is a response-length surge (decay_period = period_factor x surge step, 1.8 by default)
-or a fixed step (``trigger_step = 0`` is Algorithm 1 exactly).
+Length decay (TIM-LR paper, Algorithm 1): hold eta_0; at every step t with ``t % decay_period == 0`` set
+eta_t = max(eta_{t-1} / 2, eta_inf), eta_inf = min_lr_ratio x eta_0 (default 10%). The default trigger,
+``step`` with ``trigger_step = 0``, is Algorithm 1 exactly: T_decay is fixed in advance (the paper takes about
+1.8 x the step where an earlier run's response length surged). ``trigger = surge`` is an opt-in variant that
+starts counting when the :class:`SurgeDetector` fires and derives the period from that step
+(period_factor x surge step). Its limits: the detector compares recent mean length with the mean of the
+first steps, so a length curve that starts high, dips and surges back can stay below ``factor`` x that
+baseline and never trigger, and a slow steady growth (1%/step doubles in ~70 steps) triggers it without any
+surge.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ class CosineLR:
 class LengthDecayLR:
     base_lr: float
     min_lr_ratio: float = 0.1
-    trigger: str = "surge"
+    trigger: str = "step"
     trigger_step: int = 0
     decay_period: int | None = None
     period_factor: float = 1.8
@@ -77,6 +82,8 @@ class LengthDecayLR:
     last_step: int = 0
 
     def __post_init__(self) -> None:
+        if self.trigger == "step" and self.trigger_step == 0 and self.decay_period is None:
+            raise ValueError("length_decay from step 0 (Algorithm 1) needs decay_period (T_decay)")
         if self.current is None:
             self.current = self.base_lr
         if self.trigger == "step" and self.triggered_at is None and self.trigger_step == 0:

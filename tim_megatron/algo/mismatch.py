@@ -16,8 +16,13 @@ Metrics (all from the sufficient statistics in :func:`mismatch_stats`):
 ``kl_<b>_<a>_k1`` / ``_k3``      KL(b || a), estimators k1 = -log rho and k3 = rho - 1 - log rho
 ``kl_<a>_<b>_k1`` / ``_k3``      KL(a || b), estimators rho log rho and rho log rho - (rho - 1)
 ``chi2_token``, ``chi2_seq``     E[rho^2] - 1 per token, and per sequence with rho_seq = prod rho
-``log_ppl_abs_diff``             mean over sequences of |sum_t log pi_a - sum_t log pi_b| (TIM-LR Eq. 8)
-``log_ppl_abs_diff_token_mean``  the same with per-sequence means instead of sums
+``inv_rho_mean``                 E_b[1/rho] = mean of pi_b / pi_a; >= 1 in expectation when the tokens are
+                                 sampled from b (objective-level-hacking Eq. 46-47)
+``log_ppl_abs_diff_seq_sum``     mean over sequences of |sum_t log pi_a - sum_t log pi_b|: TIM-LR Eq. 8 as
+                                 written. It grows with response length at a fixed per-token mismatch
+``log_ppl_abs_diff_token_mean``  mean over sequences of |mean_t log pi_a - mean_t log pi_b|: per token, so
+                                 comparable across lengths
+``log_ppl_abs_diff_seq_sum_max`` the largest per-sequence |sum_t log pi_a - sum_t log pi_b|
 ``bucket/<lo>-<hi>/rho_mean|rho_std|count``  rho by pi_a probability bucket (objective-hacking Fig. 7)
 =============================== ======================================================================
 """
@@ -70,6 +75,7 @@ def mismatch_stats(
     s.add_sum("lr", log_rho.sum())
     s.add_sum("lr2", (log_rho * log_rho).sum())
     s.add_sum("lr_abs", log_rho.abs().sum())
+    s.add_sum("inv_rho", torch.exp(-log_rho).sum())
     empty = log_rho.numel() == 0
     s.add_min("rho_min", torch.tensor(float("inf"), dtype=torch.float64) if empty else rho.min())
     s.add_max("rho_max", torch.tensor(float("-inf"), dtype=torch.float64) if empty else rho.max())
@@ -131,6 +137,7 @@ def mismatch_metrics(
     out[p + "log_ratio_mean"] = safe_div(stats.sum("lr"), n)
     out[p + "log_ratio_std"] = std_from_sums(stats.sum("lr"), stats.sum("lr2"), n)
     out[p + "log_ratio_abs_mean"] = safe_div(stats.sum("lr_abs"), n)
+    out[p + "inv_rho_mean"] = safe_div(stats.sum("inv_rho"), n)
     out[p + "prob_pearson"] = _pearson(stats, n)
     out[p + f"kl_{b}_{a}_k1"] = safe_div(stats.sum("kl_ba_k1"), n)
     out[p + f"kl_{b}_{a}_k3"] = safe_div(stats.sum("kl_ba_k3"), n)
@@ -139,9 +146,9 @@ def mismatch_metrics(
     out[p + "chi2_token"] = safe_div(2.0 * float(stats.sum("d")) + float(stats.sum("d2")), n)
     n_seq = float(stats.sum("n_seq"))
     out[p + "chi2_seq"] = safe_div(stats.sum("seq_chi2"), n_seq)
-    out[p + "log_ppl_abs_diff"] = safe_div(stats.sum("seq_abs"), n_seq)
+    out[p + "log_ppl_abs_diff_seq_sum"] = safe_div(stats.sum("seq_abs"), n_seq)
     out[p + "log_ppl_abs_diff_token_mean"] = safe_div(stats.sum("seq_abs_mean"), n_seq)
-    out[p + "log_ppl_abs_diff_max"] = float(stats.max("seq_abs_max")) if n_seq else float("nan")
+    out[p + "log_ppl_abs_diff_seq_sum_max"] = float(stats.max("seq_abs_max")) if n_seq else float("nan")
     bn, bd, bd2 = stats.sum("b_n").tolist(), stats.sum("b_d").tolist(), stats.sum("b_d2").tolist()
     for name, cn, cd, cd2 in zip(bucket_names(bucket_edges), bn, bd, bd2, strict=True):
         out[p + f"bucket/{name}/count"] = cn

@@ -1,10 +1,12 @@
-"""Rewards: exact answers for the built-in task, math-verify on ``\\boxed{}`` answers for math datasets."""
+"""Rewards: exact answers for the built-in task, checked chains for the countdown lab task, and math-verify
+on ``\\boxed{}`` answers for math datasets."""
 
 from __future__ import annotations
 
 import re
 
 from tim_megatron.data.arithmetic import exact_answer_reward
+from tim_megatron.data.countdown import chain_reward
 
 
 def last_boxed(text: str) -> str | None:
@@ -54,6 +56,8 @@ def math_reward(response: str, answer: str) -> float:
 def reward(kind: str, response: str, answer: str) -> float:
     if kind == "exact":
         return exact_answer_reward(response, answer)
+    if kind == "countdown":
+        return chain_reward(response, answer)
     if kind == "math":
         return math_reward(response, answer)
-    raise ValueError(f"reward kind {kind!r}: allowed exact, math")
+    raise ValueError(f"reward kind {kind!r}: allowed exact, countdown, math")

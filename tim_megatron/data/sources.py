@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tim_megatron.data.arithmetic import all_problems, problem_pool
+from tim_megatron.data.arithmetic import problem_pool, task_problems, task_reward_kind
 from tim_megatron.recipe.schema import DataConfig, DatasetConfig
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -35,7 +35,7 @@ class Item:
     """Plain text, or chat messages (``[{"role": ..., "content": ...}]``) for the tokenizer's chat template."""
     answer: str
     reward: str = "exact"
-    """exact (built-in task) or math (math-verify on a \\boxed{} answer)."""
+    """exact (built-in arithmetic), countdown (the lab task's checked chains) or math (math-verify on a \\boxed{} answer)."""
     meta: dict = field(default_factory=dict, compare=False)
 
 
@@ -112,23 +112,26 @@ class PromptSource:
     """Items for training steps and validation."""
 
     def __init__(self, data: DataConfig, *, seed: int):
+        """``seed``: the run's seed, used unless ``data.seed`` fixes the data on its own."""
         self.data = data
-        self.seed = seed
+        self.seed = seed = data.seed if data.seed is not None else seed
         self.train = self._items(data.train, "data.train")
         if data.val is not None:
             self.val = self._items(data.val, "data.val")
         elif data.train.kind == "arithmetic":
-            pool = all_problems(data.task)
+            pool = task_problems(data.task)
             rng = random.Random(seed + 7)
+            kind = task_reward_kind(data.task)
             self.val = [
-                Item(p.prompt, p.answer, "exact") for p in rng.sample(pool, min(data.val_prompts, len(pool)))
+                Item(p.prompt, p.answer, kind) for p in rng.sample(pool, min(data.val_prompts, len(pool)))
             ]
         else:
             self.val = []
 
     def _items(self, cfg: DatasetConfig, where: str) -> list[Item]:
         if cfg.kind == "arithmetic":
-            return [Item(p.prompt, p.answer, "exact") for p in problem_pool(self.data.task, self.seed)]
+            kind = task_reward_kind(self.data.task)
+            return [Item(p.prompt, p.answer, kind) for p in problem_pool(self.data.task, self.seed)]
         reward = DEFAULTS[cfg.kind][3]
         return [
             Item(_as_prompt(r["prompt"], cfg.kind), r["answer"], reward, {"row": r["row"]})

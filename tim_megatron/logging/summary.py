@@ -8,8 +8,8 @@ from pathlib import Path
 CURVES = (
     ("reward/mean", "reward (mean)"),
     ("val/accuracy", "validation accuracy"),
-    ("mismatch/old_vs_rollout/rho_std", "mismatch: std of rho (old vs rollout)"),
-    ("mismatch/old_vs_rollout/log_ppl_abs_diff", "log_ppl_abs_diff (old vs rollout)"),
+    ("mismatch/old_vs_rollout/rho_std", "mismatch: rho_std (old vs rollout)"),
+    ("mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean", "log-ppl |diff| per token (old vs rollout)"),
     ("mismatch/old_vs_rollout/prob_pearson", "Pearson(pi_train, pi_infer)"),
     ("response/length_mean", "response length (tokens)"),
 )
@@ -55,12 +55,16 @@ def write_summary(
 
     r0, r1 = first_last("reward/mean")
     m0, m1 = first_last("mismatch/old_vs_rollout/rho_std")
+    n0, n1 = first_last("response/length_mean")
+    p0, p1 = first_last("mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean")
     _, val = series(rows, "val/accuracy")
     lines = [
         f"run: {name}",
         f"steps: {rows[-1]['step'] if rows else 0}   wall time: {wall_seconds:.1f} s",
         f"reward, mean of first 20% of steps: {r0:.4f}   last 20%: {r1:.4f}   change: {r1 - r0:+.4f}",
-        f"mismatch (std of rho, old vs rollout), first 20%: {m0:.3e}   last 20%: {m1:.3e}",
+        f"rho_std (old vs rollout), first 20%: {m0:.3e}   last 20%: {m1:.3e}",
+        f"response length (tokens), first 20%: {n0:.1f}   last 20%: {n1:.1f}   "
+        f"log-ppl |diff| per token (old vs rollout), first 20%: {p0:.3e}   last 20%: {p1:.3e}",
         f"validation accuracy: {', '.join(f'{v:.3f}' for v in val) if val else 'not run'}",
         "early warnings: "
         + (", ".join(f"{e['kind']} at step {e['step']} ({e['metric']})" for e in events) or "none"),

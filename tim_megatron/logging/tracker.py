@@ -12,10 +12,11 @@ from tim_megatron.recipe.schema import Recipe
 
 SUMMARY_KEYS = (
     ("reward", "reward/mean", "{:.3f}"),
-    ("mismatch", "mismatch/old_vs_rollout/rho_std", "{:.2e}"),
-    ("ppl_diff", "mismatch/old_vs_rollout/log_ppl_abs_diff", "{:.2e}"),
+    ("rho_std", "mismatch/old_vs_rollout/rho_std", "{:.2e}"),
     ("clip", "actor/clipfrac_token_high", "{:.3f}"),
     ("len", "response/length_mean", "{:.1f}"),
+    # Per token, next to the length: the per-sequence sum grows with length at a fixed per-token mismatch.
+    ("log_ppl_diff/tok", "mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean", "{:.2e}"),
     ("lr", "actor/lr", "{:.1e}"),
     ("step_s", "time/step", "{:.2f}"),
 )

@@ -374,11 +374,17 @@ class CorrectionConfig(Section):
     c: float = Field(2.0, gt=0)
     """TIS truncation / MIS mask threshold C."""
     low: float = Field(0.5, gt=0)
-    """IcePop: ratios below this are masked."""
+    """IcePop: ratios below this are masked. The default [0.5, 2.0] is slime's IcePop (THUDM/slime,
+    ``icepop_function`` in ``slime/backends/megatron_utils/loss.py``, run with ``--tis-clip-low 0.5 --tis-clip
+    2.0``; 2.0 is its ``--tis-clip`` default) and verl's ratio-rejection default ``"0.5_2.0"``
+    (``RolloutCorrectionConfig.decoupled_seq_is_rs``). IcePop's authors (Ring-1T report, arXiv 2510.18855) write
+    the region as [alpha, beta]; reproductions cite [0.5, 5.0] and INTELLECT-3 (arXiv 2512.16144) uses
+    [0.2, 5.0], so set low/high when you reproduce one of those."""
     high: float = Field(2.0, gt=0)
-    """IcePop: ratios above this are masked (need not be 1/low)."""
+    """IcePop: ratios above this are masked (need not be 1/low). Default 2.0: see ``low`` for the source."""
     bypass: bool = False
-    """Use the rollout logprobs as the old policy (skip the old-logprob recompute)."""
+    """Use the rollout logprobs as the old policy (skip the old-logprob recompute). Only with ``mode: none``:
+    with TIS/MIS/IcePop every weight would be 1, so the combination is rejected at load."""
 
 
 class RLConfig(Section):
@@ -416,23 +422,29 @@ class SurgeDetectorConfig(Section):
 
 class LRScheduleConfig(Section):
     type: Literal["constant", "cosine", "length_decay"] = "constant"
-    """LR schedule: constant, cosine with warmup, or the length-surge-triggered halving decay."""
+    """LR schedule: constant, cosine with warmup, or the TIM-LR paper's halving decay (Algorithm 1)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up steps (constant and cosine)."""
     total_steps: int | None = None
     """Cosine horizon; unset: ``run.steps``."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Floor as a fraction of the initial LR (cosine end, length-decay floor)."""
-    trigger: Literal["surge", "step"] = "surge"
-    """length_decay: start halving on a response-length surge, or at a fixed step."""
+    trigger: Literal["step", "surge"] = "step"
+    """length_decay: ``step`` (default) is Algorithm 1 of the TIM-LR paper exactly with ``trigger_step: 0``:
+    hold the LR, then halve it at every multiple of ``decay_period`` down to the floor, T_decay chosen in advance
+    (the paper: ~1.8 x the step of the length surge seen in an earlier run). ``surge`` (opt-in) waits for the
+    surge detector and derives the period from the step it fires. Its limits: it compares the mean length of the
+    last ``surge.window`` steps with the mean of the first ``surge.baseline_steps``, so a curve that starts high,
+    dips and then surges back (base models) may never reach ``factor`` x that baseline and never decay, while a
+    steady growth of ~1%/step reaches 2x within ~70 steps and fires without any surge."""
     trigger_step: int = Field(0, ge=0)
-    """length_decay with ``trigger: step``: the step that starts the decay (0: from the start)."""
+    """length_decay with ``trigger: step``: halving counts only after this step (0: Algorithm 1 from step 1)."""
     decay_period: int | None = Field(None, ge=1)
-    """length_decay: halve every this many steps. Unset: ``period_factor`` x the trigger step."""
+    """length_decay: T_decay, halve at every multiple of it. Unset: ``period_factor`` x the trigger step."""
     period_factor: float = Field(1.8, gt=0)
-    """length_decay: decay_period = period_factor x surge step when decay_period is unset."""
+    """length_decay: decay_period = period_factor x the trigger step when decay_period is unset."""
     surge: SurgeDetectorConfig = SurgeDetectorConfig()
-    """Response-length surge detector settings."""
+    """Response-length surge detector settings (``trigger: surge``, and the early-warning surge event)."""
 
 
 class RemediesConfig(Section):
@@ -500,12 +512,22 @@ class DumpsConfig(Section):
 class EarlyWarningConfig(Section):
     metrics: list[str] = ["mismatch/old_vs_rollout/rho_std"]
     """Metrics watched for persistent growth."""
-    baseline_steps: int = Field(5, ge=1)
-    """First finite values whose median is a metric's baseline."""
+    rule: Literal["trend", "median_ratio"] = "trend"
+    """trend: noise-aware CUSUM of log(value) against the run's own baseline level and noise
+    (``algo/early_warning.py`` TrendDetector); median_ratio: the earlier rule, median of the last ``window``
+    values >= ``threshold`` x the median of the first ``baseline_steps`` (blind to the run's noise)."""
+    baseline_steps: int = Field(10, ge=2)
+    """First positive finite values whose median is a metric's baseline level."""
+    k: float = Field(1.0, ge=0)
+    """trend: allowance per step, in noise SDs; growth smaller than this is ignored however long it lasts."""
+    h: float = Field(8.0, gt=0)
+    """trend: fires when the cumulative excess (in noise SDs) exceeds this."""
+    z_cap: float = Field(3.0, gt=0)
+    """trend: one step counts at most this many noise SDs, so a lone spike cannot fire it (with h > z_cap - k)."""
     window: int = Field(5, ge=1)
-    """Recent values whose median is compared with the baseline."""
+    """median_ratio: recent values whose median is compared with the baseline."""
     threshold: float = Field(2.0, gt=1)
-    """Fires when median(recent) >= threshold x baseline."""
+    """median_ratio: fires when median(recent) >= threshold x baseline."""
 
 
 class SyncFault(Section):
@@ -577,12 +599,23 @@ class DiagnosticsConfig(Section):
 
 
 class TaskConfig(Section):
+    kind: Literal["arithmetic", "countdown"] = "arithmetic"
+    """The built-in task (``data.train.kind: arithmetic``). arithmetic: ``a+b=`` with a 1-2 token answer (the
+    smoke demo). countdown: the lab task (``tim_megatron/data/countdown.py``): reach the prompt's target with a
+    chain of single digits, writing every running value (``9+8=17+9=26``); responses of 1 to 100+ tokens whose
+    length is the policy's choice."""
     max_operand: int = Field(9, ge=1)
-    """Built-in arithmetic: operands are drawn from 0..max_operand."""
+    """arithmetic: operands are drawn from 0..max_operand."""
     ops: list[Literal["+", "-", "*"]] = ["+"]
-    """Built-in arithmetic: operators drawn uniformly."""
+    """Operators: arithmetic draws one per prompt; countdown's warm-up chains draw one per step."""
     num_prompts: int = Field(0, ge=0)
-    """Built-in arithmetic: size of the fixed prompt pool (0: every combination)."""
+    """Size of the fixed prompt pool, drawn with the data seed (0: every problem of the task)."""
+    min_target: int = Field(10, ge=1)
+    """countdown: smallest target."""
+    max_target: int = Field(40, ge=1)
+    """countdown: largest target."""
+    max_terms: int = Field(12, ge=1)
+    """countdown: the warm-up's random chains have 1..max_terms digits (it shapes the start policy's lengths)."""
 
 
 class DatasetConfig(Section):
@@ -606,7 +639,10 @@ class DataConfig(Section):
     val: DatasetConfig | None = None
     """Validation prompts (unset: the training task's held-out draw for arithmetic, else none)."""
     task: TaskConfig = TaskConfig()
-    """Built-in arithmetic task settings."""
+    """Built-in task settings (``data.train.kind: arithmetic``): the arithmetic demo or the countdown lab task."""
+    seed: int | None = Field(None, ge=0)
+    """Seed of the prompt pool, the prompt order and the validation draw. Unset: ``run.seed``. ``tim lab`` fixes it
+    so that every seed of a grid sees the same prompts in the same order (only sampling and shuffling vary)."""
     prompts_per_step: int = Field(8, ge=1)
     """Prompts per RL step (each gets ``rollout.n`` responses)."""
     val_prompts: int = Field(32, ge=1)
@@ -872,6 +908,14 @@ def _check(r: Recipe) -> None:
             f"each minibatch holds {mb_seqs} sequences, which parallel.dp = {p.dp} must divide",
         )
     c = r.rl.correction
+    if c.bypass and c.mode != "none":
+        # Bypass makes the old policy the rollout's, so every correction weight would be exactly 1.
+        raise RecipeValueError(
+            ["rl.correction.bypass", "rl.correction.mode"],
+            f"rl.correction.bypass = true with rl.correction.mode = {c.mode}: bypass uses the rollout logprobs as "
+            f"the old policy, so the {c.mode} weights pi_old / pi_rollout are all 1 and the correction does nothing "
+            "(and no mismatch is measured); set rl.correction.mode = none, or bypass = false",
+        )
     if c.mode == "icepop" and not c.low < 1 < c.high:
         raise RecipeValueError(
             ["rl.correction.low", "rl.correction.high"],
@@ -1004,6 +1048,14 @@ def _check(r: Recipe) -> None:
                 "with engine = vllm the logged logprobs must be the perturbed distribution's, which vLLM reports "
                 "only after its logits processors (rollout.logprobs_after_temperature = true)",
             )
+    t = r.data.task
+    if t.kind == "countdown" and not t.min_target <= t.max_target <= 9 * t.max_terms:
+        raise RecipeValueError(
+            ["data.task.min_target", "data.task.max_target", "data.task.max_terms"],
+            f"data.task.kind = countdown needs data.task.min_target <= data.task.max_target <= 9 x "
+            f"data.task.max_terms (got {t.min_target}, {t.max_target}, 9 x {t.max_terms}): the warm-up's chains "
+            "must be able to end on every target",
+        )
     edges = dg.bucket_edges
     if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)) or edges[0] < 0 or edges[-1] > 1:
         raise RecipeValueError(

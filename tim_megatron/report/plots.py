@@ -31,9 +31,9 @@ CURVES = (
         "log",
     ),
     Curve(
-        "mismatch/old_vs_rollout/log_ppl_abs_diff",
-        "log_ppl_abs_diff (old vs rollout)",
-        "nats per sequence",
+        "mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean",
+        "log-ppl |diff| per token (old vs rollout)",
+        "nats per token",
         "log",
     ),
     Curve(

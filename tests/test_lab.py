@@ -1,0 +1,341 @@
+"""The TIM lab: the countdown task, the grid runner's aggregation and verdict rules, the early warning."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tim_megatron.data.countdown import all_problems, chain_reward, chain_value, random_chain, warmup_batch
+from tim_megatron.recipe import RecipeError, load_recipe
+from tim_megatron.recipe.schema import TaskConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+COUNTDOWN = TaskConfig(kind="countdown", min_target=10, max_target=40, max_terms=12)
+
+# ------------------------------------------------------------------------------------ the countdown task
+
+
+@pytest.mark.parametrize(
+    ("response", "target", "reward"),
+    [
+        ("9+8=17+9=26+6=32+5=37", "37", 1.0),
+        (" 9+8=17+9=26+6=32+5=37 ", "37", 1.0),  # surrounding whitespace is not part of the chain
+        ("7", "7", 1.0),  # a lone digit is a chain
+        ("5*7=35+2=37", "37", 1.0),  # left to right, no precedence
+        ("9-4=5*8=40", "40", 1.0),
+        ("9+8=17+9=26+6=32+5=38", "37", 0.0),  # a wrong running value
+        ("9+8=17+9=26", "37", 0.0),  # stops short
+        ("9+8=17+9=26+6=32+5=37+1=38", "37", 0.0),  # overshoots
+        ("9+8=017", "17", 0.0),  # no leading zeros
+        ("10+7=17", "17", 0.0),  # one digit per step
+        ("9+0=9", "9", 0.0),  # digits are 1..9
+        ("2-3=-1", "-1", 0.0),  # never below zero
+        ("9+8=17 so 17", "17", 0.0),  # nothing but the chain
+        ("", "17", 0.0),
+    ],
+)
+def test_chain_reward(response, target, reward):
+    assert chain_reward(response, target) == reward
+
+
+def test_random_chains_are_correct_and_end_in_range():
+    g = torch.Generator().manual_seed(0)
+    task = TaskConfig(kind="countdown", min_target=10, max_target=40, max_terms=12, ops=["+", "-", "*"])
+    lengths = set()
+    for _ in range(300):
+        target, chain = random_chain(task, g)
+        assert 10 <= target <= 40
+        assert chain_value(chain) == target and chain_reward(chain, str(target)) == 1.0
+        lengths.add(len(chain))
+    assert min(lengths) <= 10 and max(lengths) >= 40  # the chains' lengths vary widely
+
+
+def test_warmup_batch_labels_the_chain_and_eos_only():
+    from tim_megatron.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(64)
+    ids, labels = warmup_batch(
+        tokenizer=tok, task=COUNTDOWN, batch_size=8, generator=torch.Generator().manual_seed(1)
+    )
+    for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
+        eq = row.index(tok.convert_tokens_to_ids("="))  # the prompt ends at its '='
+        prompt = tok.decode(row[:eq])
+        assert all(x == -100 for x in lab[: eq + 1])
+        kept = [x for x in lab if x != -100]
+        assert kept[-1] == tok.eos_token_id
+        chain = tok.decode(kept[:-1])
+        assert chain_reward(chain, prompt) == 1.0
+
+
+def test_prompt_source_serves_countdown_targets_with_their_reward():
+    from tim_megatron.data.rewards import reward
+    from tim_megatron.data.sources import PromptSource
+
+    r = load_recipe(ROOT / "recipes/tiny-moe/countdown.yaml").recipe
+    src = PromptSource(r.data, seed=3)
+    assert {it.prompt for it in src.train} == {p.prompt for p in all_problems(r.data.task)}
+    assert all(it.reward == "countdown" for it in [*src.train, *src.val])
+    item = src.step_items(1, 1)[0]
+    assert reward(item.reward, "9", item.answer) == 0.0  # 9 is below every target
+
+
+def test_countdown_target_range_is_checked_at_load():
+    with pytest.raises(RecipeError, match="data.task.max_target"):
+        load_recipe(None, ["data.task.kind=countdown", "data.task.min_target=50", "data.task.max_target=40"])
+    with pytest.raises(RecipeError, match="max_terms"):
+        load_recipe(None, ["data.task.kind=countdown", "data.task.max_target=200", "data.task.max_terms=12"])
+
+
+def test_data_seed_fixes_the_prompt_order_whatever_the_run_seed():
+    from tim_megatron.data.sources import PromptSource
+
+    r = load_recipe(ROOT / "recipes/tiny-moe/countdown.yaml", ["data.seed=5"]).recipe
+    a, b = PromptSource(r.data, seed=1), PromptSource(r.data, seed=2)
+    assert [a.step_items(s, 16) for s in (1, 2, 3)] == [b.step_items(s, 16) for s in (1, 2, 3)]
+    free = load_recipe(ROOT / "recipes/tiny-moe/countdown.yaml").recipe
+    c, d = PromptSource(free.data, seed=1), PromptSource(free.data, seed=2)
+    assert c.step_items(1, 16) != d.step_items(1, 16)  # without it, the run seed decides
+
+
+# ---------------------------------------------------------------------------------------- statistics
+
+
+def test_t_quantiles_and_intervals():
+    from tim_megatron.lab.stats import mean_ci, paired_ci, t975, wilson
+
+    assert t975(1) == pytest.approx(12.706) and t975(2) == pytest.approx(4.303)
+    assert t975(60) == pytest.approx(2.000, abs=1e-3) and t975(1000) == pytest.approx(1.962, abs=1e-3)
+    iv = mean_ci([1.0, 2.0, 3.0])
+    assert (iv.mean, iv.n) == (2.0, 3)
+    assert iv.high - iv.mean == pytest.approx(4.303 * 1.0 / 3**0.5, rel=1e-6)
+    one = mean_ci([5.0, float("nan")])
+    assert one.n == 1 and one.mean == 5.0 and one.low != one.low  # one value: no interval (NaN bounds)
+    # Pairing by seed: seed 3 has no partner and drops out.
+    pc = paired_ci({1: 3.0, 2: 5.0, 3: 100.0}, {1: 1.0, 2: 2.0})
+    assert pc.n == 2 and pc.mean == pytest.approx(2.5)
+    w = wilson(0, 10)
+    assert w.mean == 0 and w.low == 0 and w.high == pytest.approx(0.2775, abs=1e-3)
+
+
+# --------------------------------------------------------------------------------------------- the grid
+
+
+def _grid(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "g.yaml"
+    p.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\nseeds: [1, 2]\n" + body)
+    return p
+
+
+def test_grid_errors_name_the_key(tmp_path):
+    from tim_megatron.lab.grid import GridError, load_grid, plan
+
+    with pytest.raises(GridError, match="unknown key"):
+        load_grid(_grid(tmp_path, "arms: [{name: a}]\nsteps: 3\n"))
+    with pytest.raises(GridError, match="tune_seeds"):
+        load_grid(_grid(tmp_path, "tune_seeds: [7]\narms: [{name: a}]\n"))
+    with pytest.raises(GridError, match="used twice"):
+        load_grid(_grid(tmp_path, "arms: [{name: a}, {name: a}]\n"))
+    # An arm the schema rejects is an error (a typo must not silently drop an arm) ...
+    typo = load_grid(_grid(tmp_path, "arms: [{name: a, overrides: [rl.clip.hihg=0.3]}]\n"))
+    with pytest.raises(GridError, match="arm 'a' does not validate"):
+        plan(typo)
+    # ... unless it declares the feature it needs: then it is planned as not run, with the schema's reason.
+    pending = load_grid(
+        _grid(
+            tmp_path,
+            "arms: [{name: a}, {name: x, requires: a future mode, overrides: [diagnostics.future_mode=on]}]\n",
+        )
+    )
+    plans = {p.arm.name: p for p in plan(pending)}
+    assert plans["a"].runnable and not plans["x"].runnable
+    assert plans["x"].reason == "needs a future mode" and "diagnostics.future_mode" in plans["x"].schema_error
+
+
+def test_shipped_grids_plan_and_hold_the_claims_arms():
+    from tim_megatron.lab.claims import CLAIMS
+    from tim_megatron.lab.grid import load_grid, plan
+
+    for name in ("quick", "full"):
+        g = load_grid(ROOT / "lab" / f"{name}.yaml")
+        plans = plan(g)
+        names = {p.arm.name for p in plans}
+        assert {"baseline", "clip-0.28", "gspo", "objective-delta", "tis", "length-decay", "lr-low"} <= names
+        assert {"exact", "inject-noise-0.03", "inject-noise-0.3"} <= names
+        assert (
+            name == "quick" or "objective-sigma" in names
+        )  # quick leaves C3's unbiased half out (its budget)
+        # Exact mode and sampling-distribution injection are in the schema: every shipped arm runs, C1 and C2's
+        # included (their overrides are the schema's own keys, not placeholders).
+        assert all(p.runnable for p in plans), [(p.arm.name, p.schema_error) for p in plans if not p.runnable]
+        injected = [p.loaded.recipe.diagnostics for p in plans if p.arm.group]
+        assert injected and all(d.vexact == "exact" and d.sampling_injection.type != "off" for d in injected)
+        assert next(p for p in plans if p.arm.name == "exact").loaded.recipe.diagnostics.vexact == "exact"
+        assert len(g.seeds) >= (3 if name == "full" else 2)
+    assert list(CLAIMS) == [f"C{i}" for i in range(1, 10)]
+
+
+def test_collapse_needs_full_reward_windows():
+    """A lucky first batch (0.40, then 0.20-0.22) is not a 30% collapse; a real drop to 0.05 is, once the
+    trailing 5-step mean has fallen 30% below its best."""
+    from tim_megatron.lab.runstats import collapse_step, score_series
+
+    rewards = [0.40, 0.20, 0.22, 0.21, 0.20, 0.22, 0.21, 0.20, 0.05, 0.05, 0.05, 0.05]
+    rows = [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]
+    x, score, _ = score_series(rows)
+    assert x[0] == 5 and score[0] == pytest.approx(sum(rewards[:5]) / 5)  # no shorter window
+    assert collapse_step(x, score) == 10
+    assert collapse_step(*score_series(rows[:8])[:2]) is None
+
+
+# ------------------------------------------------------------------- aggregation, verdicts and the report
+
+
+def _fake_run(d: Path, spec: dict, *, steps: int, growth: float, seed: int, collapse_at: int | None = None):
+    """A completed run folder whose rho_std grows by exp(growth) over the run (with seeded wiggle)."""
+    import json
+    import math
+    import random
+
+    rng = random.Random(seed * 7919 + int(growth * 1000))
+    rows = []
+    for t in range(1, steps + 1):
+        frac = (t - 1) / (steps - 1)
+        reward = 0.3 + 0.4 * frac if collapse_at is None or t < collapse_at else 0.05
+        rows.append(
+            {
+                "step": t,
+                "reward/mean": reward,
+                "mismatch/old_vs_rollout/rho_std": 0.03
+                * math.exp(growth * frac)
+                * math.exp(rng.gauss(0, 0.02)),
+                "objective/J": 5.0 * frac + rng.gauss(0, 0.1),
+                "response/length_mean": 40.0,
+                "mismatch/old_vs_rollout/bucket/0.01-0.1/count": 100.0,
+                "mismatch/old_vs_rollout/bucket/0.01-0.1/rho_mean": 1.0 - 0.05 * frac,
+                "mismatch/old_vs_rollout/bucket/0.9-1/count": 500.0,
+                "mismatch/old_vs_rollout/bucket/0.9-1/rho_mean": 1.0,
+            }
+        )
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "run.json").write_text(json.dumps({"status": "completed", "wall_seconds": 1.0}))
+    (d / "lab.json").write_text(json.dumps(spec))
+
+
+GRID = """name: fake
+seeds: [1, 2, 3]
+tune_seeds: [1, 2]
+overrides: [run.steps=30]
+arms:
+  - {name: baseline}
+  - {name: tis, overrides: [rl.correction.mode=tis]}
+  - {name: lr-low, overrides: [optim.lr=3.0e-5]}
+  - {name: lr-high, overrides: [optim.lr=1.0e-3]}
+  - {name: exact, requires: a future exact mode, overrides: [diagnostics.future_mode=exact]}
+"""
+
+
+def test_lab_aggregates_runs_into_verdicts_and_a_report(tmp_path):
+    import csv
+
+    from tim_megatron.lab.grid import load_grid, plan
+    from tim_megatron.lab.main import run_lab
+    from tim_megatron.lab.runner import run_dir, run_spec
+
+    path = tmp_path / "g.yaml"
+    path.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\n" + GRID)
+    grid = load_grid(path)
+    root = tmp_path / "runs"
+    growth = {"baseline": 1.5, "tis": 0.2, "lr-low": 2.5, "lr-high": 3.0}
+    for p in plan(grid):
+        if p.runnable:
+            for s in grid.seeds:
+                collapse = 20 if p.arm.name == "lr-high" else None
+                _fake_run(
+                    run_dir(root, p.arm.name, s),
+                    run_spec(grid, p, s),
+                    steps=30,
+                    growth=growth[p.arm.name] + 0.05 * s,
+                    seed=s,
+                    collapse_at=collapse,
+                )
+    res = run_lab(str(path), root=root, out=tmp_path / "report", aggregate_only=True)
+    rows = {
+        r["claim"]: r for r in csv.DictReader((tmp_path / "report" / "verdicts.csv").read_text().splitlines())
+    }
+    assert list(rows) == [f"C{i}" for i in range(1, 10)]
+    assert rows["C7"]["verdict"] == "reproduced"  # baseline grows 1.3 more than TIS in every seed
+    assert float(rows["C7"]["effect"]) == pytest.approx(1.3, abs=0.05)
+    assert rows["C9"]["verdict"] == "not reproduced"  # the lower LR grows more here: CI below log 1.25
+    assert (
+        rows["C1"]["verdict"] == "inconclusive"
+        and "not run: needs a future exact mode" in rows["C1"]["detail"]
+    )
+    assert "is not in this grid" in rows["C6"]["detail"]
+    assert rows["C5"]["verdict"] == "reproduced"  # the low bucket drifts down by 0.05 in every seed
+    page = res["page"].read_text()
+    assert "tim lab" in page and "--only exact" in page and "reproduced" in page
+    det = list(csv.DictReader((tmp_path / "report" / "detectors.csv").read_text().splitlines()))
+    held = [r for r in det if r["seeds"].startswith("held out")]
+    assert {r["rule"] for r in held} == {"median_ratio", "trend", "trend-tuned"}
+    assert all(r["collapsing"] == "1" and r["runs"] == "4" for r in held)  # seed 3: lr-high collapses at 20
+    assert (tmp_path / "report" / "curve_mismatch-old_vs_rollout-rho_std.png").exists()
+
+
+# ------------------------------------------------------------------------------- end to end, real training
+
+TINY_GRID = """name: tiny-lab
+seeds: [1, 2]
+tune_seeds: [1]
+overrides: [run.steps=2, run.val_every=2, data.prompts_per_step=2, rollout.n=4, rollout.max_tokens=24,
+            rollout.max_model_len=32, data.val_prompts=4, model.tiny_warmup_steps=20, trainer.micro_batch_size=8]
+arms:
+  - {name: baseline}
+  - {name: tis, overrides: [rl.correction.mode=tis]}
+  - {name: pending, requires: a future mode, overrides: [diagnostics.future_mode=on]}
+"""
+
+
+@pytest.mark.slow
+def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
+    """`tim lab` on a 2-arm x 2-seed grid of 2-step countdown runs: real `tim train` subprocesses, a verdict row
+    per claim, the pending arm named with its rerun command; a second invocation runs nothing."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import require
+
+    try:
+        import megatron.core  # noqa: F401
+        import vllm  # noqa: F401
+    except Exception:
+        require(False, "megatron-core and vLLM")
+    grid = tmp_path / "g.yaml"
+    grid.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\n" + TINY_GRID)
+    cmd = [sys.executable, "-m", "tim_megatron.cli", "lab", str(grid), "--root", str(tmp_path / "runs")]
+    cmd += ["--out", str(tmp_path / "report")]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert (
+        first.stdout.count(": completed in ") == 4
+        and "pending seed 1: not run, needs a future mode" in first.stdout
+    )
+    for arm in ("baseline", "tis"):
+        for seed in (1, 2):
+            d = tmp_path / "runs" / arm / f"seed{seed}"
+            rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in rows] == [1, 2]
+            assert all(r["mismatch/old_vs_rollout/rho_std"] > 0 for r in rows)  # bf16 vs bf16: a real TIM
+            assert "val/accuracy" in rows[-1]
+    verdicts = list(csv.DictReader((tmp_path / "report" / "verdicts.csv").read_text().splitlines()))
+    assert [v["claim"] for v in verdicts] == [f"C{i}" for i in range(1, 10)]
+    assert "--only pending" in (tmp_path / "report" / "index.html").read_text()
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count(": reused ") == 4 and ": completed in " not in again.stdout

@@ -1,0 +1,207 @@
+"""Grid files: a base recipe, seeds, a fixed data seed and named arms of recipe overrides.
+
+```yaml
+name: lab-quick
+base_recipe: ../recipes/tiny-moe/countdown.yaml
+seeds: [1, 2]
+data_seed: 0                  # every arm and seed sees the same prompts in the same order
+tune_seeds: [1]               # the early-warning detector is tuned on these and checked on the others
+overrides: [run.steps=24]     # applied to every arm
+arms:
+  - name: baseline
+  - name: tis
+    overrides: [rl.correction.mode=tis]
+  - name: inject-noise-0.3
+    overrides: [diagnostics.vexact=exact, diagnostics.sampling_injection.type=noise,
+                diagnostics.sampling_injection.std=0.3]
+    group: inject-noise        # optional: a dose series (claim C2) ...
+    dose: 0.3                  # ... and this arm's place in it
+  - name: future
+    requires: a feature this checkout lacks    # optional, see below
+    overrides: [diagnostics.some_future_key=on]
+```
+
+An arm whose overrides this checkout's schema rejects is an error, unless it declares ``requires``: then it is
+reported as "not run: needs <requires>" (and its claims as inconclusive) until the feature exists; running the
+grid again then runs just those arms, since completed runs are reused.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tim_megatron.recipe.loader import LoadedRecipe, RecipeError, load_recipe, read_yaml_file
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+GRID_KEYS = {"name", "description", "base_recipe", "seeds", "data_seed", "tune_seeds", "overrides", "arms"}
+ARM_KEYS = {"name", "overrides", "requires", "group", "dose", "description"}
+
+
+class GridError(ValueError):
+    """A grid file that cannot be used; the message names the file, the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    overrides: tuple[str, ...] = ()
+    requires: str | None = None
+    """The feature this arm needs; without it in the schema the arm is reported as not run."""
+    group: str | None = None
+    dose: float | None = None
+    description: str = ""
+
+
+@dataclass
+class Grid:
+    path: Path
+    name: str
+    base: Path
+    seeds: list[int]
+    data_seed: int
+    tune_seeds: list[int]
+    overrides: list[str]
+    arms: list[Arm]
+    description: str = ""
+
+    def arm(self, name: str) -> Arm | None:
+        return next((a for a in self.arms if a.name == name), None)
+
+    def run_overrides(self, arm: Arm, seed: int) -> list[str]:
+        """Every override of one run: the grid's, the arm's, then the seed, the data seed and the name."""
+        return [
+            *self.overrides,
+            *arm.overrides,
+            f"run.seed={seed}",
+            f"data.seed={self.data_seed}",
+            f"run.name={self.name}-{arm.name}",
+            "logging.wandb.mode=disabled",
+        ]
+
+
+@dataclass
+class ArmPlan:
+    arm: Arm
+    runnable: bool
+    reason: str = ""
+    """Why it cannot run (``needs ...``), empty when it can."""
+    schema_error: str = ""
+    """The first line of the schema's own message for an arm that cannot run."""
+    loaded: LoadedRecipe | None = field(default=None, repr=False)
+
+
+def _fail(path: Path, msg: str) -> GridError:
+    return GridError(f"{path}: {msg}")
+
+
+def _int_list(path: Path, key: str, value, *, allow_empty: bool = False) -> list[int]:
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise _fail(
+            path, f"{key} = {value!r}: expected a {'' if allow_empty else 'non-empty '}list of integers"
+        )
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise _fail(path, f"{key} = {value!r}: every entry must be an integer >= 0")
+    if len(set(value)) != len(value):
+        raise _fail(path, f"{key} = {value!r}: an entry appears twice")
+    return list(value)
+
+
+def _str_list(path: Path, key: str, value) -> list[str]:
+    value = value or []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _fail(path, f"{key} = {value!r}: expected a list of key=value strings")
+    return list(value)
+
+
+def load_grid(path: str | Path) -> Grid:
+    path = Path(path)
+    if not path.is_file():
+        raise GridError(f"{path}: grid file not found (presets live in lab/<preset>.yaml)")
+    try:
+        data = read_yaml_file(path)
+    except RecipeError as e:
+        raise GridError(str(e)) from None
+    if not isinstance(data, dict):
+        raise _fail(path, "a grid file must be a mapping")
+    unknown = set(data) - GRID_KEYS
+    if unknown:
+        raise _fail(path, f"unknown key(s) {sorted(unknown)}; allowed: {sorted(GRID_KEYS)}")
+    name = str(data.get("name") or path.stem)
+    if not _NAME.match(name):
+        raise _fail(path, f"name = {name!r}: use letters, digits, '.', '_' and '-'")
+    base = data.get("base_recipe")
+    if not isinstance(base, str):
+        raise _fail(path, f"base_recipe = {base!r}: expected a recipe path (relative to the grid file)")
+    base_path = Path(base) if Path(base).is_absolute() else path.parent / base
+    seeds = _int_list(path, "seeds", data.get("seeds"))
+    tune = _int_list(path, "tune_seeds", data.get("tune_seeds", []), allow_empty=True)
+    if set(tune) - set(seeds):
+        raise _fail(path, f"tune_seeds = {tune}: every tuning seed must be one of seeds = {seeds}")
+    data_seed = data.get("data_seed", 0)
+    if not isinstance(data_seed, int) or isinstance(data_seed, bool) or data_seed < 0:
+        raise _fail(path, f"data_seed = {data_seed!r}: expected an integer >= 0")
+    raw = data.get("arms")
+    if not isinstance(raw, list) or not raw:
+        raise _fail(path, "arms: expected a non-empty list of {name, overrides, ...}")
+    arms, seen = [], set()
+    for i, a in enumerate(raw):
+        if not isinstance(a, dict) or "name" not in a:
+            raise _fail(path, f"arms[{i}] = {a!r}: expected a mapping with a name")
+        if set(a) - ARM_KEYS:
+            raise _fail(
+                path, f"arms[{i}]: unknown key(s) {sorted(set(a) - ARM_KEYS)}; allowed: {sorted(ARM_KEYS)}"
+            )
+        aname = str(a["name"])
+        if not _NAME.match(aname):
+            raise _fail(path, f"arms[{i}].name = {aname!r}: use letters, digits, '.', '_' and '-'")
+        if aname in seen:
+            raise _fail(path, f"arms[{i}].name = {aname!r} is used twice")
+        seen.add(aname)
+        dose = a.get("dose")
+        if dose is not None and (isinstance(dose, bool) or not isinstance(dose, int | float)):
+            raise _fail(path, f"arms[{i}].dose = {dose!r}: expected a number")
+        arms.append(
+            Arm(
+                name=aname,
+                overrides=tuple(_str_list(path, f"arms[{i}].overrides", a.get("overrides"))),
+                requires=str(a["requires"]) if a.get("requires") else None,
+                group=str(a["group"]) if a.get("group") else None,
+                dose=float(dose) if dose is not None else None,
+                description=str(a.get("description") or ""),
+            )
+        )
+    return Grid(
+        path=path,
+        name=name,
+        base=base_path,
+        seeds=seeds,
+        data_seed=data_seed,
+        tune_seeds=tune,
+        overrides=_str_list(path, "overrides", data.get("overrides")),
+        arms=arms,
+        description=str(data.get("description") or ""),
+    )
+
+
+def plan(grid: Grid) -> list[ArmPlan]:
+    """Validate every arm against this checkout's schema before anything runs.
+
+    An arm that does not validate is an error (a typo must not silently skip an arm), unless it declares
+    ``requires``: then it is planned as not runnable, with the feature and the schema's own message."""
+    if not grid.base.is_file():
+        raise GridError(f"{grid.path}: base_recipe {grid.base} not found")
+    out = []
+    for arm in grid.arms:
+        try:
+            loaded = load_recipe(grid.base, grid.run_overrides(arm, grid.seeds[0]))
+        except RecipeError as e:
+            if arm.requires is None:
+                raise GridError(f"{grid.path}: arm {arm.name!r} does not validate:\n{e}") from None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            out.append(ArmPlan(arm, False, f"needs {arm.requires}", schema_error=first))
+            continue
+        out.append(ArmPlan(arm, True, loaded=loaded))
+    return out

@@ -1,0 +1,80 @@
+"""``tim lab``: plan, run, aggregate, decide, report (the whole pipeline, top to bottom)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tim_megatron.lab.claims import LabData, verdicts
+from tim_megatron.lab.detectors import detector_table, load_traces
+from tim_megatron.lab.grid import Grid, GridError, load_grid, plan
+from tim_megatron.lab.report import write_report
+from tim_megatron.lab.runner import is_complete, run_dir, run_grid, run_spec
+from tim_megatron.lab.runstats import run_stats
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def resolve_grid(name: str) -> Path:
+    """A grid file, or a preset name (``quick``, ``full``) under ``lab/`` here or in the repository."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for root in (Path("lab"), REPO / "lab"):
+        cand = root / f"{name}.yaml"
+        if cand.is_file():
+            return cand
+    presets = sorted(x.stem for x in (REPO / "lab").glob("*.yaml"))
+    raise GridError(f"{name}: neither a grid file nor a preset (presets: {', '.join(presets) or 'none'})")
+
+
+def collect(grid: Grid, plans, root: Path) -> LabData:
+    """Every completed run of the grid (made with the grid's current overrides) and its statistics."""
+    runs: dict[str, dict] = {}
+    for p in plans:
+        if not p.runnable:
+            continue
+        for seed in grid.seeds:
+            d = run_dir(root, p.arm.name, seed)
+            if is_complete(d, run_spec(grid, p, seed)):
+                runs.setdefault(p.arm.name, {})[seed] = run_stats(d, arm=p.arm.name, seed=seed)
+    return LabData(grid=grid, plans={p.arm.name: p for p in plans}, runs=runs)
+
+
+def run_lab(
+    grid_path: str,
+    *,
+    out: Path | None = None,
+    root: Path | None = None,
+    only: set[str] | None = None,
+    aggregate_only: bool = False,
+    timeout_s: float | None = None,
+    command: str = "",
+    log=print,
+) -> dict:
+    grid = load_grid(resolve_grid(grid_path))
+    plans = plan(grid)  # every arm validated before anything runs
+    if only:
+        unknown = only - {p.arm.name for p in plans}
+        if unknown:
+            raise GridError(f"--only {sorted(unknown)}: no such arm in {grid.path}")
+    root = root or Path("runs") / "lab" / grid.name
+    out = out or Path("report") / grid.name
+    t0 = time.perf_counter()
+    records = [] if aggregate_only else run_grid(grid, plans, root, only=only, timeout_s=timeout_s, log=log)
+    wall = time.perf_counter() - t0 if records else None
+    lab = collect(grid, plans, root)
+    vs = verdicts(lab)
+    traces = load_traces([r for arm in lab.runs.values() for r in arm.values()])
+    detectors, tuned = detector_table(traces, grid.tune_seeds)
+    page = write_report(
+        lab,
+        out,
+        verdicts=vs,
+        detectors=detectors,
+        tuned=tuned,
+        command=command or f"tim lab {grid.path}",
+        wall_seconds=wall,
+        run_records=records,
+    )
+    return {"grid": grid, "verdicts": vs, "page": page, "records": records, "wall_seconds": wall, "lab": lab}

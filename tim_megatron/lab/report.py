@@ -1,0 +1,299 @@
+"""The lab's outputs: ``index.html`` (static, no scripts), per-arm curves with seed bands, and CSVs.
+
+* ``verdicts.csv``: one row per claim C1..C9 (:mod:`.claims`);
+* ``arms.csv``: per arm, the statistics behind the claims, mean and 95% CI across seeds;
+* ``runs.csv``: per run, everything :mod:`.runstats` computed;
+* ``detectors.csv``: the early-warning evaluation (:mod:`.detectors`).
+
+Figures follow ``tim_megatron/report/plots.py``: one PNG per metric, labelled axes, written only inside the
+output folder, text never read as mathtext.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import math
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from tim_megatron.lab.claims import GROWTH_MIN, LabData, Verdict
+from tim_megatron.lab.detectors import TUNE_GRID, Evaluation
+from tim_megatron.lab.runstats import HIGH_BUCKET, LOW_BUCKETS, P, RunStats, pooled_bucket, series
+from tim_megatron.lab.stats import mean_ci
+from tim_megatron.logging.tracker import read_metrics
+from tim_megatron.report.build import CSS
+from tim_megatron.report.plots import _label, _plt, inside, slug
+
+CURVES = (
+    ("reward/mean", "Training reward", "mean reward", "linear"),
+    ("val/accuracy", "Validation accuracy (greedy)", "accuracy", "linear"),
+    (P + "rho_std", "Mismatch: rho_std (old vs rollout)", "std of pi_train / pi_infer", "log"),
+    (P + "log_ppl_abs_diff_token_mean", "log-ppl |diff| per token", "nats per token", "log"),
+    ("response/length_mean", "Response length", "tokens", "linear"),
+    ("objective/J", "Surrogate J = sum A (phi - 1)", "J", "linear"),
+    ("bucket/low-minus-high", "rho_mean(pi < 0.1) - rho_mean(pi >= 0.9)", "difference of mean rho", "linear"),
+    (P + "inv_rho_mean", "E_infer[1/rho] (Eq. 46)", "mean pi_infer / pi_train", "linear"),
+    ("response/entropy_mean", "Token entropy", "nats per token", "linear"),
+    ("actor/grad_norm", "Gradient norm", "L2 norm", "log"),
+    ("actor/lr", "Learning rate", "learning rate", "log"),
+)
+
+
+def _arm_series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    if key == "bucket/low-minus-high":
+        lx, lo = pooled_bucket(rows, LOW_BUCKETS)
+        hx, hi = pooled_bucket(rows, (HIGH_BUCKET,))
+        hi_by = dict(zip(hx.tolist(), hi.tolist(), strict=True))
+        keep = [i for i, s in enumerate(lx.tolist()) if s in hi_by]
+        return lx[keep], np.array([lo[i] - hi_by[lx[i]] for i in keep])
+    return series(rows, key)
+
+
+def curve_panels(lab: LabData, out: Path) -> list[tuple[str, str]]:
+    """Per metric: each arm's mean over seeds, with the band from the lowest to the highest seed."""
+    plt = _plt()
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    arms = [a for a in lab.plans if lab.runs.get(a)]
+    rows = {
+        a: {s: read_metrics(Path(r.path) / "metrics.jsonl") for s, r in lab.runs[a].items()} for a in arms
+    }
+    made = []
+    for key, title, ylabel, scale in CURVES:
+        fig, ax = plt.subplots(figsize=(6.4, 3.8), constrained_layout=True)
+        drawn, positive = 0, True
+        for i, a in enumerate(arms):
+            per_seed = [_arm_series(r, key) for r in rows[a].values()]
+            per_seed = [(x, y) for x, y in per_seed if len(x)]
+            if not per_seed:
+                continue
+            steps = sorted(set().union(*(x.tolist() for x, _ in per_seed)))
+            grid = np.full((len(per_seed), len(steps)), np.nan)
+            for j, (x, y) in enumerate(per_seed):
+                idx = np.searchsorted(steps, x)
+                grid[j, idx] = y
+            with warnings.catch_warnings():  # a step no seed logged is an all-NaN column: NaN is right there
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean, lo, hi = np.nanmean(grid, 0), np.nanmin(grid, 0), np.nanmax(grid, 0)
+            color = cycle[i % len(cycle)]
+            ax.plot(steps, mean, color=color, linewidth=1.4, label=f"{a} ({len(per_seed)} seeds)")
+            if len(per_seed) > 1:
+                ax.fill_between(steps, lo, hi, color=color, alpha=0.15, linewidth=0)
+            positive &= bool(np.nanmin(lo) > 0) if np.isfinite(lo).any() else True
+            drawn += 1
+        if not drawn:
+            plt.close(fig)
+            continue
+        if scale == "log" and positive:
+            _log_axis(ax)
+        _label(ax, title, ylabel)
+        ax.legend(loc="best", fontsize=7, framealpha=0.85)
+        name = f"curve_{slug(key)}.png"
+        fig.savefig(inside(out, name))
+        plt.close(fig)
+        made.append((name, f"{title}: mean over seeds, band = lowest to highest seed"))
+    return made
+
+
+def _log_axis(ax) -> None:
+    """Log y axis with plain-number ticks (mathtext is off for text from run folders, so no 10^k labels)."""
+    from matplotlib import ticker
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
+
+
+def arm_rows(lab: LabData) -> list[dict]:
+    out = []
+    for a, p in lab.plans.items():
+        runs = list(lab.runs.get(a, {}).values())
+        k = sum(r.collapse_step is not None for r in runs)
+
+        def ci(key: str, fmt: str = "{:+.3g}", runs=runs) -> str:
+            return mean_ci([getattr(r, key) for r in runs]).as_text(fmt)
+
+        def avg(key: str, runs=runs) -> float:
+            v = [getattr(r, key) for r in runs if r is not None and _finite(getattr(r, key))]
+            return float(np.mean(v)) if v else float("nan")
+
+        out.append(
+            {
+                "arm": a,
+                "status": "ran"
+                if runs
+                else (f"not run: {p.reason} ({p.schema_error})" if p.reason else "no completed run"),
+                "seeds": len(runs),
+                "overrides": " ".join(p.arm.overrides),
+                "slope_log_rho_std_per_step": ci("slope"),
+                "growth": ci("growth"),
+                "rho_std_start": avg("rho_std_start"),
+                "rho_std_end": avg("rho_std_end"),
+                "j_step_pcc": ci("j_step_pcc", "{:+.2f}"),
+                "bucket_drift": ci("bucket_drift"),
+                "collapsed": f"{k}/{len(runs)}" if runs else "",
+                "collapse_steps": " ".join(str(r.collapse_step) for r in runs if r.collapse_step is not None),
+                "reward_start": avg("reward_start"),
+                "reward_end": avg("reward_end"),
+                "length_start": avg("length_start"),
+                "length_end": avg("length_end"),
+                "surge_steps": " ".join(str(r.surge_step) for r in runs if r.surge_step is not None),
+                "wall_seconds": avg("wall_seconds"),
+            }
+        )
+    return out
+
+
+def _finite(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "n/a"
+        return f"{v:.3e}" if (abs(v) < 1e-2 and v != 0) else f"{v:.4g}"
+    return str(v)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        if not rows:
+            f.write("")
+            return
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows([{k: _fmt(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows])
+
+
+def _table(rows: list[dict], cols: list[str] | None = None) -> str:
+    if not rows:
+        return "<p class='muted'>none</p>"
+    cols = cols or list(rows[0])
+    e = html.escape
+    head = "".join(f"<th>{e(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{e(_fmt(r.get(c)))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_report(
+    lab: LabData,
+    out: Path,
+    *,
+    verdicts: list[Verdict],
+    detectors: list[Evaluation],
+    tuned,
+    command: str,
+    wall_seconds: float | None,
+    run_records: list | None = None,
+) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(inside(out, "verdicts.csv"), [v.row() for v in verdicts])
+    arms = arm_rows(lab)
+    write_csv(inside(out, "arms.csv"), arms)
+    runs: list[RunStats] = [r for a in lab.runs.values() for r in a.values()]
+    write_csv(inside(out, "runs.csv"), [r.row() for r in sorted(runs, key=lambda r: (r.arm, r.seed))])
+    write_csv(inside(out, "detectors.csv"), [d.row() for d in detectors])
+    figs = curve_panels(lab, out)
+    e = html.escape
+    g = lab.grid
+    not_run = [a for a, p in lab.plans.items() if not p.runnable]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(g.name)}</title><style>{CSS}</style></head><body>",
+        f"<h1>TIM lab: {e(g.name)}</h1>",
+        f"<p>{e(g.description)}</p>",
+        f"<p class='muted'>Generated {time.strftime('%Y-%m-%d %H:%M')}. Base recipe {e(str(g.base))}; seeds "
+        f"{g.seeds}, data seed {g.data_seed} (the same prompts in the same order in every run); "
+        f"{len(runs)} completed run(s)"
+        + (f"; runs took {wall_seconds:.0f} s of wall time in this invocation" if wall_seconds else "")
+        + f". Reproduce: <code>{e(command)}</code></p>",
+    ]
+    if not_run:
+        parts.append(
+            "<div class='notice'>Not run here: "
+            + e("; ".join(f"{a}: {lab.plans[a].reason}" for a in not_run))
+            + f". Once the features exist: <code>{e(rerun_command(g, not_run))}</code> runs just these arms and "
+            "rebuilds this report (completed runs are reused).</div>"
+        )
+    parts.append("<h2>Verdicts</h2>")
+    parts.append(
+        "<p class='muted'>Each claim is decided by the rule in its row, fixed in "
+        "<code>tim_megatron/lab/claims.py</code> before any run. Effects are oriented so that a positive value "
+        "supports the claim; the interval is a 95% Student t interval across seeds (paired by seed between "
+        f"arms). Growth = change of log(rho_std) over the run (Theil-Sen slope x steps); log 1.25 = "
+        f"{GROWTH_MIN:.3f} is the smallest growth difference that counts. Collapse: the training reward's "
+        "trailing 5-step mean at 70% of its best so far or lower (greedy validation on 31 prompts is too coarse "
+        "for a 30% rule at this scale; it is drawn below).</p>"
+    )
+    parts.append(
+        _table(
+            [
+                {
+                    "claim": v.claim,
+                    "verdict": v.verdict,
+                    "effect": v.effect,
+                    "95% CI": f"[{_fmt(v.ci_low)}, {_fmt(v.ci_high)}]",
+                    "seeds": v.n_seeds,
+                    "statement": v.statement,
+                    "unit": v.unit,
+                    "rule": v.rule,
+                    "detail": v.detail,
+                    "source": v.source,
+                }
+                for v in verdicts
+            ]
+        )
+    )
+    parts.append("<h2>Arms</h2>")
+    parts.append(_table(arms))
+    parts.append("<h2>Early warning: lead time and false alarms</h2>")
+    parts.append(
+        "<p class='muted'>Rules replayed on each run's rho_std. A collapsing run is warned when the rule fires at "
+        "or before the collapse (lead = steps between), late when after, missed when never; a run that never "
+        "collapses counts a false alarm when the rule fires. median_ratio is the rule runs used before: median "
+        "of 5 recent values >= 2 x the median of the first 5. trend is the noise-aware CUSUM (recipe defaults); "
+        f"trend-tuned was chosen on the tuning seeds {g.tune_seeds} from {_grid_text()} by (warned fraction - "
+        "false-alarm fraction), then longer lead, then larger h and k; the held-out rows played no part in the "
+        "choice."
+        + (f" Tuned: {e(tuned.describe())}." if tuned else "")
+        + " False-alarm rate with its 95% Wilson interval.</p>"
+    )
+    parts.append(_table([d.row() for d in detectors]))
+    parts.append("<h2>Curves by arm</h2><div class='grid'>")
+    for f, cap in figs:
+        parts.append(f"<figure><img src='{e(f)}' alt='{e(cap)}'><figcaption>{e(cap)}</figcaption></figure>")
+    parts.append("</div>")
+    if run_records:
+        parts.append("<h2>Runs of this invocation</h2>")
+        parts.append(
+            _table(
+                [
+                    {
+                        "arm": r.arm,
+                        "seed": r.seed,
+                        "status": r.status,
+                        "seconds": r.seconds,
+                        "folder": str(r.path),
+                    }
+                    for r in run_records
+                ]
+            )
+        )
+    parts.append("</body></html>")
+    page = inside(out, "index.html")
+    page.write_text("\n".join(parts))
+    return page
+
+
+def _grid_text() -> str:
+    return ", ".join(f"{k} in {list(v)}" for k, v in TUNE_GRID.items())
+
+
+def rerun_command(grid, arms: list[str]) -> str:
+    return f"tim lab {grid.path} --only {','.join(arms)}"
