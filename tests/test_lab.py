@@ -294,14 +294,13 @@ overrides: [run.steps=2, run.val_every=2, data.prompts_per_step=2, rollout.n=4, 
             rollout.max_model_len=32, data.val_prompts=4, model.tiny_warmup_steps=20, trainer.micro_batch_size=8]
 arms:
   - {name: baseline}
-  - {name: tis, overrides: [rl.correction.mode=tis]}
   - {name: pending, requires: a future mode, overrides: [diagnostics.future_mode=on]}
 """
 
 
 @pytest.mark.slow
 def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
-    """`tim lab` on a 2-arm x 2-seed grid of 2-step countdown runs: real `tim train` subprocesses, a verdict row
+    """`tim lab` on a 1-arm x 2-seed grid of 2-step countdown runs: real `tim train` subprocesses, a verdict row
     per claim, the pending arm named with its rerun command; a second invocation runs nothing."""
     import csv
     import os
@@ -323,10 +322,10 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (
-        first.stdout.count(": completed in ") == 4
+        first.stdout.count(": completed in ") == 2
         and "pending seed 1: not run, needs a future mode" in first.stdout
     )
-    for arm in ("baseline", "tis"):
+    for arm in ("baseline",):  # one arm keeps this end-to-end run short; claims are tested on fakes above
         for seed in (1, 2):
             d = tmp_path / "runs" / arm / f"seed{seed}"
             rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
@@ -338,4 +337,4 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
     assert "--only pending" in (tmp_path / "report" / "index.html").read_text()
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count(": reused ") == 4 and ": completed in " not in again.stdout
+    assert again.stdout.count(": reused ") == 2 and ": completed in " not in again.stdout

@@ -109,7 +109,9 @@ def test_tiny_sweep_jobs_complete_with_one_sweep_id(slurm, tmp_path):
     assert names == {"clipping-tiny-token-clip-0.2", "clipping-tiny-clip-higher-0.28", "clipping-tiny-gspo"}
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.dp=2"])
+# TP=2 here (issue 11's failing layout); a two-rank DP job runs through Slurm in test_preflight.py's go run,
+# and DP=2 with forced widths in test_loop.py::test_two_processes_over_gloo[dp2].
+@pytest.mark.parametrize("layout", ["parallel.tp=2"])
 def test_two_rank_job_over_gloo(slurm, tmp_path, layout):
     from tests.test_loop import FORCED_WIDTHS, expected_widths
 
@@ -164,6 +166,18 @@ def test_scancel_checkpoints_and_resubmit_resumes(slurm, tmp_path):
     assert f"steps {saved + 1}..25" in (run / "logs" / f"slurm-{job2}.out").read_text()
 
 
+def _skip_requeue_delay(job: str, slurm) -> None:
+    """slurmctld holds a requeued job for about two minutes (Reason=BeginTime) before it may start again; the
+    tests test the project's requeue, not that wait, so a held job is made eligible at once."""
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
+    ).stdout
+    if "JobState=PENDING" in out and "Reason=BeginTime" in out:
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, capture_output=True
+        )
+
+
 def test_requeue_resumes_the_same_job(slurm, tmp_path):
     job, run = submit_tiny(slurm, tmp_path, 25)
     _running_until(run, 3, job, slurm)
@@ -173,6 +187,7 @@ def test_requeue_resumes_the_same_job(slurm, tmp_path):
     t0 = time.time()
     while json.loads((run / "run.json").read_text()).get("status") != "completed":
         assert time.time() - t0 < 600, job_log(run, job)
+        _skip_requeue_delay(job, slurm)
         time.sleep(2)
     assert steps_logged(run) == list(range(1, 26))
     assert "resumed_from" in (run / "run.json").read_text()
@@ -197,6 +212,7 @@ def _ended(job: str, slurm, *, max_restarts: int, timeout: float = 900) -> str:
     while (state := local_slurm_state(job, slurm)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
         assert _restarts(job, slurm) <= max_restarts, f"requeued {_restarts(job, slurm)} times"
         assert time.time() - t0 < timeout, f"job {job} still {state}"
+        _skip_requeue_delay(job, slurm)
         time.sleep(2)
     return state
 
