@@ -19,6 +19,15 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def free_port() -> int:
+    """A TCP port free on loopback right now (for a torchrun rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def require(condition: bool, what: str) -> None:
     if condition:
         return

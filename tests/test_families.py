@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import require
+from tests.conftest import free_port, require
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "family_worker.py"
@@ -43,12 +42,6 @@ def _stack_ok() -> bool:
     except Exception:
         return False
     return True
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -92,7 +85,7 @@ def family(request, tmp_path_factory):
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(_port()),
+        str(free_port()),
     ]
     _run(
         [*torchrun, str(WORKER), "parallel", recipe, str(out)],

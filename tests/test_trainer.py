@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import kill_tree, require
+from tests.conftest import free_port, kill_tree, require
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "megatron_worker.py"
@@ -29,12 +28,6 @@ def _megatron_ok() -> bool:
     return True
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker_cmd(scenario: str, out: Path, nproc: int = 1, overrides: tuple[str, ...] = ()) -> list[str]:
     if nproc == 1:
         return [sys.executable, str(WORKER), scenario, str(out), *overrides]
@@ -45,7 +38,7 @@ def worker_cmd(scenario: str, out: Path, nproc: int = 1, overrides: tuple[str, .
         "--nproc_per_node",
         str(nproc),
         "--master_port",
-        str(_port()),
+        str(free_port()),
         str(WORKER),
         scenario,
         str(out),
