@@ -174,6 +174,13 @@ def test_shipped_grids_plan_and_hold_the_claims_arms():
         assert injected and all(d.vexact == "exact" and d.sampling_injection.type != "off" for d in injected)
         assert next(p for p in plans if p.arm.name == "exact").loaded.recipe.diagnostics.vexact == "exact"
         assert len(g.seeds) >= (3 if name == "full" else 2)
+        # Claims compare arms inside one family (the exact-sampling family for C1-C2, the vLLM arms for C3-C9):
+        # a family's arms all run the same number of steps, or a paired comparison would mix run lengths.
+        steps: dict[bool, set[int]] = {}
+        for p in plans:
+            exact = p.loaded.recipe.diagnostics.vexact == "exact"
+            steps.setdefault(exact, set()).add(p.loaded.recipe.run.steps)
+        assert all(len(v) == 1 for v in steps.values()), (name, steps)
     assert list(CLAIMS) == [f"C{i}" for i in range(1, 10)]
 
 
@@ -285,6 +292,19 @@ def test_lab_aggregates_runs_into_verdicts_and_a_report(tmp_path):
     assert (tmp_path / "report" / "curve_mismatch-old_vs_rollout-rho_std.png").exists()
 
 
+def test_core_slots_split_the_cores_without_overlap():
+    from tim_megatron.lab.runner import core_slots, slot_env
+
+    assert core_slots(2, [0, 1]) == [[0], [1]]
+    assert core_slots(2, [0, 1, 2, 3, 5]) == [[0, 1], [2, 3]]  # equal shares; the remainder stays unused
+    assert core_slots(1, [4, 6]) == [[4, 6]]
+    assert slot_env([2, 3]) == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "2,3"}
+    with pytest.raises(ValueError, match=r"jobs = 3: more than the 2 core\(s\)"):
+        core_slots(3, [0, 1])
+    with pytest.raises(ValueError, match="jobs = 0"):
+        core_slots(0, [0, 1])
+
+
 # ------------------------------------------------------------------------------- end to end, real training
 
 TINY_GRID = """name: tiny-lab
@@ -300,8 +320,9 @@ arms:
 
 @pytest.mark.slow
 def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
-    """`tim lab` on a 1-arm x 2-seed grid of 2-step countdown runs: real `tim train` subprocesses, a verdict row
-    per claim, the pending arm named with its rerun command; a second invocation runs nothing."""
+    """`tim lab --jobs 2` on a 1-arm x 2-seed grid of 2-step countdown runs: real `tim train` subprocesses, two at
+    a time on disjoint cores, a verdict row per claim, the pending arm named with its rerun command; a second
+    invocation runs nothing."""
     import csv
     import os
     import subprocess
@@ -317,7 +338,7 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
     grid = tmp_path / "g.yaml"
     grid.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\n" + TINY_GRID)
     cmd = [sys.executable, "-m", "tim_megatron.cli", "lab", str(grid), "--root", str(tmp_path / "runs")]
-    cmd += ["--out", str(tmp_path / "report")]
+    cmd += ["--out", str(tmp_path / "report"), "--jobs", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -332,6 +353,13 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
             assert [r["step"] for r in rows] == [1, 2]
             assert all(r["mismatch/old_vs_rollout/rho_std"] > 0 for r in rows)  # bf16 vs bf16: a real TIM
             assert "val/accuracy" in rows[-1]
+    slots = [
+        json.loads((tmp_path / "runs" / "baseline" / f"seed{k}" / "slot.json").read_text()) for k in (1, 2)
+    ]
+    assert all(x["jobs"] == 2 and x["OMP_NUM_THREADS"] == "1" for x in slots)
+    assert {x["VLLM_CPU_OMP_THREADS_BIND"] for x in slots} == {
+        str(c) for c in sorted(os.sched_getaffinity(0))[:2]
+    }
     verdicts = list(csv.DictReader((tmp_path / "report" / "verdicts.csv").read_text().splitlines()))
     assert [v["claim"] for v in verdicts] == [f"C{i}" for i in range(1, 10)]
     assert "--only pending" in (tmp_path / "report" / "index.html").read_text()

@@ -533,14 +533,21 @@ def lab_cmd(
         False, "--aggregate-only", help="run nothing; rebuild the report from the runs on disk"
     ),
     timeout_minutes: float = typer.Option(None, "--timeout-minutes", help="stop any one run after this long"),
+    jobs: int = typer.Option(
+        1,
+        "--jobs",
+        help="runs at a time, each pinned to its own share of the cores (default 1: one at a time)",
+    ),
 ) -> None:
-    """Run a TIM lab grid (arms x seeds, one `tim train` at a time), then write verdicts.csv and index.html."""
+    """Run a TIM lab grid (arms x seeds, `--jobs` `tim train` at a time), then write verdicts.csv and index.html."""
     from tim_megatron.lab.grid import GridError
     from tim_megatron.lab.main import run_lab
     from tim_megatron.recipe import RecipeError
 
     arms = {a.strip() for a in only.split(",") if a.strip()} if only else None
-    argv = " ".join(["tim lab", grid, *(["--only", only] if only else [])])
+    argv = " ".join(
+        ["tim lab", grid, *(["--only", only] if only else []), *(["--jobs", str(jobs)] if jobs > 1 else [])]
+    )
     try:
         res = run_lab(
             grid,
@@ -549,11 +556,14 @@ def lab_cmd(
             only=arms,
             aggregate_only=aggregate_only,
             timeout_s=timeout_minutes * 60 if timeout_minutes else None,
+            jobs=jobs,
             command=argv,
             log=lambda m: console.print(m, highlight=False, markup=False),
         )
     except (GridError, RecipeError) as e:
         _fail(str(e))
+    except ValueError as e:  # --jobs out of range
+        _fail(f"--jobs {jobs}: {e}")
     for v in res["verdicts"]:
         ci = f"[{v.ci_low:.3g}, {v.ci_high:.3g}]" if v.n_seeds >= 2 else "(no CI)"
         console.print(

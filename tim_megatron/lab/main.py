@@ -49,6 +49,7 @@ def run_lab(
     only: set[str] | None = None,
     aggregate_only: bool = False,
     timeout_s: float | None = None,
+    jobs: int = 1,
     command: str = "",
     log=print,
 ) -> dict:
@@ -61,7 +62,11 @@ def run_lab(
     root = root or Path("runs") / "lab" / grid.name
     out = out or Path("report") / grid.name
     t0 = time.perf_counter()
-    records = [] if aggregate_only else run_grid(grid, plans, root, only=only, timeout_s=timeout_s, log=log)
+    records = (
+        []
+        if aggregate_only
+        else run_grid(grid, plans, root, only=only, timeout_s=timeout_s, jobs=jobs, log=log)
+    )
     wall = time.perf_counter() - t0 if records else None
     lab = collect(grid, plans, root)
     vs = verdicts(lab)
