@@ -385,3 +385,21 @@ def test_resolved_recipes_round_trip_through_the_strict_loader(tmp_path):
     inf = load_recipe(paths[0], ["diagnostics.objective_injection.sigma=.inf"]).recipe
     f.write_text(recipe_to_yaml(inf))
     assert load_recipe(f).recipe == inf
+
+
+def test_cpu_kvcache_is_whole_gib_and_the_recipe_wins_over_the_environment(tmp_path):
+    from tim_megatron.rollout.engine import set_cpu_kvcache_env
+
+    p = write(tmp_path, "r.yaml", "{}\n")
+    with pytest.raises(RecipeError, match=r"rollout.cpu_kvcache_gib = 1.5.*whole GiB"):
+        load_recipe(p, ["rollout.cpu_kvcache_gib=1.5"])
+    with pytest.raises(RecipeError, match=r"rollout.cpu_kvcache_gib = 0.5"):
+        load_recipe(p, ["rollout.cpu_kvcache_gib=0.5"])
+    gib = load_recipe(p, ["rollout.cpu_kvcache_gib=3"]).recipe.rollout.cpu_kvcache_gib
+    env = {}
+    assert set_cpu_kvcache_env(env, gib=gib) == "" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    env = {"VLLM_CPU_KVCACHE_SPACE": "40"}
+    note = set_cpu_kvcache_env(env, gib=gib)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert "VLLM_CPU_KVCACHE_SPACE=40" in note and "rollout.cpu_kvcache_gib=3" in note
+    assert set_cpu_kvcache_env({"VLLM_CPU_KVCACHE_SPACE": "3"}, gib=gib) == ""

@@ -284,8 +284,19 @@ class RolloutConfig(Section):
     """Fraction of GPU memory vLLM may take when colocated with the trainer (GPU only)."""
     cpu_memory_utilization: float = Field(0.2, gt=0, le=1)
     """CPU runs: fraction of the NUMA node's memory vLLM may reserve (it refuses to start if that much is not free)."""
-    cpu_kvcache_gib: float = Field(1.0, gt=0)
-    """KV-cache size on CPU, GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    cpu_kvcache_gib: float = Field(1.0, ge=1)
+    """KV-cache size on CPU, in whole GiB: vLLM's ``VLLM_CPU_KVCACHE_SPACE``, which the engine sets from this
+    value (an environment value that differs is replaced, with a notice)."""
+
+    @field_validator("cpu_kvcache_gib")
+    @classmethod
+    def _whole_gib(cls, v: float) -> float:
+        if v != int(v):
+            raise ValueError(
+                f"{v} GiB: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE) takes whole GiB, e.g. {int(v) or 1}"
+            )
+        return v
+
     tensor_parallel_size: int = Field(1, ge=1)
     """R: ranks per vLLM engine (vLLM's own tensor-parallel size). The job runs world / R engines, engine k on
     ranks [kR, kR+R) and their GPUs, each generating its own block of the step's prompts."""

@@ -24,8 +24,9 @@ size vLLM's CPU attention rejects, prompts that do not fit.
 from __future__ import annotations
 
 import os
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,20 @@ def cpu_head_sizes() -> list[int]:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def set_cpu_kvcache_env(environ: MutableMapping[str, str], *, gib: float) -> str:
+    """Set vLLM's CPU KV-cache size from the recipe (``rollout.cpu_kvcache_gib``); the recipe wins over an
+    environment value, and the returned notice (empty when nothing was replaced) says so."""
+    want = str(int(gib))
+    have = environ.get("VLLM_CPU_KVCACHE_SPACE")
+    environ["VLLM_CPU_KVCACHE_SPACE"] = want
+    if have is not None and have != want:
+        return (
+            f"VLLM_CPU_KVCACHE_SPACE={have} in the environment replaced by rollout.cpu_kvcache_gib={want} "
+            "(set the recipe key to change it)"
+        )
+    return ""
 
 
 def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
@@ -111,7 +126,9 @@ class VLLMEngine:
         r = recipe.rollout
         # In-process always: one engine core per rank, weights passed by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(r.cpu_kvcache_gib))))
+        note = set_cpu_kvcache_env(os.environ, gib=r.cpu_kvcache_gib)
+        if note:
+            print(note, file=sys.stderr, flush=True)
         from vllm import LLM
 
         kwargs = dict(
