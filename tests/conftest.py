@@ -28,6 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def importable(*modules: str) -> bool:
+    """Whether every one of ``modules`` imports here: the probe a test passes to :func:`require`."""
+    import importlib
+
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception:
+            return False
+    return True
+
+
 def require(condition: bool, what: str) -> None:
     if condition:
         return

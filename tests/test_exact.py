@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import require
-from tests.test_loop import TIM, _stack_ok, metrics, run_folder
+from tests.conftest import importable, require
+from tests.test_loop import TIM, metrics, run_folder
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.rollout.exact_sampler import ExactMismatchError, check_exact
 
@@ -141,7 +141,7 @@ LAYOUTS = {"single": (1, []), "dp2": (2, ["parallel.dp=2"]), "tp2": (2, ["parall
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_exact_mode_gives_rho_one_bit_for_bit_for_five_steps(layout, tmp_path):
     """Five steps of the tiny MoE, routing recorded on both sides (r2 hooks), every step's tokens dumped."""
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     nproc, extra = LAYOUTS[layout]
     args = [
         str(VEXACT),
@@ -190,7 +190,7 @@ def test_exact_mode_gives_rho_one_bit_for_bit_for_five_steps(layout, tmp_path):
 def test_a_one_ulp_nudge_stops_the_run_on_every_rank(tmp_path):
     """The real loop on two ranks (DP2); rank 1 moves one logged logprob by one ulp at step 2. Both ranks stop with
     ExactMismatchError (the one whose rows were fine too: no rank is left waiting in a collective)."""
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     from tim_megatron.run_dir import write_resolved
 
     loaded = load_recipe(VEXACT, ["run.steps=3", "run.val_every=0", "parallel.dp=2", *QUIET])
@@ -224,7 +224,7 @@ def test_a_one_ulp_nudge_stops_the_run_on_every_rank(tmp_path):
 
 @pytest.fixture(scope="module")
 def doses(tmp_path_factory):
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     out = tmp_path_factory.mktemp("doses")
     res = subprocess.run(
         [sys.executable, str(WORKER), "doses", str(out)],
@@ -277,7 +277,7 @@ def test_vllm_logits_processor_samples_from_and_logs_mu(tmp_path):
     """engine: vllm. vLLM's own logged logprobs are log mu for the noise the sample's seed and position give (HF's
     float32 logits as the reference: vLLM float32 matches them to ~1e-5), far from log pi; the tokens differ from
     the same engine's unperturbed requests with the same seeds; greedy validation sees the policy itself."""
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     res = subprocess.run(
         [sys.executable, str(WORKER), "vllm", str(tmp_path)],
         capture_output=True,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import free_port, require
+from tests.conftest import free_port, importable, require
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "family_worker.py"
@@ -35,17 +35,8 @@ RECIPES = {
 """Every supported MoE family and its tiny recipe (Qwen3 dense is covered by tests/test_trainer.py)."""
 
 
-def _stack_ok() -> bool:
-    try:
-        import megatron.core  # noqa: F401
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def _run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     res = subprocess.run(
         cmd,
         capture_output=True,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import require
-from tests.test_loop import TIM, _stack_ok, metrics, run_folder
+from tests.conftest import importable, require
+from tests.test_loop import TIM, metrics, run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fleet_worker.py"
@@ -28,7 +28,7 @@ FP32 = ["trainer.dtype=float32", "rollout.dtype=float32"]
 
 
 def train(args: list[str], out: Path, *, nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     t = time.perf_counter()
     res = subprocess.run(
         [*TIM, "train", "recipes/tiny-moe/grpo.yaml", "--nproc", str(nproc), f"run.output_dir={out}", *args],
@@ -190,7 +190,7 @@ def test_fleet_layout_blocks_and_ranks():
 def test_sleep_wake_order(tmp_path):
     """GPU memory choreography, made by the loop through the engine interface (a spy records the calls; on CPU
     vLLM's sleep and wake_up are no-ops, but they are really called)."""
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     res = subprocess.run(
         [
             sys.executable,

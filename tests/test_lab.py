@@ -328,13 +328,9 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import require
+    from tests.conftest import importable, require
 
-    try:
-        import megatron.core  # noqa: F401
-        import vllm  # noqa: F401
-    except Exception:
-        require(False, "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     grid = tmp_path / "g.yaml"
     grid.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\n" + TINY_GRID)
     cmd = [sys.executable, "-m", "tim_megatron.cli", "lab", str(grid), "--root", str(tmp_path / "runs")]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import kill_tree, require
+from tests.conftest import importable, kill_tree, require
 
 ROOT = Path(__file__).resolve().parents[1]
 TIM = [sys.executable, "-m", "tim_megatron.cli"]
@@ -23,19 +23,10 @@ pytestmark = pytest.mark.slow
 FAST = ["logging.wandb.mode=disabled", "run.val_every=0", "diagnostics.dumps.every=0", "checkpoint.every=0"]
 
 
-def _stack_ok() -> bool:
-    try:
-        import megatron.core  # noqa: F401
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def tim_train(
     args: list[str], tmp: Path, *, timeout: int = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     res = subprocess.run(
         [*TIM, "train", *args],
         capture_output=True,
@@ -257,7 +248,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     tim_train([*args, f"run.output_dir={tmp_path / 'a'}"], tmp_path / "a")
     base = metrics(run_folder(tmp_path / "a"))
 
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     b = tmp_path / "b"
     proc = subprocess.Popen(
         [*TIM, "train", *args, f"run.output_dir={b}"],
@@ -286,7 +277,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
 
 
 def test_a_crash_mid_step_loses_no_earlier_checkpoint(tmp_path):
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     proc = subprocess.Popen(
         [
             *TIM,

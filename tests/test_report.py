@@ -136,10 +136,10 @@ def test_single_run_and_run_in_progress(tmp_path):
 
 
 def test_report_from_two_real_tiny_runs_builds_under_a_minute(tmp_path):
-    from tests.conftest import require
-    from tests.test_loop import FAST, _stack_ok, tim_train  # real runs, as make demo makes them
+    from tests.conftest import importable, require
+    from tests.test_loop import FAST, tim_train  # real runs, as make demo makes them
 
-    require(_stack_ok(), "megatron-core and vLLM")
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     for recipe in ("grpo", "gspo"):
         tim_train(
             [

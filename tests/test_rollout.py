@@ -11,23 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import require
+from tests.conftest import importable, require
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "rollout_worker.py"
 pytestmark = pytest.mark.vllm
 
 
-def _vllm_ok() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def run_worker(scenario: str, out: Path, *overrides: str) -> dict:
-    require(_vllm_ok(), "vLLM")
+    require(importable("vllm"), "vLLM")
     res = subprocess.run(
         [sys.executable, str(WORKER), scenario, str(out), *overrides],
         capture_output=True,
@@ -105,7 +97,7 @@ def test_fp16_rollout_runs_and_matches_closely(tmp_path):
 
 
 def test_unsupported_head_dim_and_missing_checkpoint_fail_before_start(tmp_path):
-    require(_vllm_ok(), "vLLM")
+    require(importable("vllm"), "vLLM")
     from tim_megatron.models.tiny import ensure_tiny_checkpoint
     from tim_megatron.recipe.schema import ModelDims
     from tim_megatron.rollout.engine import RolloutInputError, check_model_for_engine

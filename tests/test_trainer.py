@@ -13,19 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import free_port, kill_tree, require
+from tests.conftest import free_port, importable, kill_tree, require
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "megatron_worker.py"
 pytestmark = pytest.mark.megatron
-
-
-def _megatron_ok() -> bool:
-    try:
-        import megatron.core  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def worker_cmd(scenario: str, out: Path, nproc: int = 1, overrides: tuple[str, ...] = ()) -> list[str]:
@@ -49,7 +41,7 @@ def worker_cmd(scenario: str, out: Path, nproc: int = 1, overrides: tuple[str, .
 def run_worker(
     scenario: str, out: Path, nproc: int = 1, overrides: tuple[str, ...] = (), env: dict | None = None
 ) -> dict:
-    require(_megatron_ok(), "megatron-core")
+    require(importable("megatron.core"), "megatron-core")
     res = subprocess.run(
         worker_cmd(scenario, out, nproc, overrides),
         capture_output=True,
@@ -292,7 +284,7 @@ def test_patches_refuse_unknown_versions(monkeypatch):
 
 
 def test_checkpoint_for_another_model_is_rejected(tmp_path):
-    require(_megatron_ok(), "megatron-core")
+    require(importable("megatron.core"), "megatron-core")
     from tim_megatron.models.tiny import ensure_tiny_checkpoint
     from tim_megatron.recipe import load_recipe
     from tim_megatron.trainer.hf_config import (
@@ -365,7 +357,7 @@ print(fa._get_write_results_queue().get(), signal.getsignal(signal.SIGTERM) == s
 def test_checkpoint_writer_helper_survives_the_jobs_sigterm():
     """megatron's checkpoint-writer results queue lives in a helper process started at the first save; without the
     shield a job's SIGTERM kills it and the checkpoint written in answer to that SIGTERM fails."""
-    require(_megatron_ok(), "megatron-core")
+    require(importable("megatron.core"), "megatron-core")
     res = subprocess.run(
         [sys.executable, "-c", SHIELD], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
@@ -375,7 +367,7 @@ def test_checkpoint_writer_helper_survives_the_jobs_sigterm():
 
 def test_checkpoint_writer_helper_dies_with_its_rank():
     """The shielded helper must not outlive a rank killed with SIGKILL (no orphan processes after a fatal error)."""
-    require(_megatron_ok(), "megatron-core")
+    require(importable("megatron.core"), "megatron-core")
     import psutil
 
     code = (
