@@ -36,15 +36,11 @@ UNKNOWN_LIMIT_S = 60.0
 
 def submit(pf: Preflight, *, output_dir: str | Path | None = None):
     """Create the run folder (recipe, job script, ``preflight/request.json``) and sbatch the job."""
-    from tim_megatron.slurm.submit import Submission, _record_job, _sbatch, prepare
+    from tim_megatron.slurm.submit import prepare, submit_prepared
 
     run_dir, _ = prepare(pf.shrunk, output_dir=output_dir, command=JOB_COMMAND)
     write_json(rep.folder(run_dir) / "request.json", pf.request())
-    from tim_megatron.slurm.submit import JOB_FILE
-
-    job = _sbatch(run_dir / JOB_FILE)
-    _record_job(run_dir, job)
-    return Submission(job, run_dir, run_dir / JOB_FILE)
+    return submit_prepared(run_dir)
 
 
 def dry_run(pf: Preflight) -> str:

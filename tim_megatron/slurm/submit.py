@@ -91,11 +91,16 @@ def prepare(
     return run_dir, script
 
 
-def submit(loaded: LoadedRecipe, *, output_dir: str | Path | None = None) -> Submission:
-    run_dir, _ = prepare(loaded, output_dir=output_dir)
+def submit_prepared(run_dir: Path) -> Submission:
+    """sbatch the job script of a folder made by :func:`prepare`, and record the job id in its run.json."""
     job = _sbatch(run_dir / JOB_FILE)
     _record_job(run_dir, job)
     return Submission(job, run_dir, run_dir / JOB_FILE)
+
+
+def submit(loaded: LoadedRecipe, *, output_dir: str | Path | None = None) -> Submission:
+    run_dir, _ = prepare(loaded, output_dir=output_dir)
+    return submit_prepared(run_dir)
 
 
 def resubmit(run_dir: str | Path) -> Submission:
@@ -103,9 +108,7 @@ def resubmit(run_dir: str | Path) -> Submission:
     run_dir = Path(run_dir).resolve()
     if not (run_dir / JOB_FILE).exists():
         raise SlurmError(f"{run_dir}: no {JOB_FILE} (was it created by tim submit?)")
-    job = _sbatch(run_dir / JOB_FILE)
-    _record_job(run_dir, job)
-    return Submission(job, run_dir, run_dir / JOB_FILE)
+    return submit_prepared(run_dir)
 
 
 def dry_run(loaded: LoadedRecipe, *, output_dir: str | Path | None = None) -> str:
