@@ -24,6 +24,15 @@ from tim_megatron.rollout.exact_sampler import ExactMismatchError, check_exact
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "exact_worker.py"
+
+
+def run_ok(cmd: list[str], *, threads: int, timeout: int) -> None:
+    """Run ``cmd`` from the repository root with ``threads`` OpenMP threads; it must exit 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+
+
 VEXACT = ROOT / "recipes" / "tiny-moe" / "vexact.yaml"
 QUIET = ["logging.wandb.mode=disabled", "checkpoint.every=0"]
 
@@ -157,15 +166,7 @@ def test_exact_mode_gives_rho_one_bit_for_bit_for_five_steps(layout, tmp_path):
         *QUIET,
         *extra,
     ]
-    res = subprocess.run(
-        [*TIM, "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    run_ok([*TIM, "train", *args], threads=1, timeout=900)
     d = run_folder(tmp_path)
     rows = metrics(d)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -198,15 +199,7 @@ def test_a_one_ulp_nudge_stops_the_run_on_every_rank(tmp_path):
     run_dir.mkdir()
     write_resolved(loaded, run_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), "nudge"]
-    res = subprocess.run(
-        [*cmd, str(tmp_path / "out"), str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    run_ok([*cmd, str(tmp_path / "out"), str(run_dir)], threads=1, timeout=900)
     outs = [torch.load(tmp_path / "out" / f"nudge-rank{r}.pt", weights_only=False) for r in (0, 1)]
     nudged = outs[1]["rank1"]["nudged"]
     for r, out in enumerate(outs):
@@ -226,15 +219,7 @@ def test_a_one_ulp_nudge_stops_the_run_on_every_rank(tmp_path):
 def doses(tmp_path_factory):
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     out = tmp_path_factory.mktemp("doses")
-    res = subprocess.run(
-        [sys.executable, str(WORKER), "doses", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    run_ok([sys.executable, str(WORKER), "doses", str(out)], threads=2, timeout=1200)
     return torch.load(out / "doses-rank0.pt", weights_only=False)
 
 
@@ -278,15 +263,7 @@ def test_vllm_logits_processor_samples_from_and_logs_mu(tmp_path):
     float32 logits as the reference: vLLM float32 matches them to ~1e-5), far from log pi; the tokens differ from
     the same engine's unperturbed requests with the same seeds; greedy validation sees the policy itself."""
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
-    res = subprocess.run(
-        [sys.executable, str(WORKER), "vllm", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    run_ok([sys.executable, str(WORKER), "vllm", str(tmp_path)], threads=2, timeout=900)
     out = torch.load(tmp_path / "vllm-rank0.pt", weights_only=False)
     assert out["tokens"] > 0
     assert out["logged_vs_mu_max"] < 1e-3, out
