@@ -80,3 +80,27 @@ def kill_tree(proc) -> None:
             os.kill(pid, signal.SIGKILL)
     proc.wait()
     psutil.wait_procs([psutil.Process(p) for p in family if psutil.pid_exists(p)], timeout=30)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A local Slurm cluster (slurmctld + one slurmd on loopback) for the module's tests."""
+    from tests import local_slurm
+
+    require(local_slurm.available(), "Slurm (slurm-wlm and munge)")
+    cluster = local_slurm.LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two Slurm nodes on this machine (a slurmd in each of two network namespaces) for the module's tests."""
+    from tests import local_slurm
+
+    require(
+        local_slurm.TwoNodeSlurm.available(), "Slurm (slurm-wlm, munge) with root and iproute2 for two nodes"
+    )
+    cluster = local_slurm.TwoNodeSlurm(tmp_path_factory.mktemp("slurm2")).start()
+    yield cluster
+    cluster.stop()

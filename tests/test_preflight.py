@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from tests import local_slurm
-from tests.conftest import require
 from tim_megatron.preflight import bandwidth as bw
 from tim_megatron.preflight.extrapolate import memory, step_time
 from tim_megatron.preflight.heartbeat import Heartbeat, Watchdog, phase_states, read_heartbeats
@@ -424,14 +422,6 @@ def test_where_start_up_failed_is_classified():
 # ----------------------------------------------------------------------------------- on a real Slurm
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    require(local_slurm.available(), "Slurm (slurm-wlm and munge)")
-    cluster = local_slurm.LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
-    yield cluster
-    cluster.stop()
-
-
 def make_preflight(slurm, out: Path, overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
     """``make preflight`` of the tiny recipe into ``out``; returns the result and its preflight.json."""
     res = subprocess.run(
@@ -517,16 +507,6 @@ def test_make_preflight_two_ranks_two_engines_is_go_with_every_figure(slurm, tmp
         "step time (step 2)",
     ):
         assert line in res.stdout, res.stdout[-3000:]
-
-
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
-    require(
-        local_slurm.TwoNodeSlurm.available(), "Slurm (slurm-wlm, munge) with root and iproute2 for two nodes"
-    )
-    cluster = local_slurm.TwoNodeSlurm(tmp_path_factory.mktemp("slurm2")).start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.mark.slurm

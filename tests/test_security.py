@@ -70,8 +70,6 @@ from pathlib import Path
 
 import pytest
 
-from tests import local_slurm
-from tests.conftest import require
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.slurm.render import TEMPLATE, RenderError, render
 
@@ -225,14 +223,6 @@ def test_path_like_names_are_not_secrets(tmp_path):
     r = load_recipe(TINY, ["cluster.env={PATH: /x, PYTHONPATH: /y, LD_LIBRARY_PATH: /z, NCCL_DEBUG: WARN}"])
     script = render(r.recipe, run_dir=tmp_path, job_name="ok")
     assert "export PYTHONPATH=/y" in script and "export LD_LIBRARY_PATH=/z" in script
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    require(local_slurm.available(), "Slurm (slurm-wlm and munge)")
-    cluster = local_slurm.LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.mark.slurm

@@ -13,20 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import local_slurm
-from tests.conftest import require
-
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slurm
 FAST = "logging.wandb.mode=offline run.val_every=0 diagnostics.dumps.every=0 checkpoint.every=0"
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    require(local_slurm.available(), "Slurm (slurm-wlm and munge)")
-    cluster = local_slurm.LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
-    yield cluster
-    cluster.stop()
 
 
 def make(target: str, slurm, **variables) -> subprocess.CompletedProcess:
@@ -413,16 +402,6 @@ def test_run_names_cannot_escape_the_runs_folder(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ two nodes
-
-
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
-    require(
-        local_slurm.TwoNodeSlurm.available(), "Slurm (slurm-wlm, munge) with root and iproute2 for two nodes"
-    )
-    cluster = local_slurm.TwoNodeSlurm(tmp_path_factory.mktemp("slurm2")).start()
-    yield cluster
-    cluster.stop()
 
 
 def test_two_node_job(two_nodes, tmp_path):
