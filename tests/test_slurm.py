@@ -130,6 +130,27 @@ def local_slurm_state(job, slurm):
     return m.group(1) if m else None
 
 
+def resume_to_the_end(cluster, run: Path, *, steps: int) -> None:
+    """`tim submit --resume` of a stopped run: the new job starts after the latest checkpoint and logs every
+    step up to ``steps`` exactly once."""
+    from tim_megatron.trainer.checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(run / "checkpoints")
+    assert ck is not None
+    saved = json.loads((ck / "state.json").read_text())["step"]
+    res = subprocess.run(
+        [*cluster.prefix, Path(sys.executable).parent / "tim", "submit", "--resume", str(run)],
+        capture_output=True,
+        text=True,
+        env=cluster.env,
+        cwd=ROOT,
+    )
+    job2, _ = submitted(res)
+    assert cluster.wait(job2) == "COMPLETED", job_log(run, job2)
+    assert steps_logged(run) == list(range(1, steps + 1))
+    assert f"steps {saved + 1}..{steps}" in (run / "logs" / f"slurm-{job2}.out").read_text()
+
+
 def test_scancel_checkpoints_and_resubmit_resumes(slurm, tmp_path):
     job, run = submit_tiny(slurm, tmp_path, 25)
     _running_until(run, 3, job, slurm)
@@ -137,22 +158,7 @@ def test_scancel_checkpoints_and_resubmit_resumes(slurm, tmp_path):
     assert slurm.wait(job) == "CANCELLED"
     meta = json.loads((run / "run.json").read_text())
     assert meta["status"] == "preempted", meta
-    from tim_megatron.trainer.checkpoint import latest_checkpoint
-
-    ck = latest_checkpoint(run / "checkpoints")
-    assert ck is not None
-    saved = json.loads((ck / "state.json").read_text())["step"]
-    res = subprocess.run(
-        [Path(sys.executable).parent / "tim", "submit", "--resume", str(run)],
-        capture_output=True,
-        text=True,
-        env=slurm.env,
-        cwd=ROOT,
-    )
-    job2, _ = submitted(res)
-    assert slurm.wait(job2) == "COMPLETED", job_log(run, job2)
-    assert steps_logged(run) == list(range(1, 26))
-    assert f"steps {saved + 1}..25" in (run / "logs" / f"slurm-{job2}.out").read_text()
+    resume_to_the_end(slurm, run, steps=25)
 
 
 def _skip_requeue_delay(job: str, slurm) -> None:
@@ -432,19 +438,4 @@ def test_two_node_job(two_nodes, tmp_path):
     out = "\n".join(p.read_text() for p in ranks)
     assert "rollout engine 0 of 2: rank 0 on cpu" in out and "rollout engine 1 of 2: rank 1 on cpu" in out
     assert json.loads((run / "run.json").read_text())["status"] == "preempted"
-    from tim_megatron.trainer.checkpoint import latest_checkpoint
-
-    ck = latest_checkpoint(run / "checkpoints")
-    assert ck is not None
-    saved = json.loads((ck / "state.json").read_text())["step"]
-    res = subprocess.run(
-        [*two_nodes.prefix, Path(sys.executable).parent / "tim", "submit", "--resume", str(run)],
-        capture_output=True,
-        text=True,
-        env=two_nodes.env,
-        cwd=ROOT,
-    )
-    job2, _ = submitted(res)
-    assert two_nodes.wait(job2) == "COMPLETED", job_log(run, job2)
-    assert steps_logged(run) == list(range(1, 31))
-    assert f"steps {saved + 1}..30" in (run / "logs" / f"slurm-{job2}.out").read_text()
+    resume_to_the_end(two_nodes, run, steps=30)
