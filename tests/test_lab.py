@@ -288,6 +288,12 @@ def test_lab_aggregates_runs_into_verdicts_and_a_report(tmp_path):
     det = list(csv.DictReader((tmp_path / "report" / "detectors.csv").read_text().splitlines()))
     held = [r for r in det if r["seeds"].startswith("held out")]
     assert {r["rule"] for r in held} == {"median_ratio", "trend", "trend-tuned"}
+    # tables.md: the same verdicts for the docs, one table row per claim, the CSV's numbers
+    md = (tmp_path / "report" / "tables.md").read_text()
+    c7 = next(line for line in md.splitlines() if line.startswith("| C7 |"))
+    assert f"| {rows['C7']['verdict']} | {rows['C7']['effect']} |" in c7
+    assert sum(line.startswith("| C") for line in md.splitlines()) == 9
+    assert "| lr-high | 3 |" in md and "| median_ratio |" in md
     assert all(r["collapsing"] == "1" and r["runs"] == "4" for r in held)  # seed 3: lr-high collapses at 20
     assert (tmp_path / "report" / "curve_mismatch-old_vs_rollout-rho_std.png").exists()
 

@@ -3,7 +3,9 @@
 * ``verdicts.csv``: one row per claim C1..C9 (:mod:`.claims`);
 * ``arms.csv``: per arm, the statistics behind the claims, mean and 95% CI across seeds;
 * ``runs.csv``: per run, everything :mod:`.runstats` computed;
-* ``detectors.csv``: the early-warning evaluation (:mod:`.detectors`).
+* ``detectors.csv``: the early-warning evaluation (:mod:`.detectors`);
+* ``tables.md``: the verdict, arm and detector tables in Markdown, for ``docs/lab-results.md`` (so that no
+  number there is typed by hand).
 
 Figures follow ``tim_megatron/report/plots.py``: one PNG per metric, labelled axes, written only inside the
 output folder, text never read as mathtext.
@@ -182,6 +184,40 @@ def _table(rows: list[dict], cols: list[str] | None = None) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+MD_VERDICT = ("claim", "verdict", "effect", "ci_low", "ci_high", "n_seeds", "unit", "detail")
+MD_ARM = (
+    "arm", "seeds", "growth", "rho_std_start", "rho_std_end", "j_step_pcc", "bucket_drift", "collapsed",
+    "collapse_steps", "reward_start", "reward_end", "length_start", "length_end", "surge_steps", "wall_seconds",
+)  # fmt: skip
+
+
+def markdown_table(rows: list[dict], cols: tuple[str, ...]) -> str:
+    """A Markdown table of ``cols`` (numbers as in the CSVs; ``|`` escaped)."""
+
+    def cell(v) -> str:
+        return _fmt(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_tables_md(
+    path: Path, *, title: str, verdicts: list[Verdict], arms: list[dict], detectors: list[Evaluation]
+) -> None:
+    det = [d.row() for d in detectors]
+    parts = [
+        f"# {title}: tables",
+        "## Verdicts",
+        markdown_table([v.row() for v in verdicts], MD_VERDICT),
+        "## Arms (mean over seeds, 95% CI in brackets)",
+        markdown_table(arms, MD_ARM),
+        "## Early-warning detectors",
+        markdown_table(det, tuple(det[0]) if det else ("rule",)),
+    ]
+    path.write_text("\n\n".join(parts) + "\n")
+
+
 def write_report(
     lab: LabData,
     out: Path,
@@ -200,6 +236,9 @@ def write_report(
     runs: list[RunStats] = [r for a in lab.runs.values() for r in a.values()]
     write_csv(inside(out, "runs.csv"), [r.row() for r in sorted(runs, key=lambda r: (r.arm, r.seed))])
     write_csv(inside(out, "detectors.csv"), [d.row() for d in detectors])
+    write_tables_md(
+        inside(out, "tables.md"), title=lab.grid.name, verdicts=verdicts, arms=arms, detectors=detectors
+    )
     figs = curve_panels(lab, out)
     e = html.escape
     g = lab.grid
