@@ -311,6 +311,29 @@ def test_core_slots_split_the_cores_without_overlap():
         core_slots(0, [0, 1])
 
 
+def test_tim_lab_refuses_more_jobs_than_cores_before_running_anything(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    jobs = len(os.sched_getaffinity(0)) + 1
+    cmd = [
+        sys.executable,
+        "-m",
+        "tim_megatron.cli",
+        "lab",
+        "quick",
+        "--jobs",
+        str(jobs),
+        "--root",
+        str(tmp_path),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode != 0
+    assert f"--jobs {jobs}: jobs = {jobs}: more than the" in res.stdout + res.stderr
+    assert not any(tmp_path.iterdir())  # no run folder was made
+
+
 # ------------------------------------------------------------------------------- end to end, real training
 
 TINY_GRID = """name: tiny-lab

@@ -542,8 +542,13 @@ def lab_cmd(
     """Run a TIM lab grid (arms x seeds, `--jobs` `tim train` at a time), then write verdicts.csv and index.html."""
     from tim_megatron.lab.grid import GridError
     from tim_megatron.lab.main import run_lab
+    from tim_megatron.lab.runner import core_slots
     from tim_megatron.recipe import RecipeError
 
+    try:
+        core_slots(jobs)  # before anything runs
+    except ValueError as e:
+        _fail(f"--jobs {jobs}: {e}")
     arms = {a.strip() for a in only.split(",") if a.strip()} if only else None
     argv = " ".join(
         ["tim lab", grid, *(["--only", only] if only else []), *(["--jobs", str(jobs)] if jobs > 1 else [])]
@@ -562,8 +567,6 @@ def lab_cmd(
         )
     except (GridError, RecipeError) as e:
         _fail(str(e))
-    except ValueError as e:  # --jobs out of range
-        _fail(f"--jobs {jobs}: {e}")
     for v in res["verdicts"]:
         ci = f"[{v.ci_low:.3g}, {v.ci_high:.3g}]" if v.n_seeds >= 2 else "(no CI)"
         console.print(
