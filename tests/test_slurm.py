@@ -123,9 +123,7 @@ def _running_until(run: Path, step: int, job: str, slurm, timeout=300) -> None:
 
 
 def local_slurm_state(job, slurm):
-    out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
-    ).stdout
+    out = slurm.run(["scontrol", "show", "job", "-o", job]).stdout
     m = re.search(r"JobState=(\S+)", out)
     return m.group(1) if m else None
 
@@ -164,13 +162,9 @@ def test_scancel_checkpoints_and_resubmit_resumes(slurm, tmp_path):
 def _skip_requeue_delay(job: str, slurm) -> None:
     """slurmctld holds a requeued job for about two minutes (Reason=BeginTime) before it may start again; the
     tests test the project's requeue, not that wait, so a held job is made eligible at once."""
-    out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
-    ).stdout
+    out = slurm.run(["scontrol", "show", "job", "-o", job]).stdout
     if "JobState=PENDING" in out and "Reason=BeginTime" in out:
-        subprocess.run(
-            ["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, capture_output=True
-        )
+        slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
 
 def test_requeue_resumes_the_same_job(slurm, tmp_path):

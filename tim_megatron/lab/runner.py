@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,7 +94,7 @@ def run_grid(
     slots = core_slots(jobs) if jobs > 1 else [None]
     records: list[RunRecord] = []
     todo = [(p, s) for p in plans for s in (seeds or grid.seeds) if only is None or p.arm.name in only]
-    pending = []  # (tag, arm, seed, run folder, command), in grid order
+    pending = []  # (tag, arm, seed, run folder, spec, command), in grid order
     for i, (p, seed) in enumerate(todo, start=1):
         d = run_dir(root, p.arm.name, seed)
         tag = f"[{i}/{len(todo)}] {p.arm.name} seed {seed}"
@@ -122,15 +122,15 @@ def run_grid(
         ]
         pending.append((tag, p.arm.name, seed, d, spec, cmd))
 
-    free = list(range(len(slots)))
-    lock = threading.Lock()
+    free: queue.SimpleQueue = queue.SimpleQueue()  # the slots no run holds; one worker thread per slot
+    for slot in slots:
+        free.put(slot)
 
     def one(item) -> RunRecord:
         tag, arm, seed, d, spec, cmd = item
-        with lock:
-            slot = free.pop(0)
+        slot = free.get()
         try:
-            env = slot_env(slots[slot]) if slots[slot] is not None else {}
+            env = slot_env(slot) if slot is not None else {}
             d.mkdir(parents=True)
             (d / LAB_FILE).write_text(json.dumps(spec, indent=1))
             (d / "slot.json").write_text(json.dumps({"jobs": len(slots), **env}))
@@ -141,8 +141,7 @@ def run_grid(
             log(f"{tag}: {status} in {secs:.0f} s ({d}{where})")
             return RunRecord(arm, seed, d, status, secs)
         finally:
-            with lock:
-                free.append(slot)
+            free.put(slot)
 
     running: set[subprocess.Popen] = set()
     pool = ThreadPoolExecutor(max_workers=len(slots))

@@ -293,7 +293,7 @@ class RolloutConfig(Section):
     def _whole_gib(cls, v: float) -> float:
         if v != int(v):
             raise ValueError(
-                f"{v} GiB: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE) takes whole GiB, e.g. {int(v) or 1}"
+                f"{v} GiB: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE) takes whole GiB, e.g. {int(v)}"
             )
         return v
 
