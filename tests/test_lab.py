@@ -385,6 +385,9 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
     assert {x["VLLM_CPU_OMP_THREADS_BIND"] for x in slots} == {
         str(c) for c in sorted(os.sched_getaffinity(0))[:2]
     }
+    for k, slot in zip((1, 2), slots, strict=True):  # the whole process was confined to its slot's core
+        meta = json.loads((tmp_path / "runs" / "baseline" / f"seed{k}" / "run.json").read_text())
+        assert meta["cpu_affinity"] == [int(slot["VLLM_CPU_OMP_THREADS_BIND"])]
     verdicts = list(csv.DictReader((tmp_path / "report" / "verdicts.csv").read_text().splitlines()))
     assert [v["claim"] for v in verdicts] == [f"C{i}" for i in range(1, 10)]
     assert "--only pending" in (tmp_path / "report" / "index.html").read_text()

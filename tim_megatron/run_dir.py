@@ -265,8 +265,10 @@ def set_status(d: Path, status: str, **extra) -> None:
 
 
 def mark_running(d: Path, *, start_step: int, resumed_from: str | None) -> None:
-    """Start-up is over: steps ``start_step``.. begin."""
-    set_status(d, "running", start_step=start_step, resumed_from=resumed_from)
+    """Start-up is over: steps ``start_step``.. begin. Records the cores this process may run on (a run's numbers
+    depend on its thread count: float sums in another order)."""
+    cores = sorted(os.sched_getaffinity(0))
+    set_status(d, "running", start_step=start_step, resumed_from=resumed_from, cpu_affinity=cores)
 
 
 def mark_finished(
