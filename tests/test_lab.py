@@ -70,6 +70,17 @@ def test_warmup_batch_labels_the_chain_and_eos_only():
         assert chain_reward(chain, prompt) == 1.0
 
 
+def test_sft_batch_pads_right_and_labels_the_answer_only():
+    from tim_megatron.data.arithmetic import sft_batch
+
+    ids, labels = sft_batch([([5, 6], [7, 2]), ([5], [8, 9, 2])], pad=2)
+    assert ids.tolist() == [[5, 6, 7, 2], [5, 8, 9, 2]]
+    assert labels.tolist() == [[-100, -100, 7, 2], [-100, 8, 9, 2]]
+    ids, labels = sft_batch([([4, 4, 4], [1]), ([4], [1])], pad=0)
+    assert ids.tolist() == [[4, 4, 4, 1], [4, 1, 0, 0]]
+    assert labels.tolist() == [[-100, -100, -100, 1], [-100, 1, -100, -100]]
+
+
 def test_prompt_source_serves_countdown_targets_with_their_reward():
     from tim_megatron.data.rewards import reward
     from tim_megatron.data.sources import PromptSource

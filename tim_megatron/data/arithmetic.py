@@ -75,18 +75,23 @@ def format_warmup_batch(*, tokenizer, task: TaskConfig, batch_size: int, generat
     pool = all_problems(task)
     answers = possible_answers(task)
     eos = tokenizer.eos_token_id
-    seqs, labels = [], []
+    pairs = []
     for _ in range(batch_size):
         p = pool[int(torch.randint(len(pool), (1,), generator=generator))]
         ans = answers[int(torch.randint(len(answers), (1,), generator=generator))]
         pid = tokenizer.encode(p.prompt, add_special_tokens=False)
         aid = [*tokenizer.encode(ans, add_special_tokens=False), eos]
-        seqs.append(pid + aid)
-        labels.append([-100] * len(pid) + aid)
-    width = max(map(len, seqs))
-    ids = torch.full((batch_size, width), eos, dtype=torch.long)
-    lab = torch.full((batch_size, width), -100, dtype=torch.long)
-    for i, (s, label) in enumerate(zip(seqs, labels, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(label)] = torch.tensor(label)
+        pairs.append((pid, aid))
+    return sft_batch(pairs, pad=eos)
+
+
+def sft_batch(pairs: list[tuple[list[int], list[int]]], *, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt ids, answer ids)`` pairs as a right-padded batch: input ids (padded with ``pad``) and labels
+    on the answer tokens only (-100 on the prompt and the padding)."""
+    width = max(len(p) + len(a) for p, a in pairs)
+    ids = torch.full((len(pairs), width), pad, dtype=torch.long)
+    lab = torch.full((len(pairs), width), -100, dtype=torch.long)
+    for i, (p, a) in enumerate(pairs):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        lab[i, len(p) : len(p) + len(a)] = torch.tensor(a)
     return ids, lab

@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from tim_megatron.data.arithmetic import Problem
+from tim_megatron.data.arithmetic import Problem, sft_batch
 from tim_megatron.recipe.schema import TaskConfig
 
 DIGITS = tuple(range(1, 10))
@@ -93,17 +93,10 @@ def random_chain(task: TaskConfig, generator: torch.Generator) -> tuple[int, str
 def warmup_batch(*, tokenizer, task: TaskConfig, batch_size: int, generator: torch.Generator):
     """``target= + chain + EOS`` sequences with labels on the chain and EOS only (supervised warm-up)."""
     eos = tokenizer.eos_token_id
-    seqs, labels = [], []
+    pairs = []
     for _ in range(batch_size):
         target, chain = random_chain(task, generator)
         pid = tokenizer.encode(f"{target}=", add_special_tokens=False)
         aid = [*tokenizer.encode(chain, add_special_tokens=False), eos]
-        seqs.append(pid + aid)
-        labels.append([-100] * len(pid) + aid)
-    width = max(map(len, seqs))
-    ids = torch.full((batch_size, width), eos, dtype=torch.long)
-    lab = torch.full((batch_size, width), -100, dtype=torch.long)
-    for i, (s, label) in enumerate(zip(seqs, labels, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(label)] = torch.tensor(label)
-    return ids, lab
+        pairs.append((pid, aid))
+    return sft_batch(pairs, pad=eos)
