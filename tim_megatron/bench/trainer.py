@@ -26,12 +26,11 @@ def _bench(fn, repeat: int) -> float:
 
 
 def run(*, seqs: int = 32, length: int = 32, repeat: int = 10, overrides: list[str] | None = None) -> dict:
-    from patches.megatron.cpu_shims import cuda_placement_to_cpu
     from tim_megatron.algo import token_clip_loss
+    from tim_megatron.bench.bare import bare_megatron_step
     from tim_megatron.recipe import load_recipe
     from tim_megatron.run_setup import model_path_for
     from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch
-    from tim_megatron.trainer.model import causal_mask
 
     recipe = load_recipe(
         "recipes/tiny-moe/grpo.yaml", [f"trainer.micro_batch_size={seqs}", *(overrides or [])]
@@ -59,22 +58,7 @@ def run(*, seqs: int = 32, length: int = 32, repeat: int = 10, overrides: list[s
     def ours():
         tr.train_step(batch, loss_fn, lr=1e-6)
 
-    from megatron.core.distributed import finalize_model_grads
-
-    pos = torch.arange(length).unsqueeze(0).expand(seqs, -1)
-    labels = torch.roll(ids, -1, 1)
-    attn = causal_mask(length, "cpu")
-
-    def bare():
-        tr.model.train()
-        tr.model.zero_grad_buffer()
-        with cuda_placement_to_cpu():
-            tr.optimizer.zero_grad()
-        loss = tr.model(input_ids=ids, position_ids=pos, attention_mask=attn, labels=labels).float()
-        (loss * mask).sum().div(den).backward()
-        finalize_model_grads([tr.model])
-        with cuda_placement_to_cpu():
-            tr.optimizer.step()
+    bare = bare_megatron_step(tr, ids=ids, mask=mask)
 
     t_ours, t_bare = [], []
     for _ in range(3):  # interleave, so drift hits both alike

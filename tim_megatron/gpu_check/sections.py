@@ -168,12 +168,9 @@ def train_step(
 ) -> list[Finding]:
     """Our train step vs a bare megatron-core step (same model, batch, process), and on CUDA its peak
     memory against ``tim plan``'s estimate for the same recipe."""
-    from megatron.core.distributed import finalize_model_grads
-
-    from patches.megatron.cpu_shims import cuda_placement_to_cpu
+    from tim_megatron.bench.bare import bare_megatron_step
     from tim_megatron.slurm.plan import GIB, estimate
     from tim_megatron.trainer.engine import SeqBatch
-    from tim_megatron.trainer.model import causal_mask
 
     recipe = bench.recipe(model, dtype="bfloat16", micro_batch=seqs, max_model_len=length)
     bench.free()
@@ -223,24 +220,7 @@ def train_step(
                 Finding(section, "peak / plan", ratio, "x", verdict, rule),
             ]
 
-        dev = tr._device()
-        ids_d = ids.to(dev)
-        pos = torch.arange(length, device=dev).unsqueeze(0).expand(seqs, -1)
-        labels = torch.roll(ids_d, -1, 1)
-        attn = causal_mask(length, dev)
-        mask_d = mask.to(dev)
-        den = float(mask.sum())
-
-        def bare():
-            tr.model.train()
-            tr.model.zero_grad_buffer()
-            with cuda_placement_to_cpu():
-                tr.optimizer.zero_grad()
-            loss = tr.model(input_ids=ids_d, position_ids=pos, attention_mask=attn, labels=labels).float()
-            (loss * mask_d).sum().div(den).backward()
-            finalize_model_grads([tr.model])
-            with cuda_placement_to_cpu():
-                tr.optimizer.step()
+        bare = bare_megatron_step(tr, ids=ids, mask=mask)
 
         def timed(fn) -> float:
             bench.sync()
