@@ -22,7 +22,7 @@ help:
 	@echo "make lint    ruff"
 	@echo "make demo    GRPO on the tiny built-in MoE with real vLLM + megatron-core (RECIPE=..., OVERRIDES=...)"
 	@echo "make bench   benchmarks, printed as ratios against the raw libraries"
-	@echo "make lab [PRESET=quick|full] [ONLY=arm,arm] [JOBS=n]                  the TIM lab: lab/<preset>.yaml -> report/lab-<preset>/ (index.html, verdicts.csv)"
+	@echo "make lab [PRESET=quick|full|long] [ONLY=arm,arm] [JOBS=n]                  the TIM lab: lab/<preset>.yaml -> report/lab-<preset>/ (index.html, verdicts.csv)"
 	@echo "make submit RECIPE=... [NODES=n] [OVERRIDES=\"k=v ...\"] [DRY_RUN=1]   Slurm job in a new run folder"
 	@echo "make sweep [SWEEP=recipes/sweeps/<name>.yaml]                          one job per variant, one sweep id (default: the 30B clipping sweep)"
 	@echo "make status | make logs JOB=id | make cancel JOB=id                    the project's Slurm jobs"

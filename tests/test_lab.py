@@ -195,6 +195,33 @@ def test_shipped_grids_plan_and_hold_the_claims_arms():
     assert list(CLAIMS) == [f"C{i}" for i in range(1, 10)]
 
 
+def test_long_grid_is_the_full_grids_vllm_family_at_200_steps():
+    """lab/long.yaml runs the full grid's vLLM arms unchanged but for their length (and length-decay's period,
+    a quarter of the run in both), so its verdicts read as the same experiment run longer."""
+    from tim_megatron.lab.grid import load_grid, plan
+
+    full, long = load_grid(ROOT / "lab" / "full.yaml"), load_grid(ROOT / "lab" / "long.yaml")
+    assert (long.seeds, long.data_seed, long.tune_seeds) == (full.seeds, full.data_seed, full.tune_seeds)
+    assert long.base == full.base
+    assert [o for o in long.overrides if not o.startswith("run.steps=")] == [
+        o for o in full.overrides if not o.startswith("run.steps=")
+    ]
+    plans = plan(long)
+    assert all(p.runnable for p in plans), [(p.arm.name, p.schema_error) for p in plans if not p.runnable]
+    assert {p.loaded.recipe.run.steps for p in plans} == {200}
+    assert all(p.loaded.recipe.diagnostics.vexact != "exact" for p in plans)
+    vllm_full = {a.name: a for a in full.arms if "diagnostics.vexact=exact" not in a.overrides}
+    assert {a.name for a in long.arms} == set(vllm_full) - {"lr-high"}
+    for arm in long.arms:
+        if arm.name == "length-decay":
+            period = {p.arm.name: p.loaded.recipe for p in plans}[
+                "length-decay"
+            ].remedies.lr_schedule.decay_period
+            assert period == 200 // 4
+        else:
+            assert arm.overrides == vllm_full[arm.name].overrides, arm.name
+
+
 def test_collapse_needs_full_reward_windows():
     """A lucky first batch (0.40, then 0.20-0.22) is not a 30% collapse; a real drop to 0.05 is, once the
     trailing 5-step mean has fallen 30% below its best."""

@@ -523,7 +523,7 @@ def report_cmd(
 
 @app.command("lab")
 def lab_cmd(
-    grid: str = typer.Argument(..., help="grid file, or a preset under lab/ (quick, full)"),
+    grid: str = typer.Argument(..., help="grid file, or a preset under lab/ (quick, full, long)"),
     only: str = typer.Option(
         None, "--only", help="comma-separated arms to run (the report covers every arm)"
     ),
