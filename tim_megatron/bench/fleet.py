@@ -124,7 +124,8 @@ def _worker(out: str, rounds: int, measure_sync: bool, overrides: list[str]) -> 
         _, st = eng.generate(prompts, step=step, first_index=first)
         return st.response_tokens, time.perf_counter() - t
 
-    def gathered(x: tuple[int | float, float]) -> list:
+    def gathered(x) -> list:
+        """``x`` from every rank, in rank order."""
         got: list = [None] * world
         dist.all_gather_object(got, x)
         return got
@@ -148,7 +149,7 @@ def _worker(out: str, rounds: int, measure_sync: bool, overrides: list[str]) -> 
         if lead:
             raw_alone.append(raw(passes))
         dist.barrier()
-        raw_both.append(gathered((passes, raw(passes))))
+        raw_both.append(gathered(raw(passes)))
     res = {
         "rank": tr.rank,
         "engine": eng.engine_index,
@@ -156,7 +157,7 @@ def _worker(out: str, rounds: int, measure_sync: bool, overrides: list[str]) -> 
         "single": single,
         "fleet": fleet,
         "raw_alone": raw_alone,
-        "raw_both": [[t for _, t in r] for r in raw_both],
+        "raw_both": raw_both,
     }
     if measure_sync:
         res.update(_sync(recipe, tr, eng, path, min(rounds, 5)))
