@@ -196,9 +196,7 @@ def test_requeue_resumes_the_same_job(slurm, tmp_path):
 
 
 def _restarts(job: str, slurm) -> int:
-    out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True
-    ).stdout
+    out = slurm.run(["scontrol", "show", "job", "-o", job]).stdout
     m = re.search(r"Restarts=(\d+)", out)
     return int(m.group(1)) if m else 0
 

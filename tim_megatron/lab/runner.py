@@ -9,8 +9,9 @@ checkpoints). wandb is off; the run's console output goes to ``train.log`` besid
 With ``jobs > 1`` the machine's cores are split into ``jobs`` disjoint slots and each concurrent run is pinned
 to its own slot: the whole process through ``taskset`` (vLLM binds only its OpenMP threads; the rest of a run,
 its Python threads included, would otherwise float onto the other run's cores), its thread pools through
-``OMP_NUM_THREADS`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``. Two runs never share a core. The tiny model gains little from a second thread, while a run's start (imports, megatron-core and vLLM
-set-up) is single-threaded, so on 2 cores two one-core runs finish a grid sooner than one two-core run at a
+``OMP_NUM_THREADS`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``. Two runs never share a core. The tiny model
+gains little from a second thread, while a run's start (imports, megatron-core and vLLM set-up) is
+single-threaded, so on 2 cores two one-core runs finish a grid sooner than one two-core run at a
 time. A run's numbers do depend on its thread count (float sums in another order); ``slot.json`` in the run's
 folder records the slot, and ``run.json``'s ``cpu_affinity`` the cores the run's process could use.
 """
@@ -136,7 +137,7 @@ def run_grid(
             (d / LAB_FILE).write_text(json.dumps(spec, indent=1))
             (d / "slot.json").write_text(json.dumps({"jobs": len(slots), **env}))
             t0 = time.perf_counter()
-            pinned = ["taskset", "--cpu-list", env["VLLM_CPU_OMP_THREADS_BIND"], *cmd] if env else cmd
+            pinned = ["taskset", "--cpu-list", ",".join(map(str, slot)), *cmd] if slot is not None else cmd
             status = _call(pinned, d / "train.log", timeout_s, env, running)
             secs = time.perf_counter() - t0
             where = f", cores {env['VLLM_CPU_OMP_THREADS_BIND']}" if env else ""
