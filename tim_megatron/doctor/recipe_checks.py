@@ -70,6 +70,16 @@ def check_plan(ctx: Context) -> list[Result]:
     plan = estimate(r)
     table = tuple(format_plan(r, plan, ctx.recipe.name).splitlines())
     total = f"{plan.total / PLAN_GIB:.1f} GiB per GPU"
+    if plan.layout:
+        return [
+            Result(
+                "plan",
+                "fail",
+                plan.layout[0],
+                "set cluster.nodes (or --nodes) and parallel.dp so that the tp x pp x dp ranks fill the nodes evenly",
+                table,
+            )
+        ]
     if not plan.gpu_gib:
         cpu = f"{plan.total / PLAN_GIB:.2f} GiB per process (CPU: no GPU budget)"
         return [Result("plan", "ok", cpu, more=table)]

@@ -6,7 +6,10 @@ YAML is read with limits, because a recipe may come from anyone: at most :data:`
 :data:`MAX_YAML_NODES` values once aliases are expanded (a 600-byte "billion laughs" file expands to 10^9),
 :data:`MAX_YAML_DEPTH` levels of nesting, and error messages clipped to :data:`MAX_ERROR_CHARS`. Plain
 scalars follow the YAML 1.2 core schema: ``0x10``, ``0o17``, ``1_000``, ``yes``/``on`` and ``1:30`` are
-strings, not numbers or booleans, so a typed field refuses them instead of silently reading 16 or True.
+strings, not numbers or booleans, so a typed field refuses them instead of silently reading 16 or True. A
+mapping that sets a key twice is refused (:class:`DuplicateKeyError`, both lines named), where YAML would keep
+the last one silently; this holds for everything read through :func:`yaml_load` (recipes, sweep files, lab
+grids, override values).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class YAMLLimitError(RecipeError, yaml.YAMLError):
     """YAML over a size, alias-expansion or depth limit (also a ``yaml.YAMLError`` for callers that catch that)."""
 
 
+class DuplicateKeyError(RecipeError, yaml.YAMLError):
+    """A mapping that sets one key twice: YAML would keep the last silently, so the file is refused instead."""
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader with the YAML 1.2 core schema's plain scalars: decimal ints, floats (``1e-6`` included,
     ``.inf``, ``.nan``), ``true``/``false``, ``null``. Everything else plain is a string."""
@@ -105,8 +112,47 @@ def _expanded_size(node: yaml.Node, memo: dict[int, int], path: set[int], depth:
     return n
 
 
+def _key_identity(loader: _Loader, node: yaml.Node) -> Any:
+    """What a key becomes once built (``1`` and ``01`` are one int key), or its text if it cannot be built here."""
+    if not isinstance(node, yaml.ScalarNode):
+        return None  # a list or mapping as a key is refused by construction itself (unhashable)
+    try:
+        key = loader.construct_object(node)
+        hash(key)
+    except Exception:  # a bad key value gets its own named error when the document is built
+        return (node.tag, node.value)
+    return (type(key).__name__, key)
+
+
+def _refuse_duplicate_keys(loader: _Loader, node: yaml.Node, where: str, seen: set[int]) -> None:
+    """Raise :class:`DuplicateKeyError` for the first mapping that repeats a key; each node is visited once, so
+    aliases cost nothing (the size limit has already bounded the document)."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(loader, item, f"{where}[{i}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first: dict[Any, yaml.Node] = {}
+        for k, v in node.value:
+            name = k.value if isinstance(k, yaml.ScalarNode) else "?"
+            key = f"{where}.{name}" if where else str(name)
+            ident = _key_identity(loader, k)
+            if ident is not None and k.tag != "tag:yaml.org,2002:merge":
+                if ident in first:
+                    raise DuplicateKeyError(
+                        f"line {k.start_mark.line + 1}: duplicate key {key!r} (first set at line "
+                        f"{first[ident].start_mark.line + 1}); a key may appear once in a mapping, and YAML would "
+                        "silently keep only the last: merge the two into one"
+                    )
+                first[ident] = k
+            _refuse_duplicate_keys(loader, v, key, seen)
+
+
 def yaml_load(text: str) -> Any:
-    """One YAML document, refused (:class:`YAMLLimitError`) before it is built if it is too big or too deep."""
+    """One YAML document, refused (:class:`YAMLLimitError`) before it is built if it is too big or too deep, and
+    (:class:`DuplicateKeyError`) if a mapping repeats a key."""
     if len(text) > MAX_YAML_BYTES:
         raise YAMLLimitError(f"{len(text)} characters of YAML; at most {MAX_YAML_BYTES} are read")
     loader = _Loader(text)
@@ -120,6 +166,7 @@ def yaml_load(text: str) -> Any:
                 f"{size} values once aliases (*name) are expanded; at most {MAX_YAML_NODES} are allowed "
                 "(write the values out, or use base: to share settings between recipes)"
             )
+        _refuse_duplicate_keys(loader, node, "", set())
         try:
             return loader.construct_document(node)
         except (ValueError, TypeError, OverflowError) as e:  # e.g. `!!int 0x10`, `!!float abc`
@@ -172,6 +219,8 @@ def read_yaml_file(path: str | Path) -> Any:
         return yaml_load(text)
     except YAMLLimitError as e:
         raise RecipeError(f"{path}: refused: {e}") from None
+    except DuplicateKeyError as e:
+        raise RecipeError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
 
@@ -225,8 +274,26 @@ MAX_RECIPE_FILES = 64
 """Most files one recipe may read through its base: chain (each at most MAX_YAML_BYTES)."""
 
 
-def _resolve(path: Path, stack: list[Path], chain: list[Path], prov: dict[str, str]) -> dict[str, Any]:
-    path = path.resolve()
+def _real_path(path: Path, named_by: str) -> Path:
+    """``path`` with every link followed; a missing file or a link loop is a named error (Python 3.11 raises
+    RuntimeError for a loop)."""
+    try:
+        return path.resolve(strict=True)
+    except FileNotFoundError:
+        raise RecipeError(
+            f"{named_by}: file not found ({path})" if named_by else f"{path}: recipe file not found"
+        ) from None
+    except (RuntimeError, OSError) as e:
+        why = "a symbolic link loop" if isinstance(e, RuntimeError) else (e.strerror or str(e))
+        raise RecipeError(
+            f"{named_by or path}: cannot be read ({why}); a recipe is a YAML text file, or a link that ends at one"
+        ) from None
+
+
+def _resolve(
+    path: Path, stack: list[Path], chain: list[Path], prov: dict[str, str], *, named_by: str = ""
+) -> dict[str, Any]:
+    path = _real_path(path, named_by)
     if len(chain) >= MAX_RECIPE_FILES:
         raise RecipeError(
             f"{stack[-1] if stack else path}: the base: chain reads more than {MAX_RECIPE_FILES} files; "
@@ -246,9 +313,9 @@ def _resolve(path: Path, stack: list[Path], chain: list[Path], prov: dict[str, s
     merged: dict[str, Any] = {}
     for b in bases:
         parent = (path.parent / b) if not Path(b).is_absolute() else Path(b)
-        if not parent.exists():
-            raise RecipeError(f"{path}: base = {b!r}: file not found ({parent})")
-        merged = _deep_merge(merged, _resolve(parent, [*stack, path], chain, prov))
+        merged = _deep_merge(
+            merged, _resolve(parent, [*stack, path], chain, prov, named_by=f"{path}: base = {b!r}")
+        )
     for key in _flatten(data):
         prov[key] = str(path)
     chain.append(path)
@@ -270,6 +337,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml_load(raw) if raw.strip() else ""
     except YAMLLimitError as e:
         raise RecipeError(f"override {key}=...: refused: {e}") from None
+    except DuplicateKeyError as e:
+        raise RecipeError(f"override {key}=...: {e}") from None
     except yaml.YAMLError:
         value = raw
     return key, value

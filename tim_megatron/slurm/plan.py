@@ -78,6 +78,9 @@ class Plan:
     """vLLM's share leaves the GPU during the update (rollout.sleep_between_steps)."""
     rollout_tp: int = 1
     gpu_memory_utilization: float = 0.0
+    layout: list[str] = field(default_factory=list)
+    """Why the recipe's ranks cannot be placed on its cluster (the job script would be refused); empty when they
+    can, and always empty for a layout the search proposes (its ranks are derived from the node count)."""
 
     @property
     def trainer_state(self) -> float:
@@ -109,13 +112,14 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.gpu_gib == 0 or not self.problems()
+        """The job can start with this layout (its ranks fill the nodes) and, on GPUs, its memory fits."""
+        return not self.problems()
 
     def problems(self) -> list[str]:
         """Why the plan does not fit, one reason per line (empty when it fits)."""
+        out = list(self.layout)
         if self.gpu_gib == 0:
-            return []
-        out = []
+            return out
         g = GIB
         if self.vllm_weights >= self.vllm_share:
             out.append(
@@ -182,8 +186,9 @@ def estimate(
     else:
         act = d.num_layers * layer
     act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 4
+    placement = [] if relayout else layout_problems(recipe)
     if not c.gpus_per_node:
-        return Plan(params, grads, optimizer, act, 0.0, 0.0, 0)
+        return Plan(params, grads, optimizer, act, 0.0, 0.0, 0, layout=placement)
     gpu = GPU_MEMORY_GIB[c.gpu_type]
     rtp = rollout_tp or r.tensor_parallel_size
     util = gpu_memory_utilization or r.gpu_memory_utilization
@@ -205,7 +210,20 @@ def estimate(
         sleep=r.sleep_between_steps,
         rollout_tp=rtp,
         gpu_memory_utilization=util,
+        layout=placement,
     )
+
+
+def layout_problems(recipe: Recipe) -> list[str]:
+    """Why the recipe's tp x pp x dp ranks do not fill ``cluster.nodes`` x ``cluster.gpus_per_node`` (the check the
+    job script's renderer makes), so that a plan never says "fits" for a job that cannot start."""
+    from tim_megatron.slurm.render import RenderError, procs_per_node
+
+    try:
+        procs_per_node(recipe)
+    except RenderError as e:
+        return [f"layout: {e}"]
+    return []
 
 
 # ------------------------------------------------------------------------------------------- layout search
@@ -341,6 +359,7 @@ def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
         lines.append(f"  {label:<32} {v / GIB:9.2f} GiB")
     if not plan.gpu_gib:
         lines.append(f"  {'total per GPU':<32} {plan.total / GIB:9.2f} GiB (CPU: no GPU budget)")
+        lines.extend(f"  DOES NOT RUN: {why}" for why in plan.problems())
         return "\n".join(lines)
     lines.append(
         f"  {'vLLM':<32} TP {plan.rollout_tp}, gpu_memory_utilization {plan.gpu_memory_utilization:g}, "
@@ -352,7 +371,7 @@ def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
     )
     lines.append(
         f"  {'total per GPU':<32} {plan.total / GIB:9.2f} GiB of {plan.gpu_gib} GiB: "
-        + ("fits" if plan.fits else "DOES NOT FIT")
+        + ("fits" if plan.fits else "DOES NOT RUN" if plan.layout else "DOES NOT FIT")
     )
     for why in plan.problems():
         lines.append(f"    {why}")

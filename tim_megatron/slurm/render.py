@@ -10,8 +10,10 @@ Safety rules, all enforced here:
   ``shlex.quote``d as the last step before they go into the dict, and may not hold control characters;
   environment names must be identifiers;
 * recipe overrides never reach the script (they are applied in the run folder's ``recipe.yaml``);
-* secrets are not rendered: ``WANDB_API_KEY``, ``HF_TOKEN``, ``GITHUB_PAT`` and the like are refused in
-  ``cluster.env`` and pass through the submitting shell's environment instead.
+* secrets are not rendered: ``WANDB_API_KEY``, ``HF_TOKEN``, ``GITHUB_PAT``, ``DB_PASS``, ``MYSQL_PWD`` and the
+  like are refused by name in ``cluster.env``, and any shell value that carries a credential (a URL with
+  ``user:password@``, a ``password=`` query, a well-known token format, a private key) is refused by its
+  content; secrets pass through the submitting shell's environment instead.
 """
 
 from __future__ import annotations
@@ -27,10 +29,30 @@ TEMPLATE = Path(__file__).resolve().parents[2] / "launch" / "tim.sbatch"
 PLACEHOLDER = re.compile(r"@([A-Z][A-Z_]*)@")
 
 SECRET_WORDS = re.compile(
-    r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|PRIVATE|COOKIE|SESSION", re.IGNORECASE
+    r"TOKEN|KEY|SECRET|PASSW|PASSPHRASE|CREDENTIAL|AUTH|PRIVATE|COOKIE|SESSION", re.IGNORECASE
 )
-SECRET_PARTS = {"PAT"}
-"""Whole ``_``-separated parts that name a secret (``GITHUB_PAT``); as a substring ``PAT`` would catch ``PATH``."""
+SECRET_PARTS = re.compile(r"PAT|PW|(?!BYPASS)[A-Z0-9]*PASS|[A-Z0-9]*PWD", re.IGNORECASE)
+"""Whole ``_``-separated parts that name a secret (``GITHUB_PAT``, ``DB_PASS``, ``PGPASS``, ``MYSQL_PWD``); as a
+substring ``PAT`` would catch ``PATH`` (and ``BYPASS`` is no password)."""
+NOT_SECRET_NAMES = frozenset({"PWD", "OLDPWD"})
+"""The shell's working-directory variables, which the part rule above would otherwise catch."""
+SECRET_VALUES = (
+    ("a password in a URL (scheme://user:password@host)", re.compile(r"://[^/?#\s:@]*:[^/?#\s]*@")),
+    (
+        "a credential in a URL query (password=, token=, key=, ...)",
+        re.compile(r"[?&;][^=&;\s]*(?:pass|pwd|token|secret|key|auth|signature)[^=&;\s]*=[^&;\s]", re.I),
+    ),
+    (
+        "an access token (hf_, ghp_, github_pat_, glpat-, sk-, xox?-, AKIA...)",
+        re.compile(
+            r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{30,}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}"
+            r"|glpat-[A-Za-z0-9_-]{20,}|sk-[A-Za-z0-9_-]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})"
+        ),
+    ),
+    ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
+    ("a bearer token", re.compile(r"\bBearer\s+\S{8,}", re.I)),
+)
+"""What a value that carries a credential looks like, whatever its name (``DATABASE_URL=postgres://u:pw@db``)."""
 
 PATTERNS = {
     "cluster.job_name": r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}",
@@ -68,7 +90,19 @@ def _check(key: str, value: str) -> str:
 
 
 def _shell(key: str, value: str) -> str:
-    """One shell word holding exactly ``value``."""
+    """One shell word holding exactly ``value``; a value that carries a credential is refused (unquoted in the
+    message: the error must not print the secret either)."""
+    what = secret_in_value(value)
+    if what is not None:
+        env = key.removeprefix("cluster.env.") if key.startswith("cluster.env.") else None
+        fix = (
+            f"remove it from the recipe and export {env} in the shell that runs `tim submit` (the job inherits it)"
+            if env
+            else "keep credentials out of the recipe (a registry login belongs in enroot's credentials file)"
+        )
+        raise RenderError(
+            f"{key}: the value holds {what}; secrets must not be written into job scripts: {fix}"
+        )
     bad = CONTROL.search(value)
     if bad:
         raise RenderError(
@@ -79,8 +113,19 @@ def _shell(key: str, value: str) -> str:
 
 
 def is_secret_name(name: str) -> bool:
-    """``WANDB_API_KEY``, ``HF_TOKEN``, ``GITHUB_PAT``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``SESSION_COOKIE``..."""
-    return bool(SECRET_WORDS.search(name)) or any(p.upper() in SECRET_PARTS for p in name.split("_"))
+    """``WANDB_API_KEY``, ``HF_TOKEN``, ``GITHUB_PAT``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``DB_PASS``,
+    ``MYSQL_PWD``..."""
+    if name.upper() in NOT_SECRET_NAMES:
+        return False
+    return bool(SECRET_WORDS.search(name)) or any(SECRET_PARTS.fullmatch(p) for p in name.split("_"))
+
+
+def secret_in_value(value: str) -> str | None:
+    """What kind of credential ``value`` carries, or None."""
+    for what, pattern in SECRET_VALUES:
+        if pattern.search(value):
+            return what
+    return None
 
 
 def procs_per_node(recipe: Recipe) -> int:

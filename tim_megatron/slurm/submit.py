@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tim_megatron.recipe import LoadedRecipe, load_recipe
+from tim_megatron.recipe import LoadedRecipe, RecipeError, load_recipe
 from tim_megatron.recipe.sweep import load_sweep
 from tim_megatron.run_dir import META_FILE, new_run_dir, set_status
 from tim_megatron.slurm.render import RenderError, render
@@ -45,17 +45,31 @@ class Submission:
 
 def with_nodes(recipe_path: str | Path, overrides: list[str], nodes: int | None) -> LoadedRecipe:
     """Load a recipe for ``nodes`` nodes: data parallelism grows with the node count unless set explicitly."""
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
+        raise RecipeError(
+            f"--nodes = {nodes!r}: the number of Slurm nodes must be a whole number >= 1 (it sets cluster.nodes; "
+            "parallel.dp grows with it unless set)"
+        )
     loaded = load_recipe(recipe_path, overrides)
     if nodes is None or nodes == loaded.recipe.cluster.nodes:
         return loaded
     c, p = loaded.recipe.cluster, loaded.recipe.parallel
     extra = [f"cluster.nodes={nodes}"]
     per_node = c.gpus_per_node or (p.world_size // c.nodes)
+    derived = ""
     if "parallel.dp" not in loaded.provenance or loaded.provenance["parallel.dp"] != "command line":
         world = nodes * per_node
         if world % (p.tp * p.pp) == 0:
             extra.append(f"parallel.dp={world // (p.tp * p.pp)}")
-    return load_recipe(recipe_path, [*overrides, *extra])
+            derived = (
+                f", hence parallel.dp = {nodes} nodes x {per_node} ranks / (tp {p.tp} x pp {p.pp}) = "
+                f"{world // (p.tp * p.pp)}"
+            )
+    try:
+        return load_recipe(recipe_path, [*overrides, *extra])
+    except RecipeError as e:
+        # The keys named below were set by --nodes, not typed by the user: say so.
+        raise RecipeError(f"--nodes = {nodes} (sets cluster.nodes = {nodes}{derived}): {e}") from None
 
 
 def _sbatch(script: Path, env: dict | None = None) -> str:
@@ -174,7 +188,32 @@ def find_run(job: str, root: str | Path = "runs") -> Path | None:
     return None
 
 
+JOB_ID = (
+    r"[1-9][0-9]{0,11}(?:_(?:[0-9]{1,9}|\[[0-9]{1,9}(?:-[0-9]{1,9})?(?:,[0-9]{1,9}(?:-[0-9]{1,9})?)*\]))?"
+)
+"""A Slurm job id: ``123``, one array task ``123_4``, or array tasks ``123_[1-3,7]`` (ASCII digits only)."""
+
+
+def check_job_id(job: str) -> str:
+    """``job`` if it is a Slurm job id; else :class:`SlurmError` naming the value and the allowed forms (an
+    option such as ``--me`` or ``--user=x`` would otherwise reach scancel and cancel every job it selects)."""
+    if not isinstance(job, str) or not re.fullmatch(JOB_ID, job):
+        raise SlurmError(
+            f"job id {job!r}: not a Slurm job id; allowed: digits (123), one array task (123_4) or array "
+            "tasks (123_[1-3,7]) (`tim jobs` lists this project's jobs)"
+        )
+    return job
+
+
+def scancel_argv(job: str) -> list[str]:
+    """The ``scancel`` command for one job: the id is checked, and ``--`` ends scancel's options before it."""
+    return ["scancel", "--", check_job_id(job)]
+
+
 def cancel(job: str) -> None:
-    res = subprocess.run(["scancel", str(job)], capture_output=True, text=True, timeout=30)
+    try:
+        res = subprocess.run(scancel_argv(job), capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise SlurmError("scancel not found: is Slurm installed, and SLURM_CONF set?") from None
     if res.returncode != 0:
         raise SlurmError(f"scancel {job} failed: {res.stderr.strip()}")
