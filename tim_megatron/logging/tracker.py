@@ -6,8 +6,12 @@ import contextlib
 import json
 import math
 import os
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
+from tim_megatron.logging.untrusted import UnreadableFile, open_regular, printable, shown
 from tim_megatron.recipe.schema import Recipe
 
 SUMMARY_KEYS = (
@@ -224,23 +228,117 @@ def _no_weave():
         os.environ.pop("WANDB_DISABLE_WEAVE", None)
 
 
-def read_metrics(path: Path, problems: list[str] | None = None) -> list[dict]:
+MAX_METRICS_BYTES = 512 << 20
+"""A ``metrics.jsonl`` larger than this is not read (:class:`MetricsError`). A row of the project's metrics
+is about 8 kB, so this holds some 60,000 steps; the rows read take about as much memory as the file."""
+MAX_METRICS_LINE_BYTES = 1 << 20
+"""A longer line is skipped as corrupt without being held in memory."""
+MAX_STEP = 1 << 53
+"""Largest ``step`` a row may carry: every step up to it is exact as a float (the report's x axis)."""
+FLOAT_MAX = sys.float_info.max
+
+
+class MetricsError(UnreadableFile):
+    """A ``metrics.jsonl`` that is not read at all: not a regular file, unreadable, or over the size limit."""
+
+
+def read_metrics(
+    path: Path, problems: list[str] | None = None, *, max_bytes: int | None = None
+) -> list[dict]:
     """Rows of a ``metrics.jsonl``, sorted by step; a step written twice (a resumed run) keeps its last row.
 
-    A corrupt line (a run killed mid-write, a row without an integer ``step``) is skipped; when ``problems``
-    is given, a message naming the file and line number is appended to it.
+    The file may come from anyone, so it is streamed line by line and bounded: a corrupt line (a run killed
+    mid-write, a row without an integer ``step`` in 0..MAX_STEP, nesting deeper than Python can parse, a line
+    over :data:`MAX_METRICS_LINE_BYTES`) is skipped, and a value no float can hold (an integer of 400 digits)
+    is left out of its row. When ``problems`` is given, a message naming the file and line number is appended
+    to it for each. :class:`MetricsError` (a ``ValueError``) if the file is not a regular file, cannot be read,
+    or holds more than ``max_bytes`` (default :data:`MAX_METRICS_BYTES`).
     """
+    limit = MAX_METRICS_BYTES if max_bytes is None else max_bytes
+    note = problems.append if problems is not None else (lambda _msg: None)
+    shown_path = printable(str(path))
+    names: dict[str, str] = {}  # one string per metric name, shared by all rows
     by_step: dict[int, dict] = {}
-    for i, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
+    try:
+        f = open_regular(path)
+    except UnreadableFile as e:
+        raise MetricsError(str(e)) from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise MetricsError(_too_large(shown_path, f"{size} bytes", limit))
+        total = 0
         try:
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("no integer 'step'")
-        except ValueError as e:  # json.JSONDecodeError is a ValueError
-            if problems is not None:
-                problems.append(f"{path}:{i}: skipped a corrupt line ({e})")
-            continue
-        by_step[row["step"]] = row
+            for i, (length, line) in enumerate(_lines(f), start=1):
+                total += length
+                if total > limit:  # the file grew while it was read
+                    raise MetricsError(_too_large(shown_path, f"more than {limit} bytes", limit))
+                if line is None:
+                    note(
+                        f"{shown_path}:{i}: skipped a line of {length} bytes (at most {MAX_METRICS_LINE_BYTES})"
+                    )
+                    continue
+                row = _parse_row(line, f"{shown_path}:{i}", note)
+                if row is not None:
+                    by_step[row["step"]] = {names.setdefault(k, k): v for k, v in row.items()}
+        except OSError as e:
+            raise MetricsError(f"{shown_path}: cannot be read ({e.strerror or e})") from None
     return [by_step[k] for k in sorted(by_step)]
+
+
+def _too_large(where: str, size: str, limit: int) -> str:
+    return (
+        f"{where}: {size}; a metrics.jsonl of at most {limit} bytes is read (MAX_METRICS_BYTES in "
+        "tim_megatron/logging/tracker.py); keep a shorter copy of the run's metrics to report on it"
+    )
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[int, bytes | None]]:
+    """(bytes consumed, line) for each line; a line over the limit is read in pieces and comes as None."""
+    while True:
+        line = f.readline(MAX_METRICS_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) <= MAX_METRICS_LINE_BYTES or line.endswith(b"\n"):
+            yield len(line), line
+            continue
+        length = len(line)
+        while line and not line.endswith(b"\n"):
+            line = f.readline(MAX_METRICS_LINE_BYTES)
+            length += len(line)
+        yield length, None
+
+
+def _parse_row(line: bytes, where: str, note: Callable[[str], None]) -> dict | None:
+    """The row on one line, without values no float can hold; None (with a note) if the line is corrupt."""
+    text = line.decode("utf-8", errors="replace")
+    if not text.strip():
+        return None
+    try:
+        row = json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, a 5000-digit integer; deep nesting
+        note(f"{where}: skipped a corrupt line ({printable(str(e))[:200]})")
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        what = "no 'step'" if step is None else f"step = {shown(step)}"
+        note(f"{where}: skipped a corrupt line ({what}; a row needs an integer step in 0..{MAX_STEP})")
+        return None
+    for key in [k for k, v in row.items() if not _fits_float(v)]:
+        del row[key]
+        note(f"{where}: left out {shown(key)}: its value holds an integer too large for a float")
+    return row
+
+
+def _fits_float(value: object) -> bool:
+    """Whether every integer in ``value`` (nested lists and objects too) converts to a float."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, int) and not isinstance(v, bool) and not -FLOAT_MAX <= v <= FLOAT_MAX:
+            return False
+        if isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return True

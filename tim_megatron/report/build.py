@@ -5,7 +5,8 @@ server. The summary table ranks variants by mismatch growth and also goes to std
 
 Every file is written through :func:`~tim_megatron.report.plots.inside`, so none lands outside ``out``; text
 from run folders is HTML-escaped on the page, and reaches the generated ``wandb_report.py`` only as Python
-literals written by ``repr`` (never spliced into code).
+literals written by ``repr`` (never spliced into code). Notices, which quote run-folder paths, have their
+control characters escaped before they are returned (for the terminal) or written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from tim_megatron.report import plots
 from tim_megatron.report.analysis import WarningSettings, ranked, summarize
 from tim_megatron.report.plots import inside
-from tim_megatron.report.runs import load_runs
+from tim_megatron.report.runs import load_runs, printable
 
 CSS = """
 body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 24px auto; max-width: 1320px; color: #222; }
@@ -73,12 +74,14 @@ def build_report(
     *,
     title: str | None = None,
     settings: WarningSettings | None = None,
+    notices: list[str] | None = None,
 ) -> dict:
+    """The report of ``paths`` in ``out``; ``notices`` (e.g. from finding the sweep) go first on the page."""
     t0 = time.perf_counter()
     settings = settings or WarningSettings()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    notices: list[str] = []
+    notices = list(notices or [])
     runs = load_runs(paths, notices)
     summaries = {r.name: summarize(r, settings) for r in runs}
     order = ranked(list(summaries.values()))
@@ -94,6 +97,7 @@ def build_report(
         "surrogate": plots.surrogate_panel(runs, out) if runs else [],
     }
     no_dumps = [r.name for r in runs if not r.dumps]
+    notices = [printable(n) for n in notices]
     (inside(out, "index.html")).write_text(
         _page(title or out.name, runs, rows, figs, notices, no_dumps, settings)
     )

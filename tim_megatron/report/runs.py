@@ -6,38 +6,48 @@ different sweeps mixed on purpose, runs still in progress (reported as far as th
 
 A run folder is data, not code, and may have been written by anyone: every identifier read back from it
 (``name``, ``sweep_id``, ``status`` in ``run.json``) must match a strict pattern before the report uses it in a
-path, a file name, a page or generated code. One that does not is dropped with a notice.
+path, a file name, a page or generated code. One that does not is dropped with a notice. Only regular files
+are read, each within a size limit (:mod:`tim_megatron.logging.untrusted`); ``recipe.yaml`` is read as it
+stands (a run folder holds its recipe resolved), so a ``base:`` in it is never followed. Notices are the one
+channel for problems (the command line prints them once); each is made :func:`printable` before it is shown.
+
+``--sweep latest`` is the sweep with the newest submission stamp (``<name>-YYYYmmdd-HHMMSS``, local time), among
+stamps that are not in the future and not later than the sweep's run folders were last written: a copied-in
+``run.json`` with ``sweep_id: latest`` (a reserved word) or a far-future stamp cannot take it over.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import warnings
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tim_megatron.logging.summary import series
-from tim_megatron.logging.tracker import read_metrics
+from tim_megatron.logging.tracker import MetricsError, read_metrics
+from tim_megatron.logging.untrusted import UnreadableFile, open_regular, read_bounded, shown
+from tim_megatron.logging.untrusted import printable as printable  # the command line's notices use it
 from tim_megatron.recipe.schema import NAME_PATTERN
 
 MISMATCH = "mismatch/old_vs_rollout/rho_std"
 STATUS_PATTERN = r"^[a-z][a-z_-]{0,31}$"
 MAX_META_BYTES = 1 << 20
 """A run.json larger than this is not read (the project writes a few hundred bytes)."""
+RESERVED_IDS = frozenset({"latest"})
+"""Words ``tim report --sweep`` gives a meaning; a run.json claiming one as its sweep id is not believed."""
+STAMP = re.compile(r"-(\d{8}-\d{6})$")
+"""The submission time at the end of a sweep id (``tim sweep`` writes ``<name>-YYYYmmdd-HHMMSS``)."""
+CLOCK_SKEW_SECONDS = 300.0
+"""How far a stamp may run ahead of this machine's clock, or of its run folders' times (clocks of nodes)."""
 
 
 def valid_id(value: object) -> bool:
     """A run name or sweep id: letters, digits, '.', '_', '-', starting with a letter or digit, <= 100 chars."""
     return isinstance(value, str) and re.fullmatch(NAME_PATTERN, value) is not None
-
-
-def shown(value: object) -> str:
-    """A bad value, short and printable, for a notice."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:80] + "..."
 
 
 class DumpError(ValueError):
@@ -47,16 +57,17 @@ class DumpError(ValueError):
 def read_meta(path: Path, notices: list[str]) -> dict:
     """``run.json`` as a dict whose identifiers are all valid; bad ones are dropped with a notice."""
     f = path / "run.json"
-    if not f.exists():
+    if not os.path.lexists(f):
         return {}
     try:
-        if f.stat().st_size > MAX_META_BYTES:
-            raise ValueError(f"{f.stat().st_size} bytes, more than {MAX_META_BYTES}")
-        meta = json.loads(f.read_text())
+        meta = json.loads(read_bounded(f, MAX_META_BYTES))
         if not isinstance(meta, dict):
             raise ValueError(f"a JSON {type(meta).__name__}, not an object")
-    except (ValueError, OSError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        notices.append(f"{f}: unreadable ({e}); run shown without metadata")
+    except UnreadableFile as e:
+        notices.append(f"{e}; run shown without metadata")
+        return {}
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a huge int; deep nesting
+        notices.append(f"{f}: unreadable ({str(e)[:200]}); run shown without metadata")
         return {}
     for key, ok in (
         ("name", valid_id),
@@ -65,6 +76,12 @@ def read_meta(path: Path, notices: list[str]) -> dict:
     ):
         if key in meta and meta[key] is not None and not ok(meta[key]):
             notices.append(f"{f}: {key} = {shown(meta.pop(key))} is not a valid {key}; ignored")
+    sid = meta.get("sweep_id")
+    if isinstance(sid, str) and sid.lower() in RESERVED_IDS:
+        notices.append(
+            f"{f}: sweep_id = {shown(meta.pop('sweep_id'))} is a reserved word of `tim report --sweep`, not a "
+            "sweep id; ignored"
+        )
     return meta
 
 
@@ -100,34 +117,54 @@ class RunData:
         return out
 
 
-def read_jsonl(path: Path, notices: list[str]) -> list[dict]:
-    """:func:`~tim_megatron.logging.tracker.read_metrics`, with each skipped line also a warning."""
-    problems: list[str] = []
-    rows = read_metrics(path, problems)
-    for msg in problems:
-        warnings.warn(msg, stacklevel=2)
-    notices.extend(problems)
-    return rows
+def read_jsonl(path: Path, notices: list[str]) -> list[dict] | None:
+    """:func:`~tim_megatron.logging.tracker.read_metrics`, each skipped line or value a notice; None (and a
+    notice) when the file is not read at all."""
+    try:
+        return read_metrics(path, notices)
+    except MetricsError as e:
+        notices.append(f"{e}; run left out")
+        return None
+
+
+def read_recipe(path: Path, notices: list[str]):
+    """The run folder's ``recipe.yaml`` as it stands, validated; None (with a notice) if it cannot be used.
+
+    A run folder holds its recipe resolved, so ``base:`` is not followed: one pointing anywhere would let a
+    copied-in folder probe which files exist, or bring another file's values into the report.
+    """
+    from tim_megatron.recipe.loader import RecipeError, read_yaml_file, validate_recipe
+
+    f = path / "recipe.yaml"
+    try:
+        data = read_yaml_file(f)
+        if not isinstance(data, dict):
+            raise RecipeError(f"{f}: a recipe must be a mapping at the top level, got {type(data).__name__}")
+        if "base" in data:
+            notices.append(
+                f"{f}: base = {shown(data['base'])}: a run folder holds its recipe resolved, so base: is not "
+                "followed; the recipe is left out"
+            )
+            return None
+        return validate_recipe(data)
+    except RecipeError as e:
+        notices.append(f"{f}: {str(e).splitlines()[0]}")
+        return None
 
 
 def load_run(path: str | Path, notices: list[str]) -> RunData | None:
     path = Path(path)
     metrics = path / "metrics.jsonl"
-    if not metrics.exists():
-        msg = f"{path}: no metrics.jsonl (not a run folder, or the run has not logged a step yet); left out"
-        warnings.warn(msg, stacklevel=2)
-        notices.append(msg)
+    if not os.path.lexists(metrics):
+        notices.append(
+            f"{path}: no metrics.jsonl (not a run folder, or the run has not logged a step yet); left out"
+        )
         return None
     rows = read_jsonl(metrics, notices)
+    if rows is None:
+        return None
     meta = read_meta(path, notices)
-    recipe = None
-    if (path / "recipe.yaml").exists():
-        from tim_megatron.recipe import RecipeError, load_recipe
-
-        try:
-            recipe = load_recipe(path / "recipe.yaml").recipe
-        except RecipeError as e:
-            notices.append(f"{path}/recipe.yaml: {str(e).splitlines()[0]}")
+    recipe = read_recipe(path, notices) if os.path.lexists(path / "recipe.yaml") else None
     name = meta.get("name") or path.resolve().parent.name
     if not valid_id(name):
         name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:100] or "run"
@@ -167,8 +204,9 @@ def load_runs(paths: list[str | Path], notices: list[str]) -> list[RunData]:
 
 
 def _sweep_ids(root: Path, ignored: list[str] | None = None) -> dict[str, list[Path]]:
-    """Valid sweep id -> its run folders. A run.json with an invalid ``sweep_id`` is skipped and listed in
-    ``ignored``: the id becomes the report's folder name, and a crafted one could point outside ``report/``."""
+    """Valid sweep id -> its run folders. A run.json with an invalid or reserved ``sweep_id`` is skipped and
+    listed in ``ignored``: the id becomes the report's folder name, and a crafted one could point outside
+    ``report/`` or stand for another sweep."""
     out: dict[str, list[Path]] = {}
     for meta in Path(root).glob("*/*/run.json"):
         notes: list[str] = []
@@ -180,25 +218,69 @@ def _sweep_ids(root: Path, ignored: list[str] | None = None) -> dict[str, list[P
     return out
 
 
-def _stamp(sweep_id: str) -> str:
-    """Sweep ids end in the submission time (``<name>-YYYYmmdd-HHMMSS``); newest sorts last."""
-    return sweep_id[-15:]
+def submitted_at(sweep_id: str) -> float | None:
+    """The submission time at the end of a sweep id, in seconds since the epoch; None if it has none."""
+    m = STAMP.search(sweep_id)
+    if m is None:
+        return None
+    try:
+        return time.mktime(time.strptime(m.group(1), "%Y%m%d-%H%M%S"))
+    except (ValueError, OverflowError):  # month 13, second 61, a year time_t cannot hold
+        return None
 
 
-def resolve_sweep(spec: str, root: str | Path = "runs") -> tuple[str, list[Path]]:
+def _last_written(folders: list[Path]) -> float:
+    times = []
+    for d in folders:
+        try:
+            times.append(os.stat(d / "run.json").st_mtime)
+        except OSError:
+            continue
+    return max(times, default=0.0)
+
+
+def newest_sweep(candidates: list[str], ids: dict[str, list[Path]], notices: list[str]) -> str | None:
+    """The candidate with the newest believable submission stamp; each one passed over is a notice.
+
+    A stamp is believed when it parses, is not ahead of this machine's clock, and is not later than its run
+    folders were last written (``tim sweep`` creates them after it stamps the id; a folder planted earlier
+    with a stamp that only later stops being in the future fails this).
+    """
+    now = time.time()
+    dated: list[tuple[float, float, str]] = []
+    for sid in candidates:
+        stamp = submitted_at(sid)
+        written = _last_written(ids[sid])
+        if stamp is None:
+            why = "its id does not end in a submission time (-YYYYmmdd-HHMMSS)"
+        elif stamp > now + CLOCK_SKEW_SECONDS:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+            why = f"its submission time {when} is in the future"
+        elif stamp > written + CLOCK_SKEW_SECONDS:
+            why = "its submission time is later than its run folders were last written"
+        else:
+            dated.append((stamp, written, sid))
+            continue
+        notices.append(f"sweep {sid}: not taken as the newest sweep: {why}")
+    return max(dated)[2] if dated else None
+
+
+def resolve_sweep(
+    spec: str, root: str | Path = "runs", notices: list[str] | None = None
+) -> tuple[str, list[Path]]:
     """A sweep id; a sweep YAML file (its newest submission); or ``latest`` (the newest sweep under root).
 
-    Raises ValueError naming what was looked for and what exists.
+    Run folders skipped on the way (an invalid or reserved sweep id) and sweeps passed over as the newest
+    are appended to ``notices``. Raises ValueError naming what was looked for and what exists.
     """
+    notices = [] if notices is None else notices
     ignored: list[str] = []
     ids = _sweep_ids(Path(root), ignored)
-    for msg in ignored:
-        warnings.warn(msg, stacklevel=2)
-    if spec in ids:
-        return spec, sorted(ids[spec])
+    notices.extend(ignored)
     if spec == "latest":
-        candidates = list(ids)
-        what = "any sweep"
+        candidates, what = list(ids), "any sweep"
+    elif spec in ids:
+        return spec, sorted(ids[spec])
     elif spec.endswith((".yaml", ".yml")) and Path(spec).exists():
         from tim_megatron.recipe.sweep import load_sweep
 
@@ -207,11 +289,16 @@ def resolve_sweep(spec: str, root: str | Path = "runs") -> tuple[str, list[Path]
         what = f"sweep {name!r} (from {spec})"
     else:
         candidates, what = [], f"sweep id {spec!r}"
-    if not candidates:
+    passed_over: list[str] = []
+    best = newest_sweep(candidates, ids, passed_over) if candidates else None
+    notices.extend(passed_over)
+    if best is None:
         known = ", ".join(sorted(ids)) or "none"
         skipped = f" ({len(ignored)} run folder(s) with an invalid sweep_id were ignored)" if ignored else ""
-        raise ValueError(f"no run folder under {root} belongs to {what}; sweep ids there: {known}{skipped}")
-    best = max(candidates, key=_stamp)
+        dated = f"; {len(passed_over)} passed over as the newest (see the notices)" if passed_over else ""
+        raise ValueError(
+            f"no run folder under {root} belongs to {what}; sweep ids there: {known}{skipped}{dated}"
+        )
     return best, sorted(ids[best])
 
 
@@ -220,7 +307,10 @@ def dump_schema(path: Path):
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_schema(path)
+        with open_regular(path) as f:
+            return pq.read_schema(f)
+    except UnreadableFile as e:
+        raise DumpError(str(e)) from None
     except (OSError, pa.ArrowException) as e:
         raise DumpError(f"{path}: not a readable parquet token dump ({type(e).__name__}: {e})") from None
 
@@ -233,8 +323,11 @@ def read_dump(path: Path, max_points: int = 200_000):
     cols = ["step", "pi_train", "pi_infer"]
     names = dump_schema(path).names
     try:
-        t = pq.read_table(path, columns=[c for c in cols if c in names])
+        with open_regular(path) as f:
+            t = pq.read_table(f, columns=[c for c in cols if c in names])
         d = {c: np.asarray(t.column(c).to_numpy(), dtype=float) for c in t.column_names}
+    except UnreadableFile as e:
+        raise DumpError(str(e)) from None
     except (OSError, ValueError, pa.ArrowException) as e:
         raise DumpError(f"{path}: not a readable parquet token dump ({type(e).__name__}: {e})") from None
     n = len(d.get("pi_infer", []))

@@ -1,0 +1,73 @@
+"""Reading files from run folders, which anyone may have written or copied in.
+
+Only regular files are opened (a link to ``/dev/zero`` or a FIFO is refused, and a FIFO cannot block the
+open), and reads are bounded by the bytes actually read, since ``st_size`` says 0 for a device. Text read
+from such a file is shown on a terminal only through :func:`printable` or :func:`shown`, so an escape
+sequence in a path or a name cannot reach the terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+
+class UnreadableFile(ValueError):
+    """A run-folder file that is not read at all; the message names the file and why."""
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """``path`` opened for binary reading; :class:`UnreadableFile` unless it is a regular file.
+
+    The type is checked before the open (opening a device can have effects) and again on the open file,
+    since the path may be swapped in between. ``O_NONBLOCK`` keeps the open of a FIFO from waiting for a
+    writer; it has no effect on reads from a regular file.
+    """
+    path = Path(path)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UnreadableFile(f"{path}: not a regular file; only plain files are read from a run folder")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise UnreadableFile(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnreadableFile(f"{path}: not a regular file; only plain files are read from a run folder")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(path: str | Path, limit: int) -> bytes:
+    """The bytes of the regular file ``path``; :class:`UnreadableFile` if it holds more than ``limit``."""
+    try:
+        with open_regular(path) as f:
+            raw = f.read(limit + 1)
+    except OSError as e:
+        raise UnreadableFile(f"{path}: cannot be read ({e.strerror or e})") from None
+    if len(raw) > limit:
+        raise UnreadableFile(f"{path}: more than {limit} bytes; at most {limit} are read")
+    return raw
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal could act on (controls, ESC, C1, bidi marks) escaped.
+
+    Printable characters, non-ASCII letters included, stay as they are; the rest are written as ``repr``
+    writes them (``\\x1b``, ``\\n``, ``\\u202e``).
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value from outside, quoted, short and printable (``repr`` escapes every control character)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = f"<an integer of {value.bit_length()} bits>"
+    return text if len(text) <= limit else text[:limit] + "..."
