@@ -104,3 +104,14 @@ def two_nodes(tmp_path_factory):
     cluster = local_slurm.TwoNodeSlurm(tmp_path_factory.mktemp("slurm2")).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """A completed 3-step tiny GRPO run with checkpoints at steps 1, 2 and 3 (tests copy it, never change it)."""
+    from tests.test_loop import FAST, tim_train
+
+    d = tmp_path_factory.mktemp("trained") / "run"
+    args = ["recipes/tiny-moe/grpo.yaml", "run.steps=3", *FAST[:3], "checkpoint.every=1", "checkpoint.keep=3"]
+    tim_train([*args, "--run-dir", str(d)], d.parent)
+    return d

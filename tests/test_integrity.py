@@ -55,14 +55,6 @@ def _lm_head(ck: Path):
     return ck / info.relative_path, info.offset, info.length
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A completed 3-step tiny GRPO run with checkpoints at steps 1, 2 and 3 (tests copy it)."""
-    d = tmp_path_factory.mktemp("trained") / "run"
-    tim_train([GRPO, "run.steps=3", *FAST[:3], *CKPT, "--run-dir", str(d)], d.parent)
-    return d
-
-
 def _copy(trained: Path, tmp: Path) -> Path:
     d = tmp / "run"
     shutil.copytree(trained, d)
@@ -121,6 +113,55 @@ def test_a_run_whose_only_checkpoint_is_corrupt_fails_by_name(trained, tmp_path)
     assert "Traceback" not in res.stderr
     meta = _meta(d)
     assert meta["status"] == "failed" and "sha256 mismatch" in meta["reason"], meta
+
+
+def test_a_checkpoint_whose_checksums_json_was_deleted_is_corrupt(trained, tmp_path):
+    """Item 6: on main a checkpoint without checksums.json loaded as "written by an older version" (one warning,
+    exit 0), corrupt weights included. state.json now records that checksums were written."""
+    from tim_megatron.integrity import IntegrityWarning
+    from tim_megatron.trainer.checkpoint import CheckpointError, latest_good_checkpoint, verify_checkpoint
+
+    d = _copy(trained, tmp_path)
+    root = d / "checkpoints"
+    steps = [root / f"step_0000000{i}" for i in (1, 2, 3)]
+    _flip(*_lm_head(steps[2])[:2])
+    (steps[2] / "checksums.json").unlink()
+    assert verify_checkpoint(steps[2]) == [
+        "checksums.json is missing, though state.json says it was written (deleted or not copied?)"
+    ]
+    with pytest.warns(IntegrityWarning, match="step_00000003 is corrupt"):
+        assert latest_good_checkpoint(root) == steps[1]
+    for p in steps[:2]:
+        (p / "checksums.json").unlink()
+    with pytest.warns(IntegrityWarning), pytest.raises(CheckpointError, match="every checkpoint failed"):
+        latest_good_checkpoint(root, trust_unverified=True)  # trust covers old checkpoints, not deleted sums
+
+
+def test_a_checkpoint_from_before_checksums_loads_only_when_trusted(trained, tmp_path):
+    """Item 6: a checkpoint whose state.json predates checksums (no ``checksums`` key) and that has no
+    checksums.json is refused by name, unless ``--trust-unverified``; then it loads with a warning."""
+    from tim_megatron.integrity import IntegrityWarning
+    from tim_megatron.trainer.checkpoint import CheckpointError, latest_good_checkpoint
+
+    d = _copy(trained, tmp_path)
+    for p in (d / "checkpoints").glob("step_*"):
+        (p / "checksums.json").unlink()
+        meta = json.loads((p / "state.json").read_text())
+        del meta["checksums"]
+        (p / "state.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="--trust-unverified"):
+        latest_good_checkpoint(d / "checkpoints")
+    with pytest.warns(IntegrityWarning, match="loading it unverified"):
+        assert latest_good_checkpoint(d / "checkpoints", trust_unverified=True).name == "step_00000003"
+    out = tmp_path / "hf"
+    res = subprocess.run([*TIM, "export-hf", str(d), str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "--trust-unverified" in res.stderr and "Traceback" not in res.stderr
+    assert not out.exists()
+    res = subprocess.run(
+        [*TIM, "export-hf", str(d), str(out), "--trust-unverified"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "loading it unverified" in res.stderr and (out / "model.safetensors").exists()
 
 
 def test_flipped_bits_in_the_tiny_model_cache_trigger_a_rebuild(tmp_path):

@@ -548,35 +548,3 @@ def test_next_step_data_check_catches_a_bad_sync():
     # Most tokens off: a wrong sync.
     with pytest.raises(WeightSyncError, match=r"engine 0: 80% of 2 tokens within 0\.4"):
         check(old, torch.log(torch.tensor([[0.5, 0.5, 0.6]])), mask)
-
-
-def test_export_hf_after_training_loads_in_transformers(tmp_path):
-    import torch
-    from safetensors.torch import load_file
-
-    tim_train(
-        ["recipes/tiny-moe/grpo.yaml", "run.steps=2", f"run.output_dir={tmp_path / 'runs'}", *FAST], tmp_path
-    )
-    d = run_folder(tmp_path / "runs")
-    res = subprocess.run(
-        [*TIM, "export-hf", str(d), str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    from transformers import AutoModelForCausalLM
-
-    from tim_megatron.recipe import load_recipe
-    from tim_megatron.run_setup import model_path_for
-
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    assert model.config.num_experts == 8
-    new = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    init = load_file(str(model_path_for(load_recipe(d / "recipe.yaml").recipe) / "model.safetensors"))
-    assert new.keys() == init.keys()
-    assert any(
-        not torch.equal(new[k].float(), init[k].float()) for k in new
-    )  # trained weights, not the start
-    assert json.loads((tmp_path / "hf" / "tim_export.json").read_text())["step"] == 2

@@ -533,3 +533,210 @@ def test_override_that_nests_a_value_blames_the_command_line(tmp_path):
         RecipeError, match=r"^command line: cluster.env.X = \{'Y': 1\}: Input should be a valid string"
     ):
         load_recipe(f, ["cluster.env.X.Y=1"])
+
+
+# ============================================================= issue 21, items 1 and 2: export-hf and pickles
+
+
+def _copy_run(trained: Path, tmp: Path) -> Path:
+    import shutil
+
+    d = tmp / "runs" / "run"
+    shutil.copytree(trained, d)
+    return d
+
+
+def test_export_hf_refuses_an_out_it_did_not_create_before_loading_anything(tmp_path, monkeypatch):
+    """Item 1: on main each of these OUT folders was ``shutil.rmtree``d (for '.', a ValueError traceback after
+    the model loaded). Now each is refused, with or without ``--overwrite``, and nothing is deleted."""
+    from tim_megatron.export import ExportError, check_out
+
+    d = tmp_path / "runs" / "run"
+    (d / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (d / "run.json").write_text("{}")
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_bytes(b"not a checkpoint")
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(d.parent)
+    cases = {
+        "the run folder": (d, "is the run folder"),
+        "the folder that holds it": (d.parent, "holds the run folder"),
+        ". (holds the run)": (Path("."), "holds the run folder"),
+        "the file system root": (Path("/"), "holds the run folder"),
+        "a foreign folder": (foreign, "not an earlier export"),
+        "its checkpoints": (d / "checkpoints", "inside the run's checkpoints"),
+        "a file": (tmp_path / "notes.txt", "is a file"),
+    }
+    before = sorted(tmp_path.rglob("*"))
+    for out, why in cases.values():
+        for overwrite in (False, True):
+            with pytest.raises(ExportError, match=re.escape(why)):
+                check_out(d, out, overwrite=overwrite)
+    assert check_out(d, d / "hf", overwrite=False) == (d / "hf").resolve()  # a new folder in the run is fine
+    assert sorted(tmp_path.rglob("*")) == before
+    # The command line refuses before the run or the model is read: nothing to load in this fake run folder.
+    res = tim("export-hf", str(d), ".", "--overwrite", cwd=d.parent)
+    assert res.returncode == 2 and "holds the run folder" in res.stderr, res.stderr[-2000:]
+    no_traceback(res)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_export_hf_replaces_only_an_earlier_export_and_only_with_overwrite(trained, tmp_path):
+    """Item 1: a real export, then the same OUT again: refused, then replaced whole with ``--overwrite``."""
+    import torch
+    from safetensors.torch import load_file
+
+    d = _copy_run(trained, tmp_path)
+    out = tmp_path / "exports" / "hf"  # the parent is created
+    first = tim("export-hf", str(d), str(out), timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads((out / "tim_export.json").read_text())["step"] == 3
+    from transformers import AutoModelForCausalLM
+
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.run_setup import model_path_for
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_experts == 8  # loads in transformers
+    init = load_file(str(model_path_for(load_recipe(d / "recipe.yaml").recipe) / "model.safetensors"))
+    trained_weights = load_file(str(out / "model.safetensors"))
+    assert trained_weights.keys() == init.keys()
+    assert any(not torch.equal(trained_weights[k].float(), init[k].float()) for k in init)  # not the start
+    (out / "stale.txt").write_text("left by hand")
+    again = tim("export-hf", str(d), str(out), timeout=300)
+    assert again.returncode == 2 and "--overwrite" in again.stderr, again.stderr[-2000:]
+    assert (out / "stale.txt").exists()
+    weights = load_file(str(out / "model.safetensors"))
+    res = tim("export-hf", str(d), str(out), "--overwrite", "--dtype", "bfloat16", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (out / "stale.txt").exists()  # replaced whole, not merged
+    new = load_file(str(out / "model.safetensors"))
+    assert new.keys() == weights.keys() and all(t.dtype == torch.bfloat16 for t in new.values())
+    assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # no temporary sibling left behind
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class _Canary:
+    """Pickles as a call to ``os.system``: unpickling it creates the canary file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _plant(step: Path, where: str, canary: Path) -> str:
+    """Put a code-running pickle in one file of checkpoint ``step``, then recompute its checksums (an attacker
+    who can write the folder can). Returns the file's name."""
+    import io
+    import pickle
+
+    import torch
+
+    from tim_megatron.trainer.checkpoint import write_checksums
+    from tim_megatron.trainer.checkpoint_scan import read_metadata
+
+    if where == "rng":  # the format main wrote, under the name main read
+        for f in (step / "rng").iterdir():
+            f.unlink()
+        torch.save({"python": _Canary(canary)}, step / "rng" / "rank00000.pt")
+        name = "rng/rank00000.pt"
+    elif where == "common.pt":
+        torch.save({"optimizer": _Canary(canary)}, step / "common.pt")
+        name = "common.pt"
+    elif where == ".metadata":
+        (step / ".metadata").write_bytes(pickle.dumps(_Canary(canary)))
+        name = ".metadata"
+    else:  # a byte item of the index, pointed at a planted data file
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        md = read_metadata(step / ".metadata")
+        key = next(
+            k for k in md.storage_data if isinstance(md.state_dict_metadata[k.fqn], BytesStorageMetadata)
+        )
+        blob = io.BytesIO()
+        torch.save(_Canary(canary), blob)
+        (step / "__9_9.distcp").write_bytes(blob.getvalue())
+        md.storage_data[key] = _StorageInfo(
+            relative_path="__9_9.distcp", offset=0, length=len(blob.getvalue())
+        )
+        (step / ".metadata").write_bytes(pickle.dumps(md))
+        name = key.fqn
+    (step / "checksums.json").unlink()
+    write_checksums(step)
+    return name
+
+
+@pytest.mark.parametrize("where", ["rng", ".metadata", "byte item", "common.pt"])
+def test_no_pickle_in_a_checkpoint_can_run_code(trained, tmp_path, where):
+    """Item 2: each file a load unpickles, planted with a pickle that calls ``os.system``, checksums recomputed.
+
+    The scan refuses it by name; on main ``tim export-hf`` ran the rng, .metadata and byte-item payloads
+    (``weights_only=False`` and torch's plain ``pickle.load`` of the index)."""
+    from tim_megatron.trainer.checkpoint import verify_checkpoint
+    from tim_megatron.trainer.checkpoint_scan import scan_checkpoint
+
+    d = _copy_run(trained, tmp_path)
+    step = d / "checkpoints" / "step_00000003"
+    assert scan_checkpoint(step) == []
+    canary = tmp_path / "pwned"
+    name = _plant(step, where, canary)
+    assert verify_checkpoint(step) == []  # the checksums cannot tell
+    problems = scan_checkpoint(step)
+    assert problems and any(name in p for p in problems), problems
+    assert any("posix.system" in p or "os.system" in p for p in problems), problems
+    if where in ("rng", "byte item"):  # the two paths a user runs: export and resume
+        res = tim("export-hf", str(d), str(tmp_path / "hf"), timeout=300)
+        assert res.returncode == 2 and "could run code" in res.stderr, res.stderr[-3000:]
+        no_traceback(res)
+        assert not (tmp_path / "hf").exists()
+    if where == "rng":
+        res = tim("train", "--resume", str(d), timeout=600)
+        assert res.returncode == 2 and "could run code" in res.stderr, res.stderr[-3000:]
+        meta = json.loads((d / "run.json").read_text())
+        assert meta["status"] == "failed" and "could run code" in meta["reason"], meta
+    assert not canary.exists()
+
+
+def test_rng_state_is_tensors_and_json_and_an_older_pt_file_still_loads(tmp_path):
+    """Item 2: the RNG state round-trips through safetensors + JSON; an older checkpoint's ``rank00000.pt``
+    (python, numpy, torch and tracker states) is read as plain data (numpy arrays allowed) and restores."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from tim_megatron.trainer.checkpoint import load_rng_state, save_rng_state
+
+    (tmp_path / "new" / "rng").mkdir(parents=True)
+    (tmp_path / "old" / "rng").mkdir(parents=True)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.normal()  # numpy caches the second gaussian: that is state too
+    save_rng_state(tmp_path / "new" / "rng" / "rank00000.safetensors")
+    torch.save(
+        {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "tracker": {},
+        },
+        tmp_path / "old" / "rng" / "rank00000.pt",
+    )
+    want = (random.random(), np.random.rand(), np.random.normal(), torch.rand(3))
+    for folder in ("new", "old"):
+        random.seed(9)
+        np.random.seed(9)
+        torch.manual_seed(9)
+        load_rng_state(tmp_path / folder, 0)
+        got = (random.random(), np.random.rand(), np.random.normal(), torch.rand(3))
+        assert got[:3] == want[:3] and torch.equal(got[3], want[3]), folder

@@ -1,26 +1,75 @@
-"""``tim export-hf``: a run's checkpoint as an HF checkpoint folder (safetensors, config, tokenizer)."""
+"""``tim export-hf``: a run's checkpoint as an HF checkpoint folder (safetensors, config, tokenizer).
+
+The export never deletes what it did not create. ``OUT`` must be absent or empty; with ``overwrite`` it may
+also be an earlier export (a folder holding ``tim_export.json``), which is replaced. A folder that holds the
+run, or lies inside it outside an earlier export, is refused in every case. Everything is checked before the
+model loads. The export is written into a fresh temporary sibling of ``OUT`` and renamed into place, so an
+interrupted export leaves ``OUT`` as it was.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 from pathlib import Path
 
 import torch
 
 SHARD_BYTES = 4 * 2**30
+MARKER = "tim_export.json"
+"""The file every export writes: an existing ``OUT`` holding it was made by ``tim export-hf``."""
 
 
-def export_run(run_dir: Path, out: Path, *, dtype: str | None = None) -> Path:
-    from safetensors.torch import save_file
+class ExportError(ValueError):
+    """An output folder the export may not write; the message names it, why, and what to do."""
 
+
+def check_out(run_dir: Path, out: Path, *, overwrite: bool) -> Path:
+    """The absolute folder to export into, after refusing any ``out`` whose replacement would lose data."""
+    run = Path(run_dir).resolve()
+    target = Path(out).expanduser().resolve()
+    if target == run or run.is_relative_to(target):
+        raise ExportError(
+            f"OUT {out} {'is' if target == run else 'holds'} the run folder {run_dir}: exporting there would "
+            f"delete the run. Choose a new folder, e.g. {Path(run_dir) / 'hf'}, or a path outside the run."
+        )
+    if target.is_relative_to(run / "checkpoints"):
+        raise ExportError(
+            f"OUT {out} lies inside the run's checkpoints; choose a folder outside checkpoints/"
+        )
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"OUT {out} is a file, not a folder; choose a new folder")
+    if target.is_dir() and any(target.iterdir()):
+        if not (target / MARKER).is_file():
+            raise ExportError(
+                f"OUT {out} exists and is not empty, and it is not an earlier export (no {MARKER}): nothing "
+                "is deleted. Choose a new or empty folder."
+            )
+        if not overwrite:
+            raise ExportError(
+                f"OUT {out} holds an earlier export; pass --overwrite to replace it, or choose a new folder"
+            )
+    return target
+
+
+def export_run(
+    run_dir: Path,
+    out: Path,
+    *,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    trust_unverified: bool = False,
+) -> Path:
     from tim_megatron.run_dir import load_run
     from tim_megatron.run_setup import model_path_for
     from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint
     from tim_megatron.trainer.engine import MegatronTrainer
 
+    target = check_out(run_dir, out, overwrite=overwrite)
     loaded = load_run(run_dir)
-    ckpt = latest_good_checkpoint(Path(run_dir) / "checkpoints")  # corrupt ones skipped, with a warning
+    ckpt = latest_good_checkpoint(Path(run_dir) / "checkpoints", trust_unverified=trust_unverified)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to export (checkpoints/latest is missing)")
     src = model_path_for(loaded.recipe)
@@ -31,7 +80,7 @@ def export_run(run_dir: Path, out: Path, *, dtype: str | None = None) -> Path:
         if dtype
         else None
     )
-    shards, current, size, index = [], {}, 0, {}
+    shards, current, size = [], {}, 0
     for name, t in tr.export_hf(dtype=want):
         if not tr.is_rank0:
             continue
@@ -43,30 +92,64 @@ def export_run(run_dir: Path, out: Path, *, dtype: str | None = None) -> Path:
         size += t.numel() * t.element_size()
     if tr.is_rank0:
         shards.append(current)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        names = (
-            ["model.safetensors"]
-            if len(shards) == 1
-            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        )
-        for fname, shard in zip(names, shards, strict=True):
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            index.update({k: fname for k in shard})
-        if len(shards) > 1:
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {}, "weight_map": index}, indent=1)
+        check_out(
+            run_dir, out, overwrite=overwrite
+        )  # again: the folder may have changed while the model loaded
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _sibling(target, "export")
+        try:
+            _write(
+                tmp,
+                shards,
+                src=Path(src),
+                info={"run_dir": str(run_dir), "checkpoint": str(ckpt), "step": meta["step"]},
             )
-        for f in Path(src).iterdir():
-            if f.suffix in (".json", ".txt", ".model", ".jinja") and not f.name.startswith(
-                "model.safetensors"
-            ):
-                shutil.copy(f, tmp / f.name)
-        (tmp / "tim_export.json").write_text(
-            json.dumps({"run_dir": str(run_dir), "checkpoint": str(ckpt), "step": meta["step"]}, indent=1)
+            _publish(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    """A new, uniquely named folder beside ``target`` (mode from the umask, like any folder the user makes)."""
+    while True:
+        p = target.parent / f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            p.mkdir()
+            return p
+        except FileExistsError:
+            continue
+
+
+def _write(tmp: Path, shards: list[dict], *, src: Path, info: dict) -> None:
+    from safetensors.torch import save_file
+
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    index = {}
+    for fname, shard in zip(names, shards, strict=True):
+        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        index.update({k: fname for k in shard})
+    if len(shards) > 1:
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": index}, indent=1)
         )
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    return out
+    for f in src.iterdir():
+        if f.suffix in (".json", ".txt", ".model", ".jinja") and not f.name.startswith("model.safetensors"):
+            shutil.copy(f, tmp / f.name)
+    (tmp / MARKER).write_text(json.dumps(info, indent=1))
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` to ``target``; an earlier export there (already checked) is moved aside, then removed."""
+    old = None
+    if target.exists():
+        old = _sibling(target, "old")
+        os.replace(target, old / target.name)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old)

@@ -12,7 +12,12 @@ and ``latest`` untouched. Old checkpoints beyond ``keep`` are deleted only after
 Every file of a checkpoint has its sha256 and size in ``checksums.json``, written last (the ranks hash
 shares of the files in parallel). Loading verifies them first: :func:`latest_good_checkpoint` skips a
 corrupt or truncated checkpoint with a warning and takes the newest good one, so flipped bits never load
-silently. ``state.json`` also records the model dimensions, checked before any tensor is read.
+silently. ``state.json`` records that checksums were written, so a checkpoint whose ``checksums.json`` was
+deleted counts as corrupt; one written before checksums existed loads only when the caller trusts it
+(``--trust-unverified``). ``state.json`` also records the model dimensions, checked before any tensor is read.
+
+Nothing in a checkpoint can run code when loaded: the RNG state is tensors plus JSON (``rng/rank<N>.safetensors``),
+and every pickle that megatron-core or torch would read is checked first (:mod:`.checkpoint_scan`).
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ import torch.distributed as dist
 
 from patches.megatron.cpu_shims import cuda_placement_to_cpu
 from tim_megatron.integrity import IntegrityWarning, sha256_file
+from tim_megatron.trainer.checkpoint_scan import scan_checkpoint
 from tim_megatron.trainer.model import unwrap
 
 LATEST = "latest"
 CHECKSUMS = "checksums.json"
+CHECKSUMS_KEY = "checksums"
+"""The key in ``state.json`` that says the checkpoint's files have checksums."""
 
 
 class CheckpointError(RuntimeError):
@@ -125,10 +133,20 @@ def write_checksums(folder: Path) -> dict:
     return table
 
 
+def _written_with_checksums(folder: Path) -> bool:
+    """Whether ``state.json`` says checksums were written (every checkpoint since they exist says so)."""
+    try:
+        meta = json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError):
+        return True  # unreadable: the missing checksums are a fault, not an old format
+    return not isinstance(meta, dict) or CHECKSUMS_KEY in meta
+
+
 def verify_checkpoint(folder: str | Path) -> list[str]:
     """Problems found in ``folder`` against its ``checksums.json`` (empty: intact). Same answer on every rank.
 
-    A checkpoint written before checksums existed gives one problem starting with ``unverified``.
+    A checkpoint written before checksums existed gives one problem starting with ``unverified``; one whose
+    ``checksums.json`` went missing later is corrupt.
     """
     folder = Path(folder)
     try:
@@ -136,6 +154,8 @@ def verify_checkpoint(folder: str | Path) -> list[str]:
         if not isinstance(table, dict):
             raise ValueError("no file table")
     except FileNotFoundError:
+        if _written_with_checksums(folder):
+            return [f"{CHECKSUMS} is missing, though state.json says it was written (deleted or not copied?)"]
         return [f"unverified: {folder} has no {CHECKSUMS} (written before checksums were recorded)"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"{CHECKSUMS} is unreadable ({e})"]
@@ -153,10 +173,11 @@ def verify_checkpoint(folder: str | Path) -> list[str]:
     return sorted({p for part in _gather(problems) for p in part})
 
 
-def latest_good_checkpoint(root: str | Path) -> Path | None:
+def latest_good_checkpoint(root: str | Path, *, trust_unverified: bool = False) -> Path | None:
     """The newest checkpoint that passes :func:`verify_checkpoint`; corrupt ones are skipped with a warning.
 
-    None when there is no checkpoint at all; :class:`CheckpointError` when every one is corrupt.
+    None when there is no checkpoint at all; :class:`CheckpointError` when every one is corrupt, or when the
+    newest readable one predates checksums and ``trust_unverified`` is not given.
     """
     tried = []
     for p in complete_checkpoints(root):
@@ -164,6 +185,12 @@ def latest_good_checkpoint(root: str | Path) -> Path | None:
         if not problems:
             break
         if problems[0].startswith("unverified"):
+            if not trust_unverified:
+                raise CheckpointError(
+                    f"checkpoint {p} has no {CHECKSUMS}: its state.json says it was written before checksums "
+                    "were recorded, so its files cannot be verified. If you trust where this run folder came "
+                    "from, pass --trust-unverified to load it unverified."
+                )
             _warn(f"checkpoint {p} has no checksums (written by an older version): loading it unverified")
             break
         tried.append(f"{p}: {'; '.join(problems[:4])}")
@@ -185,23 +212,64 @@ def _warn(msg: str) -> None:
         warnings.warn(msg, IntegrityWarning, stacklevel=3)
 
 
-def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
+def _rng_file(folder: Path, rank: int) -> Path:
+    return folder / "rng" / f"rank{rank:05d}.safetensors"
 
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
+
+def save_rng_state(path: Path) -> None:
+    """This process's RNG states as tensors (torch, CUDA, megatron's tracker, numpy's key) plus JSON."""
+    from megatron.core import tensor_parallel
+    from safetensors.torch import save_file
+
+    version, key, gauss = random.getstate()
+    kind, np_key, pos, has_gauss, cached = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy.key": torch.from_numpy(np_key.astype(np.int64))}
+    tensors |= {f"tracker.{n}": s for n, s in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    plain = {
+        "python": [version, list(key), gauss],
+        "numpy": {"kind": kind, "pos": pos, "has_gauss": has_gauss, "cached_gaussian": cached},
+    }
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"plain": json.dumps(plain)}
+    )
 
 
-def _set_rng_state(state: dict) -> None:
+def load_rng_state(folder: Path, rank: int) -> None:
+    """Restore what :func:`save_rng_state` wrote (or an older checkpoint's ``rank<N>.pt``, read as plain data)."""
     from megatron.core import tensor_parallel
+    from safetensors import safe_open
 
+    from tim_megatron.trainer.checkpoint_scan import load_plain
+
+    path = _rng_file(folder, rank)
+    if path.exists():
+        with safe_open(str(path), framework="pt") as f:
+            plain = json.loads(f.metadata()["plain"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        version, key, gauss = plain["python"]
+        n = plain["numpy"]
+        state = {
+            "python": (version, tuple(key), gauss),
+            "numpy": (
+                n["kind"],
+                tensors["numpy.key"].numpy().astype(np.uint32),
+                n["pos"],
+                n["has_gauss"],
+                n["cached_gaussian"],
+            ),
+            "torch": tensors["torch"],
+            "tracker": {
+                k.removeprefix("tracker."): v for k, v in tensors.items() if k.startswith("tracker.")
+            },
+        }
+        if "cuda" in tensors:
+            state["cuda"] = tensors["cuda"]
+    elif (old := folder / "rng" / f"rank{rank:05d}.pt").exists():
+        state = load_plain(old, numpy=True)
+    else:
+        return
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -235,7 +303,7 @@ def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: 
     with cuda_placement_to_cpu():
         dist_checkpointing.save(_sharded(trainer, loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank{_rank():05d}.pt")
+    save_rng_state(_rng_file(tmp, _rank()))
     _barrier()
     if _rank() == 0:
         meta = {
@@ -244,6 +312,7 @@ def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: 
             "updates": trainer.updates,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "model_dims": trainer.recipe.model.dims.model_dump(mode="json"),
+            CHECKSUMS_KEY: CHECKSUMS,
         }
         (tmp / "state.json").write_text(json.dumps(meta, indent=1))
     _barrier()
@@ -269,6 +338,16 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def refuse_unsafe(path: str | Path) -> None:
+    """:class:`CheckpointError` if any file of checkpoint ``path`` could run code when loaded."""
+    unsafe = scan_checkpoint(path)
+    if unsafe:
+        raise CheckpointError(
+            f"checkpoint {path} refused: loading it could run code ({'; '.join(unsafe[:4])}). A checkpoint "
+            "this project wrote holds only tensors and plain data; do not load this folder."
+        )
+
+
 def load_checkpoint(trainer, path: str | Path) -> dict:
     """Restore ``trainer`` (model, optimizer, RNG) from ``path``; return the loop state saved with it."""
     from megatron.core import dist_checkpointing
@@ -292,6 +371,7 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
             f"checkpoint {path} holds a model of other dimensions ({diff}, recorded -> this run). "
             f"A run cannot change its model's shape: restore the recorded model.dims, or start a new run folder."
         )
+    refuse_unsafe(path)
     sharded = _sharded(trainer, loading=True)
     with cuda_placement_to_cpu():
         loaded = dist_checkpointing.load(sharded, str(path))
@@ -299,8 +379,6 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     if "optimizer" in loaded:
         with cuda_placement_to_cpu():
             trainer.optimizer.load_state_dict(loaded["optimizer"])
-    rng = path / "rng" / f"rank{_rank():05d}.pt"
-    if rng.exists():
-        _set_rng_state(torch.load(rng, weights_only=False))
+    load_rng_state(path, _rank())
     trainer.updates = meta.get("updates", 0)
     return meta
