@@ -13,6 +13,10 @@ PYTEST_ARGS ?=
 RECIPE ?= recipes/tiny-moe/grpo.yaml
 OVERRIDES ?=
 DEFAULT_SWEEP := recipes/sweeps/clipping-qwen3-30b-a3b.yaml
+# User values reach the shell only inside single quotes (a ' in them is written '\''), so ; ` " $ and spaces
+# stay text: $(call q,$(NAME)) is one argument, $(call qw,$(OVERRIDES)) one argument per word.
+q = '$(subst ','\'',$(1))'
+qw = $(foreach w,$(1),$(call q,$(w)))
 
 .PHONY: help setup test lint demo bench lab submit sweep status logs cancel plan new-recipe report doctor preflight gpu-check clean-venv
 
@@ -58,52 +62,52 @@ lint: setup
 
 demo: setup
 	@start=$$(date +%s); \
-	$(TIM) train $(RECIPE) $(OVERRIDES); rc=$$?; \
-	echo "make demo: $(RECIPE) finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
+	$(TIM) train $(call q,$(RECIPE)) $(call qw,$(OVERRIDES)); rc=$$?; \
+	echo "make demo: "$(call q,$(RECIPE))" finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 lab: setup
 	@start=$$(date +%s); \
-	$(TIM) lab $(or $(PRESET),quick) $(if $(ONLY),--only $(ONLY)) $(if $(JOBS),--jobs $(JOBS)); rc=$$?; \
-	echo "make lab: preset $(or $(PRESET),quick) finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
+	$(TIM) lab $(call q,$(or $(PRESET),quick)) $(if $(ONLY),--only $(call q,$(ONLY))) $(if $(JOBS),--jobs $(call q,$(JOBS))); rc=$$?; \
+	echo "make lab: preset "$(call q,$(or $(PRESET),quick))" finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 submit: setup
-	$(TIM) submit $(RECIPE) $(OVERRIDES) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1,$(DRY_RUN)),--dry-run)
+	$(TIM) submit $(call q,$(RECIPE)) $(call qw,$(OVERRIDES)) $(if $(NODES),--nodes $(call q,$(NODES))) $(if $(filter 1,$(DRY_RUN)),--dry-run)
 
 sweep: setup
-	$(TIM) sweep $(or $(SWEEP),$(DEFAULT_SWEEP)) $(OVERRIDES) $(if $(filter 1,$(DRY_RUN)),--dry-run)
+	$(TIM) sweep $(call q,$(or $(SWEEP),$(DEFAULT_SWEEP))) $(call qw,$(OVERRIDES)) $(if $(filter 1,$(DRY_RUN)),--dry-run)
 
 status: setup
 	$(TIM) jobs
 
 logs: setup
-	@test -n "$(JOB)" || { echo "make logs needs JOB=<slurm job id>"; exit 2; }
-	$(TIM) logs $(JOB) $(if $(ROOT),--root $(ROOT))
+	@test -n $(call q,$(JOB)) || { echo "make logs needs JOB=<slurm job id>"; exit 2; }
+	$(TIM) logs $(call q,$(JOB)) $(if $(ROOT),--root $(call q,$(ROOT)))
 
 cancel: setup
-	@test -n "$(JOB)" || { echo "make cancel needs JOB=<slurm job id>"; exit 2; }
-	$(TIM) cancel $(JOB)
+	@test -n $(call q,$(JOB)) || { echo "make cancel needs JOB=<slurm job id>"; exit 2; }
+	$(TIM) cancel $(call q,$(JOB))
 
 plan: setup
-	$(TIM) plan $(RECIPE) $(OVERRIDES)
+	$(TIM) plan $(call q,$(RECIPE)) $(call qw,$(OVERRIDES))
 
 new-recipe: setup
-	@test -n "$(FROM)" -a -n "$(NAME)" -a -n "$(HF)" || { echo "make new-recipe needs FROM=recipes/<model> NAME=<new> HF=<path>"; exit 2; }
-	$(TIM) new-recipe $(FROM) $(NAME) $(HF) $(if $(RECIPES_ROOT),--recipes-root $(RECIPES_ROOT))
+	@test -n $(call q,$(FROM)) -a -n $(call q,$(NAME)) -a -n $(call q,$(HF)) || { echo "make new-recipe needs FROM=recipes/<model> NAME=<new> HF=<path>"; exit 2; }
+	$(TIM) new-recipe $(call q,$(FROM)) $(call q,$(NAME)) $(call q,$(HF)) $(if $(RECIPES_ROOT),--recipes-root $(call q,$(RECIPES_ROOT)))
 
 report: setup
-	$(TIM) report $(RUNS) $(if $(RUNS),$(if $(SWEEP),--sweep $(SWEEP)),--sweep $(or $(SWEEP),latest)) $(if $(NAME),--name $(NAME)) $(if $(ROOT),--root $(ROOT))
+	$(TIM) report $(call qw,$(RUNS)) $(if $(RUNS),$(if $(SWEEP),--sweep $(call q,$(SWEEP))),--sweep $(call q,$(or $(SWEEP),latest))) $(if $(NAME),--name $(call q,$(NAME))) $(if $(ROOT),--root $(call q,$(ROOT)))
 
 doctor: setup
-	$(TIM) doctor $(if $(filter command line,$(origin RECIPE)),$(RECIPE)) $(OVERRIDES) $(if $(NODES),--nodes $(NODES))
+	$(TIM) doctor $(if $(filter command line,$(origin RECIPE)),$(call q,$(RECIPE))) $(call qw,$(OVERRIDES)) $(if $(NODES),--nodes $(call q,$(NODES)))
 
 preflight: setup
-	$(TIM) preflight $(RECIPE) $(OVERRIDES) $(if $(NODES),--nodes $(NODES)) $(if $(filter 1,$(DRY_RUN)),--dry-run)
+	$(TIM) preflight $(call q,$(RECIPE)) $(call qw,$(OVERRIDES)) $(if $(NODES),--nodes $(call q,$(NODES))) $(if $(filter 1,$(DRY_RUN)),--dry-run)
 
 gpu-check: setup
-	$(PY) -m tim_megatron.gpu_check $(if $(GPU_CHECK_JSON),--json $(GPU_CHECK_JSON))
+	$(PY) -m tim_megatron.gpu_check $(if $(GPU_CHECK_JSON),--json $(call q,$(GPU_CHECK_JSON)))
 
 bench: setup
-	$(PY) -m tim_megatron.bench $(BENCH)
+	$(PY) -m tim_megatron.bench $(call qw,$(BENCH))
 
 clean-venv:
 	rm -rf $(VENV)

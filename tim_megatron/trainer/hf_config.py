@@ -7,6 +7,7 @@ with named errors, and compares a recipe's ``model.dims`` with the checkpoint's.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,36 @@ __all__ = [
 MAX_CONFIG_BYTES = 4 << 20
 """A config.json is a few KB; anything larger is not one."""
 
+MAX_INT_DIGITS = 100
+"""A config.json's counts and token ids have a few digits; longer integers are refused while parsing, by key
+(Python itself refuses more than 4300 digits with an error that names neither key nor line)."""
+
+
+class _HugeInt(ValueError):
+    def __init__(self, digits: str):
+        self.digits = digits
+        super().__init__(digits)
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _HugeInt(text)
+    return int(text)
+
+
+def _huge_int_error(f: Path, text: str, digits: str) -> HFConfigError:
+    """Name the key and line of the first over-long integer in ``text``."""
+    at = text.find(digits)
+    before = text[max(at - 300, 0) : at]
+    keys = re.findall(r'"((?:[^"\\]|\\.){1,100})"\s*:\s*\[?\s*$', before)
+    key = f"key {keys[-1]!r}" if keys else "a value"
+    line = text.count("\n", 0, at) + 1
+    n = len(digits.lstrip("-"))
+    return HFConfigError(
+        f"{f}: line {line}: {key} is an integer of {n} digits; allowed: integers of at most {MAX_INT_DIGITS} "
+        "digits (fix: use the model's published config.json)"
+    )
+
 
 class CheckpointMismatchError(ValueError):
     pass
@@ -41,12 +72,29 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise HFConfigError(
             f"{f}: is a directory, not a config.json file (fix: point at the checkpoint folder or its config.json)"
         )
-    if f.stat().st_size > MAX_CONFIG_BYTES:
+    if not f.is_file():  # a FIFO would block, a device (/dev/zero) never ends
+        raise HFConfigError(f"{f}: not a regular file; allowed: a config.json file")
+    try:
+        with f.open("rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
         raise HFConfigError(
-            f"{f}: {f.stat().st_size} bytes is too large for a config.json (at most {MAX_CONFIG_BYTES})"
+            f"{f}: cannot be read ({e.strerror}); allowed: a readable config.json file"
+        ) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise HFConfigError(
+            f"{f}: larger than {MAX_CONFIG_BYTES} bytes; allowed: a config.json of at most {MAX_CONFIG_BYTES} bytes"
         )
     try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
+        text = data.decode("utf-8")
+        cfg = json.loads(text, parse_int=_parse_int)
+    except _HugeInt as e:
+        raise _huge_int_error(f, text, e.digits) from None
+    except RecursionError:
+        raise HFConfigError(
+            f"{f}: JSON nested too deeply to read; allowed: a JSON object of model settings, a few levels deep "
+            "(fix: use the model's published config.json)"
+        ) from None
     except UnicodeDecodeError as e:
         raise HFConfigError(
             f"{f}: not UTF-8 text ({e.reason} at byte {e.start}); a config.json is JSON text"

@@ -13,7 +13,7 @@ import importlib
 import pkgutil
 from typing import Any
 
-from tim_megatron.trainer.families.base import Family, HFConfigError, UnsupportedModelError
+from tim_megatron.trainer.families.base import Family, HFConfigError, UnsupportedModelError, shown
 
 __all__ = [
     "Family",
@@ -62,8 +62,11 @@ def get_family(name: str) -> Family:
 def family_for_hf(cfg: dict[str, Any]) -> Family:
     """The family of an HF config.json, by ``architectures`` (else ``model_type``)."""
     archs = cfg.get("architectures") or []
-    if not isinstance(archs, list):
-        raise HFConfigError(f"config.json: architectures = {archs!r}: allowed: a list of class names")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise HFConfigError(
+            f"config.json: architectures = {shown(archs)}: allowed: a list of class names (strings), "
+            'e.g. ["Qwen3MoeForCausalLM"]'
+        )
     for fam in families().values():
         if any(a in fam.architectures for a in archs):
             return fam
@@ -78,7 +81,7 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
             if mt == fam.model_type:
                 return fam
     raise UnsupportedModelError(
-        f"architecture {archs or mt!r} is not supported; supported: {', '.join(architectures())} "
+        f"architecture {shown(archs or mt)} is not supported; supported: {', '.join(architectures())} "
         "(to support another family, add a module under tim_megatron/trainer/families/: README, "
         "'Adding a model family')"
     )

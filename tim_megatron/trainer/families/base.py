@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,13 @@ class Family:
 _REQUIRED = object()
 
 
+def shown(value: Any) -> str:
+    """``repr(value)`` cut short (a config.json value can be megabytes long or nested hundreds deep)."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 3, 80, 80, 6, 6
+    return short.repr(value)
+
+
 class ConfigReader:
     """Typed access to a config.json dict; every failure names the key, the value, what is allowed and a fix."""
 
@@ -108,7 +116,7 @@ class ConfigReader:
 
     def _fail(self, key: str, value: Any, allowed: str) -> HFConfigError:
         return HFConfigError(
-            f"{self.where}: {key} = {value!r}: allowed: {allowed} (fix: use the model's published config.json)"
+            f"{self.where}: {key} = {shown(value)}: allowed: {allowed} (fix: use the model's published config.json)"
         )
 
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
@@ -146,7 +154,34 @@ class ConfigReader:
         return v
 
     def unsupported(self, key: str, value: Any, why: str) -> UnsupportedModelError:
-        return UnsupportedModelError(f"{self.where}: {key} = {value!r} is not supported: {why}")
+        return UnsupportedModelError(f"{self.where}: {key} = {shown(value)} is not supported: {why}")
+
+    def require_silu(self, part: str) -> None:
+        """Only SwiGLU (``hidden_act: silu``) is built; ``part`` names what uses it (MLPs, experts)."""
+        act = self.get("hidden_act", "silu")
+        if act != "silu":
+            raise self.unsupported("hidden_act", act, f"only SwiGLU (silu) {part} are implemented")
+
+    def refuse_sliding_window(self) -> None:
+        """Qwen-style configs: ``sliding_window`` is a size that applies only where ``use_sliding_window`` is true
+        (newer transformers also write it per layer, as ``layer_types``)."""
+        if self.bool("use_sliding_window", False):
+            raise self.unsupported(
+                "use_sliding_window",
+                True,
+                f"sliding-window attention (sliding_window = {shown(self.cfg.get('sliding_window'))}) is not "
+                "implemented; allowed: false (full attention in every layer)",
+            )
+        kinds = self.get("layer_types", [])
+        if not isinstance(kinds, list):
+            raise self._fail("layer_types", kinds, 'a list of "full_attention" (or no layer_types)')
+        for i, kind in enumerate(kinds):
+            if kind != "full_attention":
+                raise self.unsupported(
+                    f"layer_types[{i}]",
+                    kind,
+                    'only full attention is implemented; allowed: "full_attention" in every layer',
+                )
 
 
 def dims_from_fields(r: ConfigReader, keys: dict[str, str], **fields: Any) -> ModelDims:
@@ -157,12 +192,21 @@ def dims_from_fields(r: ConfigReader, keys: dict[str, str], **fields: Any) -> Mo
         return ModelDims(**fields)
     except ValidationError as e:
         err = e.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else ""
-        key = keys.get(name, name)
         msg = err["msg"].removeprefix("Value error, ")
+        if err["loc"]:
+            names = [str(err["loc"][0])]
+        else:  # a rule across fields: the schema's error lists the keys involved
+            cause = err.get("ctx", {}).get("error")
+            names = [k.removeprefix("model.dims.") for k in getattr(cause, "keys", [])]
+        values = []
+        for name in names:
+            key = keys.get(name, name)
+            value = r.cfg.get(key)
+            values.append(f"{key} = {shown(fields.get(name) if value is None else value)}")
+        where = ", ".join(f"model.dims.{n}" for n in names) + "; " if names else ""
         raise HFConfigError(
-            f"{r.where}: {key} = {r.cfg.get(key, fields.get(name))!r}: {msg} (model.dims.{name}; "
-            "fix: use the model's published config.json)"
+            f"{r.where}: {', '.join(values) or 'config.json'}: {msg} ({where}fix: use the model's published "
+            "config.json)"
         ) from None
 
 
@@ -466,5 +510,6 @@ __all__ = [
     "layer_beyond",
     "layer_specs",
     "router_rules",
+    "shown",
     "transformer_features",
 ]

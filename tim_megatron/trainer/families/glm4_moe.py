@@ -20,9 +20,7 @@ from tim_megatron.trainer.families import base
 
 def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r = base.ConfigReader(cfg, "Glm4MoeForCausalLM")
-    act = r.get("hidden_act", "silu")
-    if act != "silu":
-        raise r.unsupported("hidden_act", act, "only SwiGLU (silu) MLPs are implemented")
+    r.require_silu("MLPs")
     n_group, topk_group = r.int("n_group", 1), r.int("topk_group", 1)
     if topk_group != n_group:
         raise r.unsupported(

@@ -15,9 +15,7 @@ from tim_megatron.trainer.families import base
 
 def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r = base.ConfigReader(cfg, "MixtralForCausalLM")
-    act = r.get("hidden_act", "silu")
-    if act != "silu":
-        raise r.unsupported("hidden_act", act, "only SwiGLU (silu) experts are implemented")
+    r.require_silu("experts")
     if r.cfg.get("sliding_window") is not None:
         raise r.unsupported(
             "sliding_window", r.cfg["sliding_window"], "sliding-window attention is not implemented"

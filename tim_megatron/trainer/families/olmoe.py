@@ -14,9 +14,7 @@ from tim_megatron.trainer.families import base
 
 def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r = base.ConfigReader(cfg, "OlmoeForCausalLM")
-    act = r.get("hidden_act", "silu")
-    if act != "silu":
-        raise r.unsupported("hidden_act", act, "only SwiGLU (silu) experts are implemented")
+    r.require_silu("experts")
     if r.cfg.get("clip_qkv") is not None:
         raise r.unsupported("clip_qkv", r.cfg["clip_qkv"], "q/k/v clipping is not implemented")
     if r.cfg.get("attention_bias"):

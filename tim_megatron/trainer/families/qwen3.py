@@ -1,4 +1,8 @@
-"""Qwen3 dense (``Qwen3ForCausalLM``): SwiGLU MLP in every layer, per-head qk-norm, no biases."""
+"""Qwen3 dense (``Qwen3ForCausalLM``): SwiGLU MLP in every layer, per-head qk-norm, no biases.
+
+Not modelled: sliding-window attention (``use_sliding_window``, or ``layer_types`` other than full attention;
+refused) and activations other than SwiGLU (``hidden_act: silu``).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from tim_megatron.trainer.families import base
 
 def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r = base.ConfigReader(cfg, "Qwen3ForCausalLM")
+    r.require_silu("MLPs")
+    r.refuse_sliding_window()
     if r.cfg.get("attention_bias"):
         raise r.unsupported("attention_bias", True, "Qwen3 has no attention bias")
     fields = base.common_fields(r)
@@ -43,4 +49,5 @@ FAMILY = base.Family(
     hf_config=hf_config,
     weights=WEIGHTS,
     tiny=ModelDims(family="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0),
+    notes=("sliding-window attention and activations other than silu are refused",),
 )

@@ -1,4 +1,8 @@
-"""Qwen3-MoE (``Qwen3MoeForCausalLM``): every layer MoE, softmax top-k router, per-head qk-norm, no biases."""
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``): every layer MoE, softmax top-k router, per-head qk-norm, no biases.
+
+Not modelled: sliding-window attention (``use_sliding_window: false`` in every published Qwen3-MoE; a config that
+turns it on is refused) and activations other than SwiGLU (``hidden_act: silu``).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from tim_megatron.trainer.families import base
 
 def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r = base.ConfigReader(cfg, "Qwen3MoeForCausalLM")
+    r.require_silu("experts")
+    r.refuse_sliding_window()
     if r.cfg.get("attention_bias"):
         raise r.unsupported("attention_bias", True, "Qwen3 has no attention bias")
     if r.cfg.get("mlp_only_layers"):
@@ -69,4 +75,5 @@ FAMILY = base.Family(
     hf_config=hf_config,
     weights=WEIGHTS,
     tiny=ModelDims(family="qwen3_moe"),
+    notes=("sliding-window attention and activations other than silu are refused",),
 )
