@@ -7,6 +7,9 @@ file names its holder (host, pid, start time) for the error a second process get
 One process of a run takes it: a single ``tim train``, the ``tim train --nproc N`` launcher before it
 starts its ranks, or global rank 0 of a job whose ranks a launcher (torchrun under srun) started. A rank
 whose launcher ancestor already holds the lock goes on without taking it.
+
+:func:`claim` is for a process that removes or reuses folders it does not run itself (``tim lab``): it takes
+the lock or names the holder, ancestors included, and hands the lock to the run it starts.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ LOCK_FILE = "run.lock"
 
 class RunFolderBusy(RuntimeError):
     """Another process holds the run folder."""
+
+    def __init__(self, msg: str, *, holder: dict | None = None):
+        super().__init__(msg)
+        self.holder = holder or {}
+        """The holder's record (host, pid, started, command); empty when it wrote none yet."""
 
 
 @dataclass
@@ -66,26 +74,15 @@ def _holder(fd: int) -> dict:
     return {}
 
 
-def hold(run_dir: str | Path) -> RunLock:
-    """Take ``run_dir``'s lock for this process (released at exit), or raise :class:`RunFolderBusy`."""
-    path = Path(run_dir) / LOCK_FILE
+def _lock(path: Path) -> tuple[int | None, dict]:
+    """``(our descriptor, {})`` when we took ``path``'s lock, ``(None, the holder's record)`` when another has it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         rec = _holder(fd)
         os.close(fd)
-        if rec.get("host") == socket.gethostname() and rec.get("pid") in _ancestors():
-            return RunLock(path, None)
-        who = (
-            f"pid {rec.get('pid')} on {rec.get('host')} since {rec.get('started')} ({rec.get('command', '?')})"
-            if rec
-            else "a process that has not written its name yet"
-        )
-        raise RunFolderBusy(
-            f"run folder {run_dir} is in use by {who}; lock file {path}. Two runs in one folder would "
-            f"interleave their metrics and checkpoints: wait for it to end, stop it, or use another folder."
-        ) from None
+        return None, rec
     rec = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -94,6 +91,42 @@ def hold(run_dir: str | Path) -> RunLock:
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(rec).encode(), 0)
+    return fd, {}
+
+
+def describe(rec: dict) -> str:
+    """A lock holder's record in words, for an error (control characters escaped: it reaches a terminal)."""
+    if not rec:
+        return "a process that has not written its name yet"
+    text = f"pid {rec.get('pid')} on {rec.get('host')} since {rec.get('started')} ({rec.get('command', '?')})"
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def hold(run_dir: str | Path) -> RunLock:
+    """Take ``run_dir``'s lock for this process (released at exit), or raise :class:`RunFolderBusy`."""
+    path = Path(run_dir) / LOCK_FILE
+    fd, rec = _lock(path)
+    if fd is not None:
+        return RunLock(path, fd)
+    if rec.get("host") == socket.gethostname() and rec.get("pid") in _ancestors():
+        return RunLock(path, None)
+    raise RunFolderBusy(
+        f"run folder {run_dir} is in use by {describe(rec)}; lock file {path}. Two runs in one folder would "
+        f"interleave their metrics and checkpoints: wait for it to end, stop it, or use another folder.",
+        holder=rec,
+    )
+
+
+def claim(folder: str | Path, *, lock_file: str = LOCK_FILE) -> RunLock:
+    """Take ``folder/lock_file`` for this process, or raise :class:`RunFolderBusy` naming the holder.
+
+    Unlike :func:`hold`, a lock an ancestor holds counts as busy: the caller means to remove or reuse the
+    folder, which only the one process that holds it may do. A child started with the descriptor
+    (``pass_fds``) shares the lock, and its own :func:`hold` passes through the ancestor rule."""
+    path = Path(folder) / lock_file
+    fd, rec = _lock(path)
+    if fd is None:
+        raise RunFolderBusy(f"{folder} is in use by {describe(rec)} (lock file {path})", holder=rec)
     return RunLock(path, fd)
 
 

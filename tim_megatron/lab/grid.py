@@ -28,13 +28,15 @@ grid again then runs just those arms, since completed runs are reused.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tim_megatron.recipe.loader import LoadedRecipe, RecipeError, load_recipe, read_yaml_file
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""A grid's or an arm's name; used with ``fullmatch`` (``match`` with ``$`` would pass a trailing newline)."""
 GRID_KEYS = {"name", "description", "base_recipe", "seeds", "data_seed", "tune_seeds", "overrides", "arms"}
 ARM_KEYS = {"name", "overrides", "requires", "group", "dose", "description"}
 
@@ -96,6 +98,13 @@ def _fail(path: Path, msg: str) -> GridError:
     return GridError(f"{path}: {msg}")
 
 
+def _finite(x: float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
 def _int_list(path: Path, key: str, value, *, allow_empty: bool = False) -> list[int]:
     if not isinstance(value, list) or (not value and not allow_empty):
         raise _fail(
@@ -130,7 +139,7 @@ def load_grid(path: str | Path) -> Grid:
     if unknown:
         raise _fail(path, f"unknown key(s) {sorted(unknown)}; allowed: {sorted(GRID_KEYS)}")
     name = str(data.get("name") or path.stem)
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise _fail(path, f"name = {name!r}: use letters, digits, '.', '_' and '-'")
     base = data.get("base_recipe")
     if not isinstance(base, str):
@@ -155,14 +164,16 @@ def load_grid(path: str | Path) -> Grid:
                 path, f"arms[{i}]: unknown key(s) {sorted(set(a) - ARM_KEYS)}; allowed: {sorted(ARM_KEYS)}"
             )
         aname = str(a["name"])
-        if not _NAME.match(aname):
+        if not _NAME.fullmatch(aname):
             raise _fail(path, f"arms[{i}].name = {aname!r}: use letters, digits, '.', '_' and '-'")
         if aname in seen:
             raise _fail(path, f"arms[{i}].name = {aname!r} is used twice")
         seen.add(aname)
         dose = a.get("dose")
-        if dose is not None and (isinstance(dose, bool) or not isinstance(dose, int | float)):
-            raise _fail(path, f"arms[{i}].dose = {dose!r}: expected a number")
+        if dose is not None and (
+            isinstance(dose, bool) or not isinstance(dose, int | float) or not _finite(dose)
+        ):
+            raise _fail(path, f"arms[{i}].dose = {dose!r}: expected a finite number (not .nan or .inf)")
         arms.append(
             Arm(
                 name=aname,

@@ -55,10 +55,12 @@ def run_lab(
 ) -> dict:
     grid = load_grid(resolve_grid(grid_path))
     plans = plan(grid)  # every arm validated before anything runs
-    if only:
-        unknown = only - {p.arm.name for p in plans}
-        if unknown:
-            raise GridError(f"--only {sorted(unknown)}: no such arm in {grid.path}")
+    if only is not None:
+        names = [p.arm.name for p in plans]
+        unknown = only - set(names)
+        if unknown or not only:
+            what = f"{sorted(unknown)}: no such arm" if unknown else "names no arm"
+            raise GridError(f"--only {what} in {grid.path}; its arms: {', '.join(names)}")
     root = root or Path("runs") / "lab" / grid.name
     out = out or Path("report") / grid.name
     t0 = time.perf_counter()

@@ -1,10 +1,23 @@
 """Run a grid: every runnable (arm, seed) through the real ``tim train``, in ``jobs`` subprocesses at a time.
 
-Each run lives in ``<root>/<arm>/seed<k>/`` with ``lab.json`` (the base recipe and the exact override list).
-A run whose folder says completed with the same overrides is reused, so running a grid again only runs
-what is missing or changed (an arm that needed a feature added since, a killed run). An incomplete folder, or
-one made with other overrides, is removed and the run starts over (lab runs keep no intermediate
-checkpoints). wandb is off; the run's console output goes to ``train.log`` beside its metrics.
+Each run lives in ``<root>/<arm>/seed<k>/`` with ``lab.json`` (the base recipe, the exact override list and
+the sha256 of the resolved recipe). A run whose folder says completed with the same resolved recipe is reused
+(:func:`is_complete`), so running a grid again only runs what is missing or changed (an arm that needed a
+feature added since, an edit anywhere in the recipe's ``base:`` chain, a killed run). An incomplete or outdated
+folder is emptied and the run starts over (lab runs keep no intermediate checkpoints). wandb is off; the run's
+console output goes to ``train.log`` beside its metrics.
+
+A lab removes only what it holds. It takes ``<root>/lab.lock`` for its whole life (a second ``tim lab`` on the
+same run folders stops at once, naming the first), then each run folder's ``run.lock`` before it looks at the
+folder; a folder another process holds (a ``tim train --run-dir`` started by hand) is skipped as busy, with
+its holder named, and left as it is. The run lock passes to the run's ``tim train`` as an inherited
+descriptor, so the folder is never free between the lab's claim and the run's end, and that ``tim train``
+takes it through :func:`tim_megatron.run_lock.hold`'s ancestor rule. The lock file itself is never removed:
+a new file would be a new lock.
+
+Runs die with the lab. Each runs in its own session (a terminal's Ctrl-C reaches the lab alone); on SIGINT or
+SIGTERM the lab sends SIGTERM to every run's process group, SIGKILL after a grace period, and exits; a lab
+killed outright takes its runs with it through the kernel's parent-death signal.
 
 With ``jobs > 1`` the machine's cores are split into ``jobs`` disjoint slots and each concurrent run is pinned
 to its own slot: the whole process through ``taskset`` (vLLM binds only its OpenMP threads; the rest of a run,
@@ -18,6 +31,8 @@ folder records the slot, and ``run.json``'s ``cpu_affinity`` the cores the run's
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import queue
@@ -25,14 +40,35 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from tim_megatron.lab.grid import ArmPlan, Grid
+from tim_megatron.lab.grid import ArmPlan, Grid, GridError
+from tim_megatron.procs import bound_to_parent
+from tim_megatron.recipe import RecipeError, load_recipe, recipe_to_yaml
+from tim_megatron.run_dir import RECIPE_FILE
+from tim_megatron.run_lock import LOCK_FILE, RunFolderBusy, RunLock, claim, describe
 
 LAB_FILE = "lab.json"
+LAB_LOCK = "lab.lock"
+"""The lock a running ``tim lab`` holds in its root folder."""
+STOP_GRACE_S = 10.0
+"""How long a stopped lab waits for its runs to exit after SIGTERM before it sends SIGKILL."""
+
+
+class LabBusy(GridError):
+    """Another ``tim lab`` is running on the same run folders."""
+
+
+class LabStopped(BaseException):
+    """The lab got SIGTERM; its runs were stopped. Like KeyboardInterrupt, no ``except Exception`` stops it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 @dataclass
@@ -41,7 +77,7 @@ class RunRecord:
     seed: int
     path: Path
     status: str
-    """completed, failed, timeout, reused, or not run."""
+    """completed, failed, timeout, reused, busy, or not run."""
     seconds: float = 0.0
 
 
@@ -49,8 +85,19 @@ def run_dir(root: Path, arm: str, seed: int) -> Path:
     return root / arm / f"seed{seed}"
 
 
+def recipe_hash(base: Path, overrides: list[str]) -> str:
+    """sha256 of the resolved recipe (its whole ``base:`` chain and the overrides), as ``tim recipe show`` prints it."""
+    return hashlib.sha256(recipe_to_yaml(load_recipe(base, overrides).recipe).encode()).hexdigest()
+
+
 def run_spec(grid: Grid, plan: ArmPlan, seed: int) -> dict:
-    return {"base": str(grid.base.resolve()), "overrides": grid.run_overrides(plan.arm, seed)}
+    """What makes a run: ``lab.json``'s content, and the key a completed run is reused under."""
+    overrides = grid.run_overrides(plan.arm, seed)
+    return {
+        "base": str(grid.base.resolve()),
+        "overrides": overrides,
+        "recipe_sha256": recipe_hash(grid.base, overrides),
+    }
 
 
 def core_slots(jobs: int, cpus: list[int] | None = None) -> list[list[int]]:
@@ -73,12 +120,42 @@ def slot_env(cores: list[int]) -> dict[str, str]:
 
 
 def is_complete(d: Path, spec: dict) -> bool:
+    """A completed run of ``spec``'s resolved recipe: ``lab.json`` records its hash, or (a run from a lab that
+    recorded none, or from before the schema gained a key) the recipe the run itself recorded, resolved under
+    today's schema, has it. Paths and override lists do not matter, only the recipe they resolve to."""
     try:
         meta = json.loads((d / "run.json").read_text())
-        lab = json.loads((d / LAB_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return meta.get("status") == "completed" and lab == spec and (d / "metrics.jsonl").exists()
+    if not isinstance(meta, dict) or meta.get("status") != "completed" or not (d / "metrics.jsonl").exists():
+        return False
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads((d / LAB_FILE).read_text()).get("recipe_sha256") == spec["recipe_sha256"]:
+            return True
+    try:
+        return recipe_hash(d / RECIPE_FILE, []) == spec["recipe_sha256"]
+    except (OSError, RecipeError):
+        return False
+
+
+def _empty(d: Path) -> None:
+    """Remove everything in ``d`` but its lock file (which we hold: a new file would be a new, free lock)."""
+    for entry in d.iterdir():
+        if entry.name == LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+@dataclass
+class _Flight:
+    """The runs in flight, and whether the lab is stopping (then no run starts)."""
+
+    guard: threading.Lock = field(default_factory=threading.Lock)
+    procs: set = field(default_factory=set)
+    stopping: bool = False
 
 
 def run_grid(
@@ -94,6 +171,34 @@ def run_grid(
     python: str = sys.executable,
 ) -> list[RunRecord]:
     slots = core_slots(jobs) if jobs > 1 else [None]
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lab_lock = claim(root, lock_file=LAB_LOCK)
+    except RunFolderBusy as e:
+        raise LabBusy(
+            f"another tim lab is running on the run folders {root}: {describe(e.holder)}. Wait for it to end, "
+            f"stop it, or give this one another --root (lock file {root / LAB_LOCK})."
+        ) from None
+    except OSError as e:
+        raise GridError(
+            f"run folders {root}: {e.strerror or e}; give --root a folder this user can write"
+        ) from None
+    claims: dict[Path, RunLock] = {}  # the run folders this lab holds and will run
+    flight = _Flight()
+    stop_on = _StopOnSignals()
+    try:
+        records, pending = _prepare(grid, plans, root, only, seeds, python, claims, log)
+        records += _run_pending(pending, slots, timeout_s, claims, flight, log)
+    finally:
+        stop_on.restore()
+        for lock in claims.values():  # folders claimed but never run (the lab was stopped)
+            lock.release()
+        lab_lock.release()
+    return records
+
+
+def _prepare(grid, plans, root, only, seeds, python, claims, log) -> tuple[list[RunRecord], list[tuple]]:
+    """Claim, check and empty every run folder to run (in grid order); record the others."""
     records: list[RunRecord] = []
     todo = [(p, s) for p in plans for s in (seeds or grid.seeds) if only is None or p.arm.name in only]
     pending = []  # (tag, arm, seed, run folder, spec, command), in grid order
@@ -105,13 +210,22 @@ def run_grid(
             records.append(RunRecord(p.arm.name, seed, d, "not run"))
             continue
         spec = run_spec(grid, p, seed)
+        d.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = claim(d)
+        except RunFolderBusy as e:  # a live run: neither reused nor removed
+            log(f"{tag}: busy, skipped: {e}")
+            records.append(RunRecord(p.arm.name, seed, d, f"busy (in use by {describe(e.holder)})"))
+            continue
         if is_complete(d, spec):
+            lock.release()
             log(f"{tag}: reused {d}")
             records.append(RunRecord(p.arm.name, seed, d, "reused"))
             continue
-        if d.exists():
+        claims[d] = lock
+        if any(e.name != LOCK_FILE for e in d.iterdir()):
             log(f"{tag}: removing the incomplete or outdated {d}")
-            shutil.rmtree(d)
+            _empty(d)
         cmd = [
             python,
             "-m",
@@ -123,7 +237,10 @@ def run_grid(
             str(d),
         ]
         pending.append((tag, p.arm.name, seed, d, spec, cmd))
+    return records, pending
 
+
+def _run_pending(pending, slots, timeout_s, claims, flight, log) -> list[RunRecord]:
     free: queue.SimpleQueue = queue.SimpleQueue()  # the slots no run holds; one worker thread per slot
     for slot in slots:
         free.put(slot)
@@ -133,49 +250,112 @@ def run_grid(
         slot = free.get()
         try:
             env = slot_env(slot) if slot is not None else {}
-            d.mkdir(parents=True)
             (d / LAB_FILE).write_text(json.dumps(spec, indent=1))
             (d / "slot.json").write_text(json.dumps({"jobs": len(slots), **env}))
             t0 = time.perf_counter()
             pinned = ["taskset", "--cpu-list", ",".join(map(str, slot)), *cmd] if slot is not None else cmd
-            status = _call(pinned, d / "train.log", timeout_s, env, running)
+            status = _call(pinned, d / "train.log", timeout_s, env, flight, claims[d].fd)
             secs = time.perf_counter() - t0
             where = f", cores {env['VLLM_CPU_OMP_THREADS_BIND']}" if env else ""
             log(f"{tag}: {status} in {secs:.0f} s ({d}{where})")
             return RunRecord(arm, seed, d, status, secs)
         finally:
+            claims.pop(d).release()
             free.put(slot)
 
-    running: set[subprocess.Popen] = set()
+    # The workers start the runs and wait for them: a run's parent-death signal follows the thread that
+    # started it, and a worker lives until its run has exited.
     pool = ThreadPoolExecutor(max_workers=len(slots))
     try:
-        records += list(pool.map(one, pending))
-    except BaseException:  # Ctrl-C on tim lab: stop every run in flight and start no other
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(running):
-            os.killpg(proc.pid, signal.SIGTERM)
+        return list(pool.map(one, pending))
+    except BaseException:  # Ctrl-C or SIGTERM on tim lab: stop every run in flight and start no other
+        _stop(flight)
         raise
-    pool.shutdown()
-    return records
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # quick once stopped; then no worker touches `claims`
+
+
+class _StopOnSignals:
+    """While the lab runs, SIGTERM raises :class:`LabStopped` in the main thread and SIGINT KeyboardInterrupt,
+    so either stops the runs in flight. Signals after the first are ignored: the stop (bounded by
+    ``STOP_GRACE_S``) runs to its end, to the SIGKILL of what is left. A signal the process ignores (SIGINT in
+    a background job) stays ignored; off the main thread nothing changes."""
+
+    def __init__(self):
+        self.old = {}
+        self.raised = False
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.old[sig] = signal.signal(sig, self._raise)
+
+    def _raise(self, signum, _frame):
+        if self.raised:
+            return
+        self.raised = True
+        raise KeyboardInterrupt if signum == signal.SIGINT else LabStopped(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # its own session: the run and its children, nothing else
+
+
+def _stop(flight: _Flight, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to every run in flight (it stops cleanly), SIGKILL to whatever is left after ``grace_s``."""
+    with flight.guard:
+        flight.stopping = True
+        procs = list(flight.procs)
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        _signal_group(proc, signal.SIGKILL)  # the leader's stragglers too
 
 
 def _call(
-    cmd: list[str], log_path: Path, timeout_s: float | None, extra_env: dict[str, str], running: set
+    cmd: list[str],
+    log_path: Path,
+    timeout_s: float | None,
+    extra_env: dict[str, str],
+    flight: _Flight,
+    lock_fd: int,
 ) -> str:
     env = {**os.environ, **extra_env, "WANDB_MODE": "disabled"}
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        running.add(proc)
+        with flight.guard:
+            if flight.stopping:
+                return "not run (the lab was stopped)"
+            # pass_fds: the run shares the lab's lock on its folder, so the folder stays held until the run
+            # exits, even should the lab die first; bound_to_parent: it dies with the lab.
+            proc = subprocess.Popen(
+                bound_to_parent(cmd),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                pass_fds=(lock_fd,),
+            )
+            flight.procs.add(proc)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # its own session: the run and its children, nothing else
+            _signal_group(proc, signal.SIGTERM)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL)
                 proc.wait()
             return "timeout"
         finally:
-            running.discard(proc)
+            with flight.guard:
+                flight.procs.discard(proc)
+    if flight.stopping:
+        return f"stopped with the lab (exit {code})"
     return "completed" if code == 0 else f"failed (exit {code}, see {log_path})"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tim_megatron.recipe.loader import LoadedRecipe, RecipeError, load_recipe, read_yaml_file
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""A sweep's or a variant's name; used with ``fullmatch`` (``match`` with ``$`` would pass a trailing newline)."""
 
 
 @dataclass
@@ -54,7 +55,7 @@ def load_sweep(path: str | Path) -> Sweep:
             f"{path}: unknown sweep key(s) {sorted(unknown)}; allowed: name, base_recipe, variants, description"
         )
     name = str(data.get("name") or path.stem)
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise RecipeError(f"{path}: name = {name!r}: use letters, digits, '.', '_' and '-'")
     base = data.get("base_recipe")
     if not isinstance(base, str):
@@ -70,7 +71,7 @@ def load_sweep(path: str | Path) -> Sweep:
                 f"{path}: variants[{i}] = {v!r}: expected {{name: ..., overrides: [key=value, ...]}}"
             )
         vname = str(v["name"])
-        if not _NAME.match(vname):
+        if not _NAME.fullmatch(vname):
             raise RecipeError(
                 f"{path}: variants[{i}].name = {vname!r}: use letters, digits, '.', '_' and '-'"
             )
