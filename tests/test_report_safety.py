@@ -174,6 +174,35 @@ def test_links_to_dev_zero_and_fifos_are_not_read(tmp_path):
     assert sorted(r["variant"] for r in rows) == ["fifo-meta", "zero-meta"]  # their metrics are plain files
 
 
+def test_the_lab_aggregate_passes_over_fifos_and_device_links(tmp_path):
+    """Item 9, lab side: ``tim lab --aggregate-only`` computes :func:`run_stats` per run and judges reuse with
+    ``is_complete``; on main a FIFO run.json hung both and a FIFO metrics.jsonl raised. Now such a run counts
+    as having no steps and no status, whatever the other runs hold."""
+    import threading
+
+    from tim_megatron.lab.runner import is_complete
+    from tim_megatron.lab.runstats import run_stats
+
+    runs = tmp_path / "runs"
+    done = {}
+    for name, target in (("metrics.jsonl", "fifo"), ("run.json", "fifo"), ("metrics.jsonl", "zero")):
+        d = make_run(runs, f"{target}-{name}")
+        (d / name).unlink()
+        os.mkfifo(d / name) if target == "fifo" else (d / name).symlink_to("/dev/zero")
+
+        def judge(d=d, key=f"{target}-{name}"):
+            done[key] = (run_stats(d, arm="a", seed=0), is_complete(d, {"recipe_sha256": "x"}))
+
+        t = threading.Thread(target=judge, daemon=True)  # a hang must fail the test, not stall the suite
+        t.start()
+        t.join(timeout=20)
+        assert not t.is_alive(), f"{d / name}: still reading after 20 s"
+    for key, (stats, complete) in done.items():
+        assert not complete, key
+        if key.endswith("metrics.jsonl"):
+            assert stats.steps == 0, (key, stats)
+
+
 def test_reads_are_bounded_by_bytes_read_not_by_st_size(tmp_path):
     from tim_megatron.logging.untrusted import UnreadableFile, open_regular, read_bounded
 

@@ -19,9 +19,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from tim_megatron.lab.runstats import MISMATCH, OLD_RULE, TREND_RULE, Rule, first_fire, series
+from tim_megatron.lab.runstats import MISMATCH, OLD_RULE, TREND_RULE, Rule, first_fire, run_rows, series
 from tim_megatron.lab.stats import wilson
-from tim_megatron.logging.tracker import read_metrics
 
 TUNE_GRID = {
     "baseline_steps": (5, 10),
@@ -67,7 +66,7 @@ def load_traces(runs) -> list[Trace]:
     """``runs``: RunStats of completed runs."""
     out = []
     for r in runs:
-        rows = read_metrics(Path(r.path) / "metrics.jsonl")
+        rows = run_rows(Path(r.path))
         x, y = series(rows, MISMATCH)
         out.append(Trace(r.arm, r.seed, [int(s) for s in x], [float(v) for v in y], r.collapse_step))
     return out

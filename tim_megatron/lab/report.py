@@ -24,9 +24,8 @@ import numpy as np
 
 from tim_megatron.lab.claims import GROWTH_MIN, LabData, Verdict
 from tim_megatron.lab.detectors import TUNE_GRID, Evaluation
-from tim_megatron.lab.runstats import HIGH_BUCKET, LOW_BUCKETS, P, RunStats, pooled_bucket, series
+from tim_megatron.lab.runstats import HIGH_BUCKET, LOW_BUCKETS, P, RunStats, pooled_bucket, run_rows, series
 from tim_megatron.lab.stats import mean_ci
-from tim_megatron.logging.tracker import read_metrics
 from tim_megatron.report.build import CSS
 from tim_megatron.report.plots import _label, _plt, inside, slug
 
@@ -60,9 +59,7 @@ def curve_panels(lab: LabData, out: Path) -> list[tuple[str, str]]:
     plt = _plt()
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     arms = [a for a in lab.plans if lab.runs.get(a)]
-    rows = {
-        a: {s: read_metrics(Path(r.path) / "metrics.jsonl") for s, r in lab.runs[a].items()} for a in arms
-    }
+    rows = {a: {s: run_rows(Path(r.path)) for s, r in lab.runs[a].items()} for a in arms}
     made = []
     for key, title, ylabel, scale in CURVES:
         fig, ax = plt.subplots(figsize=(6.4, 3.8), constrained_layout=True)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tim_megatron.lab.grid import ArmPlan, Grid, GridError
+from tim_megatron.lab.runstats import run_meta
 from tim_megatron.procs import bound_to_parent
 from tim_megatron.recipe import RecipeError, load_recipe, recipe_to_yaml
 from tim_megatron.run_dir import RECIPE_FILE
@@ -123,11 +124,8 @@ def is_complete(d: Path, spec: dict) -> bool:
     """A completed run of ``spec``'s resolved recipe: ``lab.json`` records its hash, or (a run from a lab that
     recorded none, or from before the schema gained a key) the recipe the run itself recorded, resolved under
     today's schema, has it. Paths and override lists do not matter, only the recipe they resolve to."""
-    try:
-        meta = json.loads((d / "run.json").read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(meta, dict) or meta.get("status") != "completed" or not (d / "metrics.jsonl").exists():
+    meta = run_meta(d)  # bounded, regular files only: a lab root may hold folders from elsewhere
+    if meta.get("status") != "completed" or not (d / "metrics.jsonl").exists():
         return False
     with contextlib.suppress(OSError, ValueError, AttributeError):
         if json.loads((d / LAB_FILE).read_text()).get("recipe_sha256") == spec["recipe_sha256"]:

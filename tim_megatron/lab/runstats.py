@@ -29,6 +29,29 @@ import numpy as np
 from tim_megatron.algo.early_warning import GrowthDetector, SurgeDetector, TrendDetector
 from tim_megatron.lab.stats import pearson, theil_sen
 from tim_megatron.logging.tracker import read_metrics
+from tim_megatron.logging.untrusted import UnreadableFile, read_bounded
+
+MAX_META_BYTES = 1 << 20
+"""A run.json larger than this is not read (the project writes a few hundred bytes)."""
+
+
+def run_rows(path: Path) -> list[dict]:
+    """The metrics rows of run folder ``path``; none if its metrics.jsonl is missing or unreadable (a FIFO, a
+    link to a device, over the size limit): such a run counts as having no steps."""
+    try:
+        return read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").exists() else []
+    except UnreadableFile:
+        return []
+
+
+def run_meta(path: Path) -> dict:
+    """The run.json of run folder ``path``, read bounded; empty if missing, unreadable or not an object."""
+    try:
+        meta = json.loads(read_bounded(path / "run.json", MAX_META_BYTES))
+    except (UnreadableFile, ValueError, FileNotFoundError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
 
 P = "mismatch/old_vs_rollout/"
 MISMATCH = P + "rho_std"
@@ -170,8 +193,7 @@ TREND_RULE = Rule("trend", "trend", (("baseline_steps", 10), ("k", 1.0), ("h", 8
 def run_stats(
     path: Path, *, arm: str, seed: int, rules: tuple[Rule, ...] = (OLD_RULE, TREND_RULE)
 ) -> RunStats:
-    rows = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").exists() else []
-    meta = json.loads((path / "run.json").read_text()) if (path / "run.json").exists() else {}
+    rows, meta = run_rows(path), run_meta(path)
     x, rho = series(rows, MISMATCH)
     pos = rho > 0
     zero = bool(len(rho)) and bool((rho == 0).all())
