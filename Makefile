@@ -45,6 +45,9 @@ $(STAMP): pyproject.toml Makefile
 	@set -e; extra_index=""; \
 	if [ "$(EXTRA)" = cpu ] && [ -z "$$PIP_FIND_LINKS" ] && ! $(PY) -m pip config list 2>/dev/null | grep -q find-links; then \
 	  extra_index="--extra-index-url $(TORCH_CPU_INDEX)"; fi; \
+	if [ "$(EXTRA)" = gpu ]; then \
+	  PYTHONPATH=. $(PY) -m tim_megatron.versions build-constraints > $(VENV)/gpu-build-constraints.txt; \
+	  extra_index="$$extra_index --build-constraint $(VENV)/gpu-build-constraints.txt"; fi; \
 	echo "installing tim-megatron[$(EXTRA),dev] $$extra_index"; \
 	$(PY) -m pip install --quiet $$extra_index -e ".[$(EXTRA),dev]"
 	@# NOTES.md: PyPI torchvision breaks beside torch 2.13.0+cpu (torchvision::nms), and transformers

@@ -48,7 +48,8 @@ def check_version(spec: PatchSpec) -> Version:
         raise UnverifiedVersionError(
             f"patch {spec.name!r} targets {dist} {spec.verified} but {dist} {version} is installed. "
             f"It patches {', '.join(spec.targets) or spec.library} because: {spec.reason} "
-            f"Run its test (tests/test_patch_*.py) against {version}, then add the version to SPEC.verified."
+            f"Run its test (tests/test_patch_*.py) against {version}, then add the version to tim_megatron/versions.py "
+            "(the verified versions, which pyproject.toml pins too)."
         )
     return version
 

@@ -83,7 +83,7 @@ def test_every_check_is_listed_and_this_cpu_machine_is_ready():
     assert lines["slurm"][0] in ("ok", "warn")
     assert lines["patch megatron-router-replay"] == (
         "ok",
-        f"megatron-core {dist_version('megatron-core')[1]} accepted (==0.16.*; applies here)",
+        f"megatron-core {dist_version('megatron-core')[1]} accepted (>=0.16.1,<0.17; applies here)",
     )
     assert lines["plan"][0] == "ok" and "tiny-moe-grpo: 1 node(s)" in out
     assert out.rstrip().splitlines()[-1].endswith("0 fail: ready")
@@ -102,8 +102,9 @@ def test_unknown_megatron_version_fails_its_patches_and_the_exit_code():
     for name in ("megatron-cpu-shims", "megatron-router-replay"):
         status, rest = lines[f"patch {name}"]
         assert status == "fail", out
-        assert "targets megatron-core ==0.16.* but megatron-core 0.99.0 is installed" in rest
-        assert f"SPEC.verified in patches/megatron/{name.split('-', 1)[1].replace('-', '_')}.py" in rest
+        assert "targets megatron-core >=0.16.1,<0.17 but megatron-core 0.99.0 is installed" in rest
+        assert f"test of patches/megatron/{name.split('-', 1)[1].replace('-', '_')}.py" in rest
+        assert "add it to tim_megatron/versions.py" in rest
     assert lines["patch vllm-cpu-moe-reload-prepack"][0] == "ok"
     assert out.rstrip().splitlines()[-1].endswith("fail: not ready: fix the fails above")
 

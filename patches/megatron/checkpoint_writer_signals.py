@@ -18,12 +18,13 @@ from __future__ import annotations
 import signal
 
 from patches.guard import PatchSpec, check_version
+from tim_megatron.versions import MEGATRON_CORE
 
 SPEC = PatchSpec(
     name="megatron-checkpoint-writer-signals",
     library="megatron.core",
     distributions=("megatron-core",),
-    verified="==0.16.*",
+    verified=MEGATRON_CORE.spec,
     reason="the checkpoint writers' results-queue server dies on the job's SIGTERM, so the final checkpoint fails.",
     targets=("megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",),
 )

@@ -31,12 +31,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from patches.guard import Handle, PatchSpec, check_version, set_attr
+from tim_megatron.versions import MEGATRON_CORE
 
 SPEC = PatchSpec(
     name="megatron-cpu-shims",
     library="megatron.core",
     distributions=("megatron-core",),
-    verified="==0.16.*",
+    verified=MEGATRON_CORE.spec,
     reason="megatron-core assumes CUDA for device placement, RNG state and optimizer buffers.",
     targets=(
         "torch.cuda.current_device",

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 import torch
 
 from patches.guard import PatchSpec, check_version
+from tim_megatron.versions import MEGATRON_CORE
 
 SPEC = PatchSpec(
     name="megatron-router-replay",
     library="megatron.core",
     distributions=("megatron-core",),
-    verified="==0.16.*",
+    verified=MEGATRON_CORE.spec,
     reason="megatron-core's RouterReplay keeps replay state in a class-level global list and static setters.",
     targets=(
         "megatron.core.transformer.moe.router_replay.RouterReplay",

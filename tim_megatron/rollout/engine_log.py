@@ -1,0 +1,43 @@
+"""What the vLLM engine prints: its own log level (``logging.engine_level``), and one harmless warning dropped.
+
+At vLLM's default level (info) every step adds three engine lines to the console around the weight reload. The
+engine's log is kept at ``warning`` unless the recipe asks for more, and the one warning every reload prints,
+``RotaryEmbedding: Failed to load weights``, is dropped. Why it is harmless, in vLLM 0.32.0's
+``model_loader/reload/layerwise.py``: an in-place reload counts every parameter and buffer of a layer as loadable
+and warns about any layer of which it loaded nothing. RotaryEmbedding's only tensor is ``cos_sin_cache``, a
+non-persistent buffer vLLM computes from the model config (RoPE has no weights), so no checkpoint and no export
+holds it. vLLM then puts the layer's existing tensors back (``_place_kernel_tensors``): the cache is unchanged. Only
+that class name is dropped: another layer in that message did miss its weights (some rotary variants, FoPE's, have
+learned ones). The filter is installed only on the vLLM version this was read in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tim_megatron import versions
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM's layerwise reload (its module name)."""
+FAILED_TO_LOAD = "%s: Failed to load weights"
+"""The message, as vLLM 0.32.0 formats it (``%s`` is the layer's class name)."""
+HARMLESS_LAYERS = ("RotaryEmbedding",)
+"""Layers whose "failed to load" holds nothing to load (see the module docstring)."""
+
+
+class DropHarmlessReloadWarning(logging.Filter):
+    """Drops "RotaryEmbedding: Failed to load weights" from vLLM's reload log; passes everything else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == FAILED_TO_LOAD and len(args) == 1 and args[0] in HARMLESS_LAYERS)
+
+
+def configure_engine_log(level: str, *, vllm_version: str) -> str:
+    """Drop the harmless reload warning (once per process; only when ``vllm_version`` is the verified one, whose
+    source this was read in), and return the ``log_level`` to give ``vllm.LLM`` for ``logging.engine_level``."""
+    if versions.accepts(versions.VLLM, vllm_version):
+        logger = logging.getLogger(RELOAD_LOGGER)
+        if not any(isinstance(f, DropHarmlessReloadWarning) for f in logger.filters):
+            logger.addFilter(DropHarmlessReloadWarning())
+    return level.upper()
