@@ -153,6 +153,10 @@ def test_a_checkpoint_from_before_checksums_loads_only_when_trusted(trained, tmp
         latest_good_checkpoint(d / "checkpoints")
     with pytest.warns(IntegrityWarning, match="loading it unverified"):
         assert latest_good_checkpoint(d / "checkpoints", trust_unverified=True).name == "step_00000003"
+    res = tim_train(["--resume", str(d)], tmp_path, check=False)
+    assert res.returncode == 2 and "--trust-unverified" in res.stderr and "Traceback" not in res.stderr
+    assert "rollout engine" not in res.stdout  # refused before vLLM starts
+    assert _meta(d)["status"] == "failed" and "--trust-unverified" in _meta(d)["reason"]
     out = tmp_path / "hf"
     res = subprocess.run([*TIM, "export-hf", str(d), str(out)], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 2 and "--trust-unverified" in res.stderr and "Traceback" not in res.stderr

@@ -117,21 +117,105 @@ def train_cmd(
         "--allow-recipe-change",
         help="continue --run-dir with a different recipe (recorded in run.json)",
     ),
+    trust_unverified: bool = typer.Option(
+        False,
+        "--trust-unverified",
+        help="resume from a checkpoint written before checksums were recorded (only if you trust its source)",
+    ),
 ) -> None:
     """Run GRPO/GSPO with vLLM rollouts and a megatron-core trainer."""
+    from tim_megatron.logging.library_log import quiet_torch_cpp_log
+    from tim_megatron.stop import EXIT_PREEMPTED, StopDuringStartup, StopRequest
+
+    quiet_torch_cpp_log()  # before torch loads; its C++ warnings (a NUMA notice) are start-up noise
+
+    stop = StopRequest(at_once=True)  # first of all: a SIGTERM while starting stops the start at once
+    stop.install()
+    held: list[Path] = []  # the run folder, once this process holds it
+    try:
+        _train(
+            recipe=recipe,
+            overrides=overrides,
+            resume=resume,
+            run_dir=run_dir,
+            nproc=nproc,
+            allow_recipe_change=allow_recipe_change,
+            trust_unverified=trust_unverified,
+            stop=stop,
+            held=held,
+        )
+    except StopDuringStartup as e:
+        if held:
+            import contextlib
+
+            from tim_megatron.run_dir import mark_stopped  # imported already: the folder is held
+
+            with contextlib.suppress(OSError):
+                mark_stopped(held[0], str(e))
+            what = f": run.json says preempted; continue with tim train --resume {held[0]}"
+        else:
+            import os
+
+            rank = os.environ.get("RANK", "0")
+            what = f" (rank {rank})" if rank != "0" else ": no run was started"
+        err.print(
+            f"stopped by {e} during start-up, before the first step{what}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(_rank_exit(EXIT_PREEMPTED)) from None
+
+
+LOCAL_RANKS_ENV = "TIM_LOCAL_RANKS"
+"""Set for the ranks of ``tim train --nproc N``: their launcher takes the exit code from run.json."""
+
+
+def _rank_exit(code: int) -> int:
+    """A rank of ``tim train --nproc N`` that stopped as asked (75) exits 0: torchrun reports any other code as a
+    failure, with a traceback, and stops the other ranks at once; the launcher exits 75 from run.json."""
     import os
 
+    from tim_megatron.stop import EXIT_PREEMPTED
+
+    return 0 if code == EXIT_PREEMPTED and os.environ.get(LOCAL_RANKS_ENV) == "1" else code
+
+
+def _train(
+    *,
+    recipe: Path | None,
+    overrides: list[str] | None,
+    resume: Path | None,
+    run_dir: Path | None,
+    nproc: int,
+    allow_recipe_change: bool,
+    trust_unverified: bool,
+    stop,
+    held: list[Path],
+) -> None:
+    """``tim train`` once its stop handler is in place: check everything, set up the run folder, run.
+
+    ``held`` receives the run folder when this process takes its lock (the caller then records a stop)."""
+    import os
+    import signal
+
+    if nproc < 1:
+        _fail(f"--nproc {nproc}: the number of processes to start on this machine; allowed 1 or more")
     from tim_megatron import run_dir as run_folder
     from tim_megatron.recipe import RecipeError, load_recipe
     from tim_megatron.run_dir import RunDirError, load_run, new_run_dir
     from tim_megatron.run_lock import RunFolderBusy, hold
-    from tim_megatron.trainer.checkpoint import latest_checkpoint
 
     under_launcher = "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
     if "RANK" in os.environ:  # a rank of torchrun: it dies with its launcher
         from tim_megatron.procs import die_with_parent
 
         die_with_parent()
+    world = (
+        int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) if under_launcher else nproc
+    )
+    writer = os.environ.get("RANK", "0") == "0"  # one process holds the folder: this one, or its launcher
+    rd = None
     try:
         if resume is not None:
             if recipe is not None or overrides:
@@ -144,9 +228,6 @@ def train_cmd(
                 _fail("give a recipe (or --resume RUN_DIR, or --run-dir of a prepared run folder)")
             ov = list(overrides or [])
             loaded = load_recipe(recipe, ov)
-            world = (
-                nproc if nproc > 1 else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-            )
             p = loaded.recipe.parallel
             if (
                 world != p.world_size
@@ -155,38 +236,61 @@ def train_cmd(
             ):
                 loaded = load_recipe(recipe, [*ov, f"parallel.dp={world // (p.tp * p.pp)}"])
             if run_dir is not None:
-                rd = run_dir
-                rd.mkdir(parents=True, exist_ok=True)
+                run_folder.check_target(run_dir)  # never into a folder of other files
             elif under_launcher:
                 _fail("under torchrun/srun every rank needs the same --run-dir")
-            else:
-                rd = new_run_dir(loaded)
-        if os.environ.get("RANK", "0") == "0":  # one process holds the folder: this one, or its launcher
+            rd = run_dir
+        _check_world(loaded.recipe.parallel, world, nproc=nproc, under_launcher=under_launcher)
+        # Everything that can be checked was: only now is a folder created or written.
+        if rd is None:
+            rd = new_run_dir(loaded)
+        if writer:
+            rd.mkdir(parents=True, exist_ok=True)
             hold(rd)  # held until this process exits; a second run in the folder stops here
+            held.append(rd)
             run_folder.adopt_recipe(rd, loaded, allow_change=allow_recipe_change)
     except RecipeError as e:
         _fail(str(e))
-    except FileNotFoundError as e:
-        _fail(str(e))
     except (RunFolderBusy, RunDirError) as e:
         _fail(str(e))
-    if loaded.recipe.parallel.world_size != max(nproc, 1) and nproc > 1:
-        _fail(
-            f"--nproc {nproc} but the recipe's layout needs parallel.tp x pp x dp = {loaded.recipe.parallel.world_size} processes"
-        )
+    except FileNotFoundError as e:
+        _fail(str(e))
+    except OSError as e:  # a folder that cannot be created or written
+        _fail(f"cannot set up the run folder {rd}: {e}")
     if nproc > 1 and not under_launcher:
-        code = _launch_local(nproc, rd)
-        run_folder.settle_launcher_exit(rd, code)
+        before = run_folder.read_meta(rd).get("attempt")
+        stop.steps_begin()  # from here a signal is recorded, and passed on to the ranks
+        torchrun_code = _launch_local(
+            nproc, rd, stop_signal=lambda: stop.signal, trust_unverified=trust_unverified
+        )
+        sig = signal.Signals(stop.signal).name if stop.signal else None
+        code = run_folder.settle_launcher_exit(rd, torchrun_code, attempt_before=before, stopped_by=sig)
+        status = run_folder.read_meta(rd).get("status")
+        console.print(f"ranks done: run.json status {status}, exit code {code}", highlight=False)
         raise typer.Exit(code)
-    resuming = resume is not None or latest_checkpoint(rd / "checkpoints") is not None
-    from tim_megatron.loop import train
+    from tim_megatron.trainer.checkpoint import latest_checkpoint
 
-    try:
-        with run_folder.attempt(rd, writer=os.environ.get("RANK", "0") == "0"):  # failures set "failed"
-            code = train(loaded, rd, resume=resuming, console=console)
+    resuming = resume is not None or latest_checkpoint(rd / "checkpoints") is not None
+    try:  # failures set "failed", a stop while starting "preempted"
+        with run_folder.attempt(rd, writer=writer):
+            from tim_megatron.loop import train  # its imports are start-up too
+
+            code = train(
+                loaded, rd, resume=resuming, console=console, stop=stop, trust_unverified=trust_unverified
+            )
     except _user_errors() as e:
         _fail(f"{type(e).__name__}: {e}")
-    raise typer.Exit(code)
+    raise typer.Exit(_rank_exit(code))
+
+
+def _check_world(p, world: int, *, nproc: int, under_launcher: bool) -> None:
+    """The processes this run will have must be the recipe's layout (checked before any folder is written)."""
+    if world == p.world_size:
+        return
+    layout = f"parallel.tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = {p.world_size} process(es)"
+    if under_launcher:
+        _fail(f"the launcher started {world} process(es), but the recipe's layout needs {layout}")
+    _fail(f"--nproc {nproc}: the recipe's layout needs {layout}; give --nproc {p.world_size}")
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -219,17 +323,26 @@ def export_hf_cmd(
     run_dir: Path = typer.Argument(..., help="a run folder with checkpoints"),
     out: Path = typer.Argument(..., help="output folder (an HF checkpoint)"),
     dtype: str = typer.Option(None, help="cast tensors: float32, bfloat16 or float16 (default: as trained)"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="replace OUT if it holds an earlier export (never any other folder)"
+    ),
+    trust_unverified: bool = typer.Option(
+        False,
+        "--trust-unverified",
+        help="load a checkpoint written before checksums were recorded (only if you trust its source)",
+    ),
 ) -> None:
     """Write a run's latest checkpoint as an HF checkpoint (per-expert tensors, config, tokenizer)."""
-    from tim_megatron.export import export_run
+    from tim_megatron.export import ExportError, export_run
+    from tim_megatron.recipe import RecipeError
+    from tim_megatron.run_dir import RunDirError
+    from tim_megatron.trainer.checkpoint import CheckpointError
 
     if dtype not in (None, "float32", "bfloat16", "float16"):
         _fail(f"--dtype {dtype!r}: allowed float32, bfloat16, float16")
-    from tim_megatron.trainer.checkpoint import CheckpointError
-
     try:
-        path = export_run(run_dir, out, dtype=dtype)
-    except (FileNotFoundError, CheckpointError) as e:
+        path = export_run(run_dir, out, dtype=dtype, overwrite=overwrite, trust_unverified=trust_unverified)
+    except (FileNotFoundError, CheckpointError, ExportError, RunDirError, RecipeError) as e:
         _fail(str(e))
     console.print(f"exported {run_dir} -> {path}", highlight=False)
 
@@ -362,13 +475,17 @@ def cancel_cmd(job: str = typer.Argument(..., help="Slurm job id")) -> None:
 
 @app.command("plan")
 def plan_cmd(recipe: Path, overrides: list[str] = typer.Argument(None)) -> None:
-    """Per-GPU memory estimate: parameters, gradients, optimizer state, activations, vLLM weights and KV cache."""
+    """Per-GPU memory estimate: parameters, gradients, optimizer state, activations, vLLM weights and KV cache
+    (exit 1 when it does not fit, or when the recipe's ranks do not fill its nodes)."""
     from tim_megatron.slurm.fleet_plan import fleet_plan, format_fleet
     from tim_megatron.slurm.plan import estimate, format_plan
 
     loaded = _loaded_or_fail(recipe, overrides)
-    print(format_plan(loaded.recipe, estimate(loaded.recipe), loaded.name))
+    plan = estimate(loaded.recipe)
+    print(format_plan(loaded.recipe, plan, loaded.name))
     print(format_fleet(loaded.recipe, fleet_plan(loaded.recipe)))
+    if not plan.fits:  # the reasons are printed above; exit 1 like `tim doctor` does for a plan that fails
+        raise typer.Exit(1)
 
 
 @app.command("doctor")
@@ -376,10 +493,28 @@ def doctor_cmd(
     recipe: Path = typer.Argument(None, help="recipe YAML to resolve and plan (optional)"),
     overrides: list[str] = typer.Argument(None, help="dotted key=value overrides"),
     nodes: int = typer.Option(None, "--nodes", help="cluster.nodes (parallel.dp grows with it unless set)"),
+    deps: str = typer.Option(
+        None, "--deps", help="instead: resolve this extra (gpu) with pip, install nothing, check the versions"
+    ),
 ) -> None:
     """Check this machine (and a recipe) before a long job: one line per check, ok / warn / fail with the fix."""
     from tim_megatron.doctor import CHECKS, context_for, exit_code, format_result, run_checks, summary
+    from tim_megatron.doctor.deps import EXTRAS, check_deps
 
+    if deps is not None:
+        if deps not in EXTRAS:
+            _fail(f"--deps {deps!r}: allowed {', '.join(EXTRAS)}")
+        if recipe is not None:
+            _fail(f"--deps {deps} takes no recipe ({recipe}): it checks what an install would get, not a run")
+        print(
+            f"resolving tim-megatron[{deps}] with pip: metadata only, nothing is installed (minutes)",
+            flush=True,
+        )
+        results = check_deps(deps)
+        for r in results:
+            print(format_result(r), flush=True)
+        print(summary(results))
+        raise typer.Exit(exit_code(results))
     results = run_checks(context_for(recipe, overrides, nodes=nodes), CHECKS)
     for r in results:
         print(format_result(r), flush=True)
@@ -484,14 +619,17 @@ def report_cmd(
     """Build report/<name>/index.html: curves, scatter, bucket drift, surrogate J, warnings, ranked table."""
     from tim_megatron.report.analysis import WarningSettings
     from tim_megatron.report.build import build_report, table_text
-    from tim_megatron.report.runs import resolve_sweep, shown, valid_id
+    from tim_megatron.report.runs import printable, resolve_sweep, shown, valid_id
 
     paths = list(runs or [])
+    found_notices: list[str] = []  # skipped run folders while finding the sweep: on the page, printed once
     if sweep:
         try:
-            sweep, found = resolve_sweep(sweep, root)
+            sweep, found = resolve_sweep(sweep, root, found_notices)
         except ValueError as e:
-            _fail(str(e))
+            for n in found_notices:
+                console.print(f"[yellow]notice[/]: {escape(printable(n))}", highlight=False)
+            _fail(printable(str(e)))
         paths += found
     if not paths:
         _fail("give run folders, or --sweep SWEEP_ID | SWEEP_FILE | latest")
@@ -509,9 +647,10 @@ def report_cmd(
             settings=WarningSettings(
                 baseline_steps=baseline_steps, window=window, threshold=threshold, collapse_drop=collapse_drop
             ),
+            notices=found_notices,
         )
     except ValueError as e:  # a report file that would land outside its folder
-        _fail(str(e))
+        _fail(printable(str(e)))
     print(table_text(res["rows"]))
     for n in res["notices"]:
         console.print(f"[yellow]notice[/]: {escape(n)}", highlight=False)  # notices quote run folders
@@ -542,14 +681,14 @@ def lab_cmd(
     """Run a TIM lab grid (arms x seeds, `--jobs` `tim train` at a time), then write verdicts.csv and index.html."""
     from tim_megatron.lab.grid import GridError
     from tim_megatron.lab.main import run_lab
-    from tim_megatron.lab.runner import core_slots
+    from tim_megatron.lab.runner import LabStopped, core_slots
     from tim_megatron.recipe import RecipeError
 
     try:
         core_slots(jobs)  # before anything runs
     except ValueError as e:
         _fail(f"--jobs {jobs}: {e}")
-    arms = {a.strip() for a in only.split(",") if a.strip()} if only else None
+    arms = {a.strip() for a in only.split(",") if a.strip()} if only is not None else None
     argv = " ".join(
         ["tim lab", grid, *(["--only", only] if only else []), *(["--jobs", str(jobs)] if jobs > 1 else [])]
     )
@@ -567,6 +706,11 @@ def lab_cmd(
         )
     except (GridError, RecipeError) as e:
         _fail(str(e))
+    except LabStopped as e:
+        _fail(
+            f"tim lab {e}: the runs in flight were stopped; run the same command again to finish the grid",
+            code=128 + e.signum,
+        )
     for v in res["verdicts"]:
         ci = f"[{v.ci_low:.3g}, {v.ci_high:.3g}]" if v.n_seeds >= 2 else "(no CI)"
         console.print(
@@ -576,7 +720,7 @@ def lab_cmd(
         )
     wall = f" (runs: {res['wall_seconds']:.0f} s)" if res["wall_seconds"] else ""
     console.print(f"report: {res['page']}  (verdicts.csv beside it){wall}", highlight=False, markup=False)
-    bad = [r for r in res["records"] if r.status.startswith(("failed", "timeout"))]
+    bad = [r for r in res["records"] if r.status.startswith(("failed", "timeout", "busy"))]
     if bad:
         _fail(
             f"{len(bad)} run(s) did not complete: "
@@ -586,8 +730,10 @@ def lab_cmd(
         )
 
 
-def _launch_local(nproc: int, rd: Path) -> int:
-    """Re-run ``tim train`` under torchrun with ``nproc`` ranks on this machine, all on run folder ``rd``."""
+def _launch_local(nproc: int, rd: Path, *, stop_signal, trust_unverified: bool = False) -> int:
+    """Re-run ``tim train`` under torchrun with ``nproc`` ranks on this machine, all on run folder ``rd``;
+    ``stop_signal()`` is the stop signal received so far, passed on to the ranks."""
+    import os
     import socket
 
     with socket.socket() as sock:
@@ -606,11 +752,13 @@ def _launch_local(nproc: int, rd: Path) -> int:
         "train",
         "--resume",
         str(rd),
+        *(["--trust-unverified"] if trust_unverified else []),
     ]
     console.print(f"launching {nproc} ranks: {' '.join(cmd)}", highlight=False)
     from tim_megatron.procs import run_launcher
 
-    return run_launcher(cmd)  # its ranks die with it, and it with us; SIGTERM/SIGINT are passed on
+    env = {**os.environ, LOCAL_RANKS_ENV: "1"}
+    return run_launcher(cmd, stop_signal=stop_signal, env=env)  # its ranks die with it, and it with us
 
 
 def main() -> None:  # pragma: no cover

@@ -6,8 +6,8 @@ The same loop runs ``make demo`` on a laptop CPU and the 30B Slurm jobs.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,23 +18,8 @@ from tim_megatron.algo import EarlyWarning, SurgeDetector, build_schedule
 from tim_megatron.recipe import LoadedRecipe
 from tim_megatron.rl import phases
 from tim_megatron.rl.batch import broadcast_object
-
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpoint written, resume me (the Slurm script requeues on it)
-
-
-@dataclass
-class StopRequest:
-    """Set by SIGTERM/SIGINT; the loop finishes its step, checkpoints and exits."""
-
-    requested: bool = False
-    signal: int | None = None
-
-    def install(self) -> None:
-        def handler(signum, _frame):
-            self.requested, self.signal = True, signum
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+from tim_megatron.run_dir import RunDirNotWritable, record_step
+from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
 
 
 @dataclass
@@ -71,16 +56,35 @@ class Run:
         return self.trainer.is_rank0
 
 
-def train(loaded: LoadedRecipe, run_dir: Path, *, resume: bool = False, console=None) -> int:
-    """Run (or resume) the recipe in ``run_dir``; returns the process exit code."""
+def train(
+    loaded: LoadedRecipe,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    console=None,
+    trust_unverified: bool = False,
+    stop: StopRequest | None = None,
+) -> int:
+    """Run (or resume) the recipe in ``run_dir``; returns the process exit code.
+
+    ``trust_unverified`` loads a checkpoint written before checksums were recorded (refused otherwise).
+    ``stop``: the caller's installed stop request (see :mod:`tim_megatron.stop`).
+    """
+    from tim_megatron.logging.library_log import routed
     from tim_megatron.run_setup import setup
 
-    return run_steps(setup(loaded, run_dir, resume=resume, console=console))
+    # the libraries' own output (start-up included) goes to logs/engine.log, the console keeps the step lines
+    with routed(run_dir, level=loaded.recipe.logging.engine_level, console=console):
+        run = setup(
+            loaded, run_dir, resume=resume, console=console, trust_unverified=trust_unverified, stop=stop
+        )
+        return run_steps(run)
 
 
 def run_steps(run: Run) -> int:
     """The steps of a prepared run, from ``run.start_step``: generate, score, recompute, update, sync, log."""
     r = run.recipe
+    run.stop.steps_begin()  # from here a SIGTERM ends the step and checkpoints
     t_start = time.perf_counter()
     step = run.start_step - 1
     try:
@@ -113,7 +117,12 @@ def run_steps(run: Run) -> int:
             if step == run.start_step:
                 metrics.update(run.info)
             log_step(run, step, metrics, events)
-            stop = broadcast_object(run.stop.requested)
+            unwritable = record_progress(run, step)  # rank 0: a folder that refuses writes stops the run now
+            stop, write_error = broadcast_object((run.stop.requested, unwritable and str(unwritable)))
+            if write_error:
+                raise unwritable or RunDirNotWritable(
+                    f"rank 0 could not write in {run.run_dir}: {write_error}"
+                )
             if stop or should_checkpoint(run, step):  # one write when both fall on the same step
                 save(run, step)
             if stop:
@@ -126,7 +135,8 @@ def run_steps(run: Run) -> int:
         if isinstance(e, NonFiniteAbort):  # its updates were skipped: the weights are the last good ones
             e.args = (f"{e}; last good state checkpointed: {save(run, step - 1, overwrite=False)}",)
         if run.is_rank0:
-            mark_failed(run.run_dir, e, step=step)
+            with contextlib.suppress(OSError):  # an unwritable run.json: the caller's attempt() says so
+                mark_failed(run.run_dir, e, step=step)
         run.tracker.close()
         raise
     if r.run.steps >= run.start_step:
@@ -259,6 +269,17 @@ def log_step(run: Run, step: int, metrics: dict, events: list) -> None:
                 f"({e['value']:.3g} vs baseline {e['baseline']:.3g})",
                 highlight=False,
             )
+
+
+def record_progress(run: Run, step: int) -> OSError | None:
+    """Rank 0 records the step reached in ``run.json``; the error when the folder refused it (None elsewhere)."""
+    if not run.is_rank0:
+        return None
+    try:
+        record_step(run.run_dir, step)
+    except OSError as e:
+        return e
+    return None
 
 
 def should_checkpoint(run: Run, step: int) -> bool:

@@ -12,7 +12,13 @@ a run that checkpointed after a SIGTERM in this very attempt and still has reque
 (``cluster.max_requeues``). A resume that fails before its first checkpoint therefore ends the loop.
 
 It also guards what a run folder records: :func:`adopt_recipe` compares a recipe given for an existing
-folder with the recorded one, and ``run.lock`` (:mod:`tim_megatron.run_lock`) keeps a second process out.
+folder with the recorded one, :func:`check_target` keeps ``tim train --run-dir`` out of folders that are not
+run folders, and ``run.lock`` (:mod:`tim_megatron.run_lock`) keeps a second process out.
+
+A folder that cannot be written is found when it happens: at the start of an attempt (``run.json`` and the
+subfolders a run writes), and at every step (rank 0 records the step reached in ``run.json``). The run then
+stops with :class:`RunDirNotWritable`, and ``failed`` is recorded when ``run.json`` can still be written;
+the message says when it could not.
 """
 
 from __future__ import annotations
@@ -23,17 +29,28 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
 from tim_megatron.recipe import LoadedRecipe, recipe_to_yaml
 from tim_megatron.recipe.loader import load_recipe
+from tim_megatron.run_lock import LOCK_FILE
+from tim_megatron.stop import EXIT_PREEMPTED, StopDuringStartup
 
 RECIPE_FILE = "recipe.yaml"
 META_FILE = "run.json"
 RESERVE_FILE = ".run.json.reserve"
 """Space set aside at the start of an attempt, given back when ``run.json`` cannot be written (full disk)."""
 RESERVE_BYTES = 64 * 1024
+BEFORE_RUN_FILES = frozenset(
+    {LOCK_FILE, f".{META_FILE}.lock", RESERVE_FILE, "lab.json", "slot.json", "train.log"}
+)
+"""What a folder may hold before ``tim train`` first writes its run there: a lock from an earlier try, and
+what ``tim lab`` puts there for the run it starts (its spec, core slot and log)."""
+WRITTEN_SUBFOLDERS = ("checkpoints", "dumps", "wandb")
+"""Subfolders a run writes into, checked at the start of an attempt when they exist."""
+DENIED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 IGNORED_CHANGES = ("run.output_dir",)
 """Recipe keys that say where run folders live, not what a run computes: never a recipe change."""
@@ -51,6 +68,10 @@ class RecipeChangeError(RunDirError):
 
 class DiskFullError(RunDirError):
     pass
+
+
+class RunDirNotWritable(RunDirError):
+    """A run folder (or a subfolder the run writes) that refuses writes: read-only, immutable, no permission."""
 
 
 # ---------------------------------------------------------------------------------------------- folders
@@ -71,6 +92,32 @@ def new_run_dir(loaded: LoadedRecipe, *, root: str | Path | None = None) -> Path
     d.mkdir(parents=True)
     write_resolved(loaded, d)
     return d
+
+
+def check_target(d: Path) -> None:
+    """Refuse ``tim train --run-dir d`` into a folder that is not a run folder, before anything is written.
+
+    Allowed: a path that does not exist yet, an empty folder, a run folder (``run.json`` and ``recipe.yaml``)
+    and a folder prepared for a run (:data:`BEFORE_RUN_FILES` only). Anything else holds someone's files, which
+    a run would mix its own among (and ``run.json`` would be replaced)."""
+    d = Path(d)
+    if not d.exists() and not d.is_symlink():
+        return
+    if not d.is_dir():
+        raise RunDirError(f"--run-dir {d}: exists and is not a folder; give a new path or a run folder")
+    if (d / RECIPE_FILE).is_file() and read_meta(d).get("status"):
+        return
+    foreign = sorted(p.name for p in d.iterdir() if p.name not in BEFORE_RUN_FILES)
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
+        raise RunDirError(
+            f"--run-dir {d}: the folder exists and is not a run folder (it has no {META_FILE} with a status and "
+            f"{RECIPE_FILE}; it holds {shown}). tim train writes only into a new or empty folder or a run "
+            f"folder; nothing was written. Give a new path, or leave out --run-dir for a fresh folder under "
+            f"run.output_dir."
+        )
 
 
 def write_resolved(loaded: LoadedRecipe, d: Path) -> None:
@@ -170,7 +217,8 @@ def adopt_recipe(d: Path, loaded: LoadedRecipe, *, allow_change: bool = False) -
             f"Start a new run folder for the new values (give no --run-dir), or resume as recorded "
             f"(tim train --resume {d})."
         )
-    if not allow_change:
+    fresh = _never_stepped(d)  # a start that failed or was stopped before its first step: nothing to mix
+    if not allow_change and not fresh:
         raise RecipeChangeError(
             f"{d} was started with another recipe; {len(changes)} key(s) differ (recorded -> given):\n{lines}\n"
             f"Resume as recorded (tim train --resume {d}), or pass --allow-recipe-change to continue with "
@@ -184,7 +232,15 @@ def adopt_recipe(d: Path, loaded: LoadedRecipe, *, allow_change: bool = False) -
         "changes": {k: [old, new] for k, (old, new) in changes.items()},
         "overrides": loaded.overrides,
     }
-    update_meta(d, lambda m: m.setdefault("recipe_changes", []).append(entry))
+    if fresh and not allow_change:
+        entry["note"] = "no step had run in this folder"
+
+    def record(meta):
+        meta.setdefault("recipe_changes", []).append(entry)
+        if fresh:  # the folder's record describes the recipe its first step will run
+            meta.update(name=loaded.name, recipe_path=str(loaded.path), overrides=loaded.overrides)
+
+    update_meta(d, record)
     return changes
 
 
@@ -207,6 +263,16 @@ def adopt_recipe_for_job(d: Path, loaded: LoadedRecipe, *, allow_change: bool = 
     finally:
         lock.release()
     return changes
+
+
+def _never_stepped(d: Path) -> bool:
+    """No step ever ran in ``d`` (no checkpoint, no metrics row) and no Slurm job waits to run in it."""
+    metrics = d / "metrics.jsonl"
+    return (
+        _checkpoint_step(d) is None
+        and not (metrics.is_file() and metrics.stat().st_size)
+        and read_meta(d).get("status") != "submitted"
+    )
 
 
 def _checkpoint_step(d: Path) -> int | None:
@@ -232,11 +298,11 @@ def attempt_id() -> str:
     return f"local.{socket.gethostname()}.{os.getpid()}"
 
 
-def update_meta(d: Path, change) -> dict:
+def update_meta(d: Path, change, *, use_reserve: bool = True) -> dict:
     """Read-modify-write ``run.json`` under a short lock (a submit and a running job may both write it).
 
     Atomic (temporary file, then rename). On a full disk the space reserved by :func:`attempt` is given
-    back and the write tried once more, so that a failure can still be recorded.
+    back and the write tried once more (unless not ``use_reserve``), so that a failure can still be recorded.
     """
     d = Path(d)
     p = d / META_FILE
@@ -249,7 +315,7 @@ def update_meta(d: Path, change) -> dict:
         try:
             tmp.write_text(text)
         except OSError as e:
-            if e.errno != errno.ENOSPC or not (d / RESERVE_FILE).exists():
+            if e.errno != errno.ENOSPC or not use_reserve or not (d / RESERVE_FILE).exists():
                 raise
             (d / RESERVE_FILE).unlink()
             tmp.write_text(text)
@@ -262,6 +328,16 @@ def set_status(d: Path, status: str, **extra) -> None:
         meta.update(status=status, updated=_now(), **extra)
 
     update_meta(d, change)
+
+
+def record_step(d: Path, step: int) -> None:
+    """Rank 0, after each logged step: the step reached. It also proves, every step, that the folder still
+    takes writes (the reserve is kept for the failure record)."""
+
+    def change(meta):
+        meta.update(step=step, updated=_now())
+
+    update_meta(d, change, use_reserve=False)
 
 
 def mark_running(d: Path, *, start_step: int, resumed_from: str | None) -> None:
@@ -306,20 +382,37 @@ def mark_failed(d: Path, err: BaseException | str, **extra) -> None:
     set_status(d, "failed", reason=reason, requeue_attempt=None, **extra)
 
 
+def mark_stopped(d: Path, signame: str) -> None:
+    """``preempted`` by a signal before the first step. No checkpoint was written in this attempt, so a
+    Slurm job is not requeued for it; resuming continues from the folder's last checkpoint, if any."""
+    set_status(
+        d,
+        "preempted",
+        reason=f"stopped by {signame} during start-up, before any step of this attempt",
+        requeue=f"refused: no checkpoint written in this attempt; continue with tim train --resume {d}",
+        requeue_attempt=None,
+    )
+
+
 FULL_DISK_BYTES = 64 * 2**20
 """Free space below which a failure is reported as a full disk (writers such as torch's checkpoint writer
 do not always pass ENOSPC on: a full disk can surface as "unexpected pos 704 vs 598")."""
 
 
-def _disk_full(err: BaseException, d: Path) -> str | None:
-    """Why ``err`` looks like a full disk under ``d`` (None: it does not)."""
+def _chain(err: BaseException):
     seen = set()
     e = err
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _disk_full(err: BaseException, d: Path) -> str | None:
+    """Why ``err`` looks like a full disk under ``d`` (None: it does not)."""
+    for e in _chain(err):
         if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
             return "No space left on device"
-        e = e.__cause__ or e.__context__
     try:
         st = os.statvfs(d)
     except OSError:
@@ -328,12 +421,52 @@ def _disk_full(err: BaseException, d: Path) -> str | None:
     return f"{free} bytes free" if free < FULL_DISK_BYTES else None
 
 
+def _inside(path, d: Path) -> bool:
+    try:
+        return Path(os.fsdecode(path)).resolve().is_relative_to(d.resolve())
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def unwritable_part(d: Path) -> str | None:
+    """``"<folder>: <reason>"`` for the first of ``d`` and its existing :data:`WRITTEN_SUBFOLDERS` that refuses
+    a new file (None: all take one). A probe, not the mode bits: root writes through those, not through a
+    read-only mount or an immutable folder."""
+    for folder in (d, *(d / s for s in WRITTEN_SUBFOLDERS)):
+        if folder is not d and not folder.is_dir():
+            continue
+        try:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+        except OSError as e:
+            if e.errno in DENIED_ERRNOS:
+                return f"{folder}: {e.strerror}"
+            continue
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return None
+
+
+def _write_denied(err: BaseException, d: Path) -> str | None:
+    """Why ``err`` looks like a run folder that refuses writes (None: it does not)."""
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.errno in DENIED_ERRNOS and e.filename and _inside(e.filename, d):
+            return f"{os.fsdecode(e.filename)}: {e.strerror}"
+    return unwritable_part(d)  # writers that do not pass the OSError on (torch's checkpoint writer)
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[-1][:300]}"
+
+
 @contextlib.contextmanager
 def attempt(d: Path, *, writer: bool = True):
     """One attempt at a run (a process start, a Slurm job or a requeue of it), start-up included.
 
-    Records the attempt in ``run.json`` (and clears an earlier attempt's requeue mark); any exception
-    inside sets ``failed`` with its reason before it propagates. A full disk becomes :class:`DiskFullError`.
+    Records the attempt in ``run.json`` (and clears an earlier attempt's requeue mark) and checks that the
+    folders the run writes take files; any exception inside sets ``failed`` with its reason before it
+    propagates, a stop signal during start-up ``preempted``. A full disk becomes :class:`DiskFullError`, a
+    folder that refuses writes :class:`RunDirNotWritable`; both say whether ``run.json`` holds the record.
     ``writer``: this process writes ``run.json`` (rank 0); the others only pass exceptions through.
     """
     d = Path(d)
@@ -351,22 +484,64 @@ def attempt(d: Path, *, writer: bool = True):
             )
             meta.pop("reason", None)
 
-        update_meta(d, start)
+        try:
+            update_meta(d, start)
+        except OSError as e:
+            if e.errno not in DENIED_ERRNOS:
+                raise
+            raise RunDirNotWritable(
+                f"cannot write {d / META_FILE} ({e.strerror}): the run folder refuses writes; nothing ran. "
+                f"Make {d} writable (or give another folder), then start again."
+            ) from e
     try:
+        if writer and (bad := unwritable_part(d)):
+            raise RunDirNotWritable(f"cannot write in {bad}: a run writes there; nothing ran")
         yield
     except BaseException as e:
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
+        if isinstance(e, StopDuringStartup):
+            if writer:
+                with contextlib.suppress(OSError):
+                    mark_stopped(d, str(e))
+            raise
         full = _disk_full(e, d)
+        denied = None if full else _write_denied(e, d)
+        unrecorded = None  # why run.json could not record the failure
         if writer:
-            with contextlib.suppress(OSError):  # the original error matters more than the record
-                mark_failed(d, f"disk full ({full}): {failure_reason(e)}" if full else e)
+            why = f"disk full ({full})" if full else f"cannot write {denied}" if denied else None
+            if isinstance(e, RunDirNotWritable):  # its message names the folder already
+                why = None
+            try:
+                mark_failed(d, f"{why}: {failure_reason(e)}" if why else e)
+            except OSError as w:  # the original error matters more than the record
+                meta = read_meta(d)  # the loop may have recorded it already (with the space reserved for it)
+                if meta.get("status") != "failed" or meta.get("attempt") != attempt_id():
+                    unrecorded = w.strerror or str(w)
+        if not writer:
+            record = ""  # rank 0 says what run.json holds
+        elif unrecorded is None:
+            record = "run.json records the failure. "
+        else:
+            status = read_meta(d).get("status")
+            record = (
+                f"run.json could not be written either ({unrecorded}): its status ({status}) is out of date. "
+            )
         if full:
             raise DiskFullError(
-                f"the disk holding {d} is full ({full}); the error was {type(e).__name__}: "
-                f"{(str(e).strip().splitlines() or [''])[-1][:300]}\n"
-                f"run.json records the failure. Free space, then resume from the last checkpoint: "
-                f"tim train --resume {d}"
+                f"the disk holding {d} is full ({full}); the error was {_first_line(e)}\n{record}"
+                f"Free space, then resume from the last checkpoint: tim train --resume {d}"
+            ) from e
+        if denied or unrecorded is not None:
+            if isinstance(e, RunDirNotWritable):
+                cause = str(e)
+            elif denied:
+                cause = f"cannot write {denied}" + ("" if isinstance(e, OSError) else f" ({_first_line(e)})")
+            else:
+                cause = f"the run stopped on {_first_line(e)}"
+            raise RunDirNotWritable(
+                f"{cause}\n{record}Make {d} and its subfolders writable, then resume from the last "
+                f"checkpoint: tim train --resume {d}"
             ) from e
         raise
     finally:
@@ -375,10 +550,31 @@ def attempt(d: Path, *, writer: bool = True):
                 (d / RESERVE_FILE).unlink(missing_ok=True)
 
 
-def settle_launcher_exit(d: Path, code: int) -> None:
-    """After a local launcher (torchrun) exits: a run its ranks left ``running`` failed with that code."""
-    if code not in (0, 75) and read_meta(d).get("status") == "running":
+def settle_launcher_exit(d: Path, code: int, *, attempt_before: str | None, stopped_by: str | None) -> int:
+    """After a local launcher (torchrun) exits: the exit code that agrees with ``run.json``.
+
+    The ranks' record decides: ``completed`` 0, ``preempted`` 75, ``failed`` non-zero (torchrun exits 1 for
+    any rank's non-zero exit, and the ranks exit 0 when they stop as asked). Ranks that recorded no attempt
+    of their own (``attempt_before`` unchanged: stopped or failed before it) or left it ``running`` leave
+    the record to us: ``preempted`` when we passed them a stop signal (``stopped_by``), else ``failed``.
+    """
+    meta = read_meta(d)
+    status = meta.get("status") if meta.get("attempt") != attempt_before else None
+    if status == "completed":
+        return 0
+    if status == "preempted":
+        return EXIT_PREEMPTED
+    if status == "failed":
+        return code if code not in (0, EXIT_PREEMPTED) else 1
+    if stopped_by is not None:  # ranks stopped before they recorded anything (they exit 0 or die of it)
+        with contextlib.suppress(OSError):  # a folder that refuses writes: the ranks' errors said so
+            mark_stopped(d, stopped_by)
+        return EXIT_PREEMPTED
+    if code == 0:
+        return 0
+    with contextlib.suppress(OSError):
         mark_failed(d, f"the ranks' launcher exited with code {code} (a rank died; see the output above)")
+    return code if code != EXIT_PREEMPTED else 1
 
 
 def _reserve(d: Path) -> None:

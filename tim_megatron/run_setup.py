@@ -56,7 +56,17 @@ def build_rollout(recipe, trainer, *, model_path: Path, tokenizer):
     )
 
 
-def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
+def setup(
+    loaded: LoadedRecipe,
+    run_dir: Path,
+    *,
+    resume: bool,
+    console=None,
+    trust_unverified: bool = False,
+    stop=None,
+):
+    """``stop``: the installed :class:`tim_megatron.stop.StopRequest` of ``tim train`` (a signal during
+    start-up stops it at once); without one, a signal waits for the end of the first step."""
     import torch
     from transformers import AutoTokenizer
 
@@ -67,17 +77,24 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     from tim_megatron.rollout.engine import check_model_for_engine
     from tim_megatron.rollout.sync import WeightSync, manifest
     from tim_megatron.run_dir import mark_running
-    from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint
+    from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint, refuse_unsafe
     from tim_megatron.trainer.engine import MegatronTrainer
 
     r = loaded.recipe
-    stop = StopRequest()
-    stop.install()
+    if stop is None:
+        stop = StopRequest()
+        stop.install()
     path = model_path_for(r)
     check_model_for_engine(path, on_gpu=torch.cuda.is_available())  # weights present, head size servable
-    source = PromptSource(r.data, seed=r.run.seed)  # bad data fails here, before any engine starts
     tokenizer = AutoTokenizer.from_pretrained(path)
+    # bad data (and a prompt too long in this tokenizer) fails here, before any engine starts
+    source = PromptSource(r.data, seed=r.run.seed, tokenizer=tokenizer)
     trainer = MegatronTrainer(r, model_path=path)
+    ckpt = (  # corrupt ones skipped (the ranks share the hashing); checked, with its safety, before vLLM starts
+        latest_good_checkpoint(run_dir / "checkpoints", trust_unverified=trust_unverified) if resume else None
+    )
+    if ckpt is not None:
+        refuse_unsafe(ckpt)
     checkpoint_writer_signals.shield()  # a job's SIGTERM must not kill megatron's writer helper
     rollout = build_rollout(r, trainer, model_path=path, tokenizer=tokenizer)
     fault = r.diagnostics.sync_fault
@@ -89,7 +106,6 @@ def setup(loaded: LoadedRecipe, run_dir: Path, *, resume: bool, console=None):
     sync = WeightSync(r, expected=manifest(path), rank=trainer.rank)
     schedule, warnings = new_schedule(r), new_warnings(r)
     start = 1
-    ckpt = latest_good_checkpoint(run_dir / "checkpoints") if resume else None  # corrupt ones skipped
     if ckpt is not None:
         meta = load_checkpoint(trainer, ckpt)
         schedule.load_state_dict(meta["state"]["schedule"])
