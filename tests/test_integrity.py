@@ -9,6 +9,63 @@
   process outlives a run that was killed or failed.
 
 The Slurm side (a resume that fails at start-up is not requeued forever, the requeue cap) is in test_slurm.py.
+
+Issue 21 (hardening, round 3): wrong results, lost work and crashes. Each case was tried against the code before
+the fix and failed there; the test named with it passes now (in this file unless another is named). The
+attacks on code and data (items 1, 2, 9, 14, 15, 18 to 23) are listed in ``tests/test_security.py``.
+
+* Item 3, two ``tim lab`` on one grid: the second deleted a run folder a live ``tim train`` held. Now a lab holds
+  its grid's ``lab.lock`` (a second lab stops, naming the first), claims each run folder's ``run.lock`` before
+  looking at it, skips a folder a live process holds, and hands its claim to the run
+  (``test_lab_safety.py::test_a_second_lab_stops_and_a_killed_lab_takes_its_tim_train_along``,
+  ``test_a_folder_a_live_process_holds_is_skipped_and_kept``).
+* Item 4, killing ``tim lab`` left its runs training. Now they carry a parent-death signal (SIGKILL of the lab),
+  and SIGTERM/SIGINT of the lab stops their process groups (same first test, and
+  ``test_lab_safety.py::test_sigterm_on_the_lab_stops_its_runs_cleanly``).
+* Item 5, a completed lab run was reused after its parent ``base.yaml`` changed. Now reuse is keyed on the
+  resolved recipe's sha256 (``test_lab_safety.py::test_a_run_is_reused_only_under_the_same_resolved_recipe``,
+  ``test_a_run_an_older_lab_made_is_judged_by_the_recipe_it_recorded``).
+* Item 6, a checkpoint with ``checksums.json`` deleted loaded as "written by an older version" with corrupt
+  weights. Now ``state.json`` records that checksums were written: a missing ``checksums.json`` is corruption
+  (skipped, or every checkpoint failed); one from before checksums loads only with ``--trust-unverified``
+  (``test_a_checkpoint_whose_checksums_json_was_deleted_is_corrupt``,
+  ``test_a_checkpoint_from_before_checksums_loads_only_when_trusted``: ``tim train --resume`` and
+  ``tim export-hf`` refuse it by name, the flag loads it with a warning).
+* Item 7, a dataset row longer than ``data.max_prompt_tokens``, or empty, loaded; the run died mid-run naming a
+  batch index. Now every row is checked at load with the run's tokenizer and chat template, named by file and
+  line, before the engines start (``test_data_safety.py``, e.g.
+  ``test_item7_tim_train_refuses_a_long_row_before_the_engines_start``). It also found that chat prompts were
+  encoded as ``['input_ids', 'attention_mask']`` under transformers 5 (``test_item7_chat_prompts_are_counted_with_the_chat_template``).
+* Item 8, a 400-digit integer in ``metrics.jsonl`` crashed ``tim report`` and ``tim lab --aggregate-only``.
+  Now such a value costs only itself, with a notice naming file and line
+  (``test_report_safety.py::test_a_value_no_float_holds_costs_only_that_value``); a 1 GB file is streamed,
+  capped by a named error (``test_metrics_are_streamed_not_read_whole`` and the two cap tests there).
+* Item 10, ``tim new-recipe`` from Mixtral-8x22B (1, 3 or 6 experts) wrote an invalid ``expert_tp``
+  (``test_new_recipe_safety.py::test_new_recipe_writes_a_valid_expert_layout_for_any_expert_count``).
+* Item 11, Qwen3-MoE with ``use_sliding_window: true`` or ``hidden_act: gelu`` was accepted; now refused by name
+  (``test_new_recipe_safety.py::test_qwen3_sliding_window_and_other_activations_are_refused``).
+* Item 12, ``--run-dir`` into an existing folder overwrote its ``run.json``; a failed call left ``recipe.yaml``
+  and the corrected retry was refused (``test_train_safety.py::test_bad_nproc_and_foreign_folders_are_refused_before_anything_is_written``, ``test_a_folder_where_no_step_ran_takes_the_corrected_recipe``).
+* Item 13, SIGTERM to ``tim train --nproc 2`` exited 1, not 75; a SIGTERM in teardown gave ``completed`` and 1
+  (``test_train_safety.py::test_sigterm_to_two_ranks_exits_75_when_preempted_and_0_in_teardown``,
+  ``test_the_launcher_exit_code_follows_the_ranks_record``).
+* Item 16, duplicate YAML keys were accepted (the last won); now refused with both lines
+  (``test_recipe_slurm_safety.py::test_duplicate_yaml_keys_are_refused_naming_file_key_and_both_lines``).
+* Item 17, a run folder turning read-only let every step run, then failed at ``curves.png`` with status
+  ``running``. Now the next step stops by name (``test_train_safety.py::test_a_run_folder_turning_read_only_stops_the_run_at_the_next_step``; a read-only ``checkpoints/`` before the engines start:
+  ``test_a_read_only_checkpoints_folder_fails_by_name_before_the_engines_start``).
+* Tracebacks list, each now a named error (key or option, value, what is allowed):
+  ``new-recipe`` bad ``config.json`` values, deep nesting, a 5000-digit integer, an odd ``head_dim``, a
+  dangling-link NAME, output folders of mode 0700 (``test_new_recipe_safety.py``); chat prompts with non-dict
+  items, non-UTF-8 JSON Lines, a broken row, an empty file, a missing relative path taken for a Hub name
+  (``test_data_safety.py::test_tracebacks_*``); ``recipe check`` on a symlink loop, ``--nodes 0``, ``tim plan``
+  saying "fits" for a layout its nodes cannot hold (``test_recipe_slurm_safety.py::test_bad_input_is_a_named_error``); a read-only ``checkpoints/``, ``--nproc 0``/``-1``, ``--timeout-minutes`` overshooting because a
+  SIGTERM during start-up was ignored (``test_train_safety.py``); lab ``dose: .nan``/``.inf`` and
+  ``--only ' , '`` (``test_lab_safety.py``); every report notice printed twice (``test_report_safety.py``).
+* Console: each step of ``make demo`` printed three vLLM lines, one of them ``RotaryEmbedding: Failed to load
+  weights``. Now the engine logs at ``logging.engine_level``, that harmless warning is dropped on the vLLM it
+  was read in (``test_versions.py::test_only_the_rotary_reload_warning_is_dropped``), and the library logs go
+  to the run's ``logs/engine.log`` (``test_loop.py::test_run_folder_holds_recipe_metrics_dumps_png_summary_and_wandb`` checks that the console holds the step lines and no engine warning).
 """
 
 from __future__ import annotations

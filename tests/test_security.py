@@ -55,6 +55,80 @@ Finding 8, named errors instead of tracebacks (the cases owned here)
   * ``tim logs JOB`` with a run folder whose ``run.json`` is a JSON list: skipped (on main: AttributeError).
   * ``run.name="[/bold]"``: on main rich read the quoted value as markup and crashed (MarkupError traceback);
     now the value is printed as it is.
+
+Issue 21 (hardening, round 3): the attacks on data, code and the console. Each was tried against the code
+before the fix and failed there; the test named with it passes now. Tests in other files are named with their
+file.
+
+Item 1, ``tim export-hf RUN OUT`` deleted OUT (``tim_megatron/export.py``)
+  * OUT = the run folder, the folder that holds it (``runs/``, ``.``, ``/``), a folder of someone's files, the
+    run's ``checkpoints/``, a file; each with and without ``--overwrite``. Before: ``shutil.rmtree(OUT)`` (for
+    ``.``, a ValueError traceback after the model loaded). Now: refused before the run or the model is read,
+    nothing deleted (``test_export_hf_refuses_an_out_it_did_not_create_before_loading_anything``).
+  * An earlier export as OUT: refused without ``--overwrite``; with it replaced whole (a stray file gone), the
+    export written into a fresh sibling and renamed, no temporary folder left, mode from the umask
+    (``test_export_hf_replaces_only_an_earlier_export_and_only_with_overwrite``).
+
+Item 2, a checkpoint that runs code when loaded (``trainer/checkpoint.py``, ``trainer/checkpoint_scan.py``)
+  * A pickle that calls ``os.system`` planted in the RNG file (the format the code wrote before), in the
+    torch.distributed.checkpoint ``.metadata`` index, in one of the index's byte items (non-tensor objects that
+    torch reads with ``weights_only=False``) and in megatron's ``common.pt``, with ``checksums.json`` recomputed.
+    Before: ``tim export-hf`` and ``tim train --resume`` ran the first three (canary file created). Now every
+    pickle in the folder is read first by a loader that admits only plain data; the load is refused naming the
+    file and the callable, no canary (``test_no_pickle_in_a_checkpoint_can_run_code``).
+  * The RNG state is written as safetensors + JSON; an older checkpoint's ``rank<N>.pt`` is read with
+    ``weights_only=True`` plus numpy's array types
+    (``test_rng_state_is_tensors_and_json_and_an_older_pt_file_still_loads``). What stays trusted: the
+    installed libraries, and a folder that does not change mid-load.
+
+Item 9, files that are not files (``logging/untrusted.py``; tests in ``test_report_safety.py``)
+  * ``metrics.jsonl`` / ``run.json`` / a dump as a link to ``/dev/zero`` or a FIFO. Before: read without limit
+    (the 1 MiB cap checked ``st_size``, 0) or a hang. Now: only regular files are opened (O_NONBLOCK, fstat
+    after open) and reads are bounded by bytes read (``test_links_to_dev_zero_and_fifos_are_not_read``,
+    ``test_reads_are_bounded_by_bytes_read_not_by_st_size``,
+    ``test_the_lab_aggregate_passes_over_fifos_and_device_links``). A ``config.json`` FIFO or ``/dev/zero``
+    link for ``tim new-recipe``: refused
+    (``test_new_recipe_safety.py::test_a_config_json_that_is_not_a_file_is_a_named_error``).
+
+Item 14, ``sweep_id: "latest"`` or a far-future stamp took over ``tim report --sweep latest``
+  * Now a reserved id is refused with a notice, and "latest" is the newest stamp not ahead of the clock or of its
+    run folders' files (``test_report_safety.py::test_a_planted_sweep_id_cannot_take_over_latest``,
+    ``test_latest_with_only_planted_sweeps_is_a_named_error``).
+
+Item 15, names with a trailing newline (``re.match(...$)``)
+  * Lab arms ``baseline`` / ``"baseline\n"``, grid, sweep and variant names: refused with ``fullmatch``
+    (``test_lab_safety.py::test_names_with_a_trailing_newline_are_refused``; recipe and run names:
+    ``test_recipe_slurm_safety.py::test_names_with_a_trailing_newline_are_refused``).
+
+Item 18, a newline in the HF path passed to ``tim new-recipe`` injected recipe keys through the header comment
+  * Newline, CRLF and U+2028 are written as escapes in comments; ``model.path`` keeps the exact path, quoted
+    (``test_new_recipe_safety.py::test_a_line_break_in_the_hf_path_stays_inside_the_header_comment``).
+
+Item 19, ``tim report`` followed ``base:`` in a run folder's ``recipe.yaml`` to any absolute path
+  * Now a run's recipe is read without inheritance; an existing and a missing base give the same notice
+    (``test_report_safety.py::test_base_in_a_run_folders_recipe_is_not_followed``).
+
+Item 20, terminal escape sequences in run-folder paths reached the terminal through notices
+  * Control, C1 and bidi characters are escaped in every notice, and each notice is printed once (it was
+    printed twice: once as a warning)
+    (``test_report_safety.py::test_notices_escape_control_characters_and_are_printed_once``).
+
+Item 21, ``make new-recipe NAME='x; touch CANARY #'`` ran the command
+  * Every Makefile target passes each user value as one single-quoted argument; no canary for any target
+    (``test_new_recipe_safety.py::test_make_passes_each_user_value_as_one_argument``,
+    ``test_make_new_recipe_with_a_hostile_name_is_refused_by_tim``).
+
+Item 22, ``tim cancel -- --me`` cancelled every job of the user
+  * A job id must be a Slurm id and goes to scancel after ``--``
+    (``test_recipe_slurm_safety.py::test_tim_cancel_dash_dash_me_never_reaches_scancel`` and two more).
+
+Item 23, ``DB_PASS``, ``MYSQL_PWD`` and ``DATABASE_URL=postgres://u:pw@...`` were rendered in clear text
+  * Credentials are refused by name and by value (URL userinfo, ``password=`` queries, known token formats,
+    private keys, Bearer tokens), and the value is never printed
+    (``test_recipe_slurm_safety.py::test_credentials_are_refused_by_name_or_value_and_never_printed``).
+
+The rest of issue 21 (lab, run folders, data, checkpoints' checksums, wrong results, tracebacks) is listed in
+``tests/test_integrity.py``'s header.
 """
 
 from __future__ import annotations
