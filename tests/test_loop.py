@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,7 +180,7 @@ def test_every_tiny_recipe_is_covered():
 
 
 def test_run_folder_holds_recipe_metrics_dumps_png_summary_and_wandb(tmp_path):
-    tim_train(
+    res = tim_train(
         [
             "recipes/tiny-moe/grpo.yaml",
             "run.steps=3",
@@ -218,6 +219,25 @@ def test_run_folder_holds_recipe_metrics_dumps_png_summary_and_wandb(tmp_path):
     rows = metrics(d)
     assert "val/accuracy" in rows[-1]
     assert "reward, mean of first 20%" in (d / "summary.txt").read_text()
+    # The console (issue 21): one line per step and nothing from the engine between them. vLLM logged three lines
+    # around every weight reload, one a harmless "RotaryEmbedding: Failed to load weights" warning.
+    lines = res.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("step 1/3 "))
+    assert [line.split()[1] for line in lines[first : first + 3]] == ["1/3", "2/3", "3/3"], lines[first:]
+    assert "Failed to load weights" not in res.stdout + res.stderr
+    # Start-up: the libraries' output goes to logs/engine.log. Before, about 40 lines came before step 1: vLLM's
+    # WARNING lines, megatron-core's UserWarnings, torch's C++ "[W... NUMA binding", vLLM's load bars.
+    for noise in (" WARNING ", "UserWarning", "FutureWarning", "Loading safetensors", "[W", "Triton"):
+        assert noise not in res.stdout + res.stderr, noise
+    log = d / "logs" / "engine.log"
+    text = log.read_text()
+    # vLLM casts the fp32 tiny checkpoint into its bf16 engine; megatron-core warns at import
+    assert "Attempted to load weight" in text and "UserWarning" in text
+    assert lines[0] == f"engine log: {log}" and lines[1].startswith("tim train tiny-moe-grpo: steps 1..3 in ")
+    assert all(line.startswith("  rollout engine ") for line in lines[2:first]), lines[:first]
+    assert lines[first + 3] == "run: tiny-moe-grpo", lines[first:]  # the summary follows the steps
+    count = len(re.findall(r"^[-\d]+ [:,\d]+ WARNING ", text, re.MULTILINE))
+    assert lines[-1] == f"engine log: {count} warnings in {log}", lines[-3:]
 
 
 # ------------------------------------------------------------------------------- preemption and resume

@@ -682,10 +682,11 @@ class LoggingConfig(Section):
     console: bool = True
     """One summary line per step on the console, with a progress bar."""
     engine_level: Literal["debug", "info", "warning", "error"] = "warning"
-    """Level of the rollout engine's own log (vLLM's): at ``warning`` the console shows its warnings and errors
-    only, so each step is one line; ``info`` adds vLLM's start-up details and three lines per weight reload. The
+    """Level of the rollout engine's own log (vLLM's), written with the other libraries' warnings to
+    ``<run_dir>/logs/engine.log`` (one file per rank: ``engine.rank<N>.log``); only its errors reach the console,
+    so each step is one line there. ``info`` adds vLLM's start-up details and three lines per weight reload. The
     harmless "RotaryEmbedding: Failed to load weights" of every reload is dropped at any level (why:
-    tim_megatron/rollout/engine_log.py)."""
+    tim_megatron/rollout/engine_log.py; the routing: tim_megatron/logging/library_log.py)."""
 
 
 class CheckpointConfig(Section):

@@ -20,7 +20,8 @@
 Everything that can be checked before the engine starts is checked first: a vLLM other than the verified one
 (:mod:`tim_megatron.versions`; on GPU nothing else would notice), a missing checkpoint, a head size vLLM's CPU
 attention rejects, prompts that do not fit. The engine's own log stays at ``logging.engine_level``
-(:mod:`tim_megatron.rollout.engine_log`), so the step line is what the console shows.
+(:mod:`tim_megatron.rollout.engine_log`) and, during ``tim train``, goes to ``<run_dir>/logs/engine.log``
+(:mod:`tim_megatron.logging.library_log`), so the step line is what the console shows.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from tim_megatron.rollout.base import (
     Sample,
     sample_seed,
 )
-from tim_megatron.rollout.engine_log import configure_engine_log
+from tim_megatron.rollout.engine_log import configure_engine_log, engine_logging_config
 
 __all__ = [
     "GenerationStats",
@@ -177,7 +178,11 @@ class VLLMEngine:
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs" if r.logprobs_after_temperature else "raw_logprobs",
             log_level=configure_engine_log(recipe.logging.engine_level, vllm_version=vllm_version),
+            use_tqdm_on_load=False,  # its progress bars of the checkpoint's shards are console noise
         )
+        logging_config = engine_logging_config(os.environ)  # None: vLLM sets up its own log, as by default
+        if logging_config is not None:
+            kwargs["logging_config"] = logging_config
         if layout.world > 1:
             # SPMD over the trainer's torch.distributed world: vLLM builds its groups from the existing one.
             kwargs["distributed_executor_backend"] = "external_launcher"

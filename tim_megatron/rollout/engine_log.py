@@ -9,11 +9,16 @@ non-persistent buffer vLLM computes from the model config (RoPE has no weights),
 holds it. vLLM then puts the layer's existing tensors back (``_place_kernel_tensors``): the cache is unchanged. Only
 that class name is dropped: another layer in that message did miss its weights (some rotary variants, FoPE's, have
 learned ones). The filter is installed only on the vLLM version this was read in.
+
+During ``tim train`` the engine's log goes to ``<run_dir>/logs/engine.log``, not the console
+(:mod:`tim_megatron.logging.library_log`). vLLM 0.32 puts its own console handler on its logger when an engine
+starts (``vllm.logger.configure_logging``); :func:`engine_logging_config` tells it not to while the log is routed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from tim_megatron import versions
 
@@ -41,3 +46,21 @@ def configure_engine_log(level: str, *, vllm_version: str) -> str:
         if not any(isinstance(f, DropHarmlessReloadWarning) for f in logger.filters):
             logger.addFilter(DropHarmlessReloadWarning())
     return level.upper()
+
+
+def engine_logging_config(environ: Mapping[str, str]):
+    """The ``logging_config`` to give ``vllm.LLM``, or None to let vLLM set up its logging as it does by default.
+
+    While this process routes vLLM's log (:func:`tim_megatron.logging.library_log.routes_engine_log`), vLLM is
+    told not to configure logging: that would replace the routing's handlers with its console handler. Not when
+    the user gives vLLM a logging config file (``VLLM_LOGGING_CONFIG_PATH``: theirs wins), nor on a vLLM without
+    ``LoggingConfig``."""
+    from tim_megatron.logging.library_log import routes_engine_log
+
+    if not routes_engine_log() or environ.get("VLLM_LOGGING_CONFIG_PATH"):
+        return None
+    try:
+        from vllm.config.logging import LoggingConfig
+    except ImportError:
+        return None
+    return LoggingConfig(configure_logging=False)
