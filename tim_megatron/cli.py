@@ -24,8 +24,16 @@ err = Console(stderr=True)
 
 
 def _fail(msg: str, code: int = 2) -> None:
+    import os
+
+    # Each rank of a launcher prints its own error: say which one (torchrun's own prefix is "[rankN]:").
+    who = (
+        f"\\[rank{os.environ['RANK']}] "
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+        else ""
+    )
     # The message quotes user input (values, paths): "[/x]" in it is text, not rich markup.
-    err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, markup=True, soft_wrap=True)
+    err.print(f"{who}[bold red]error:[/] {escape(msg)}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
 
 
