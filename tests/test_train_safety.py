@@ -168,14 +168,17 @@ def test_a_folder_where_no_step_ran_takes_the_corrected_recipe(tmp_path):
     d = _run_folder(tmp_path, ["model.path=/missing"])
     mark_failed(d, "FileNotFoundError: model.path = /missing: no such checkpoint folder")
     fixed = load_recipe(ROOT / GRPO, ["optim.lr=5e-4"])
-    assert set(adopt_recipe(d, fixed)) == {"model.path", "optim.lr"}
+    # not a retry (tim submit --resume): a change still needs the flag
+    with pytest.raises(RecipeChangeError, match="started with another recipe"):
+        adopt_recipe(d, fixed)
+    assert set(adopt_recipe(d, fixed, retry=True)) == {"model.path", "optim.lr"}
     assert load_run(d).recipe.optim.lr == 5e-4
     (change,) = _meta(d)["recipe_changes"]
     assert change["from_step"] == 1 and change["note"] == "no step had run in this folder"
     assert _meta(d)["overrides"] == ["optim.lr=5e-4"]
     (d / "metrics.jsonl").write_text('{"step": 1}\n')  # once a step ran, a change needs the flag again
     with pytest.raises(RecipeChangeError, match="started with another recipe"):
-        adopt_recipe(d, load_recipe(ROOT / GRPO))
+        adopt_recipe(d, load_recipe(ROOT / GRPO), retry=True)
 
 
 # ------------------------------------------------------------------------------ item 13: exit codes

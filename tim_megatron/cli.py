@@ -256,7 +256,7 @@ def _train(
             rd.mkdir(parents=True, exist_ok=True)
             hold(rd)  # held until this process exits; a second run in the folder stops here
             held.append(rd)
-            run_folder.adopt_recipe(rd, loaded, allow_change=allow_recipe_change)
+            run_folder.adopt_recipe(rd, loaded, allow_change=allow_recipe_change, retry=True)
     except RecipeError as e:
         _fail(str(e))
     except (RunFolderBusy, RunDirError) as e:

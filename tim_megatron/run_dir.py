@@ -192,11 +192,14 @@ def has_checkpoint(d: Path) -> bool:
     return any((Path(d) / "checkpoints").glob("step_*/state.json"))
 
 
-def adopt_recipe(d: Path, loaded: LoadedRecipe, *, allow_change: bool = False) -> dict[str, tuple]:
+def adopt_recipe(
+    d: Path, loaded: LoadedRecipe, *, allow_change: bool = False, retry: bool = False
+) -> dict[str, tuple]:
     """Make ``loaded`` the recipe of run folder ``d``; return the changes accepted (empty: none).
 
     A folder without a recipe gets this one. An identical recipe continues. A different one is refused
-    with the differing keys listed, unless ``allow_change``: then it replaces ``recipe.yaml`` and the
+    with the differing keys listed, unless ``allow_change``, or ``retry`` (``tim train`` again on a folder where
+    no step ever ran: a corrected start after one that failed): then it replaces ``recipe.yaml`` and the
     change (keys, old and new values, the step it applies from) is appended to ``run.json``'s
     ``recipe_changes``. Shapes and the rank layout cannot change under a checkpoint, flag or not.
     """
@@ -217,7 +220,9 @@ def adopt_recipe(d: Path, loaded: LoadedRecipe, *, allow_change: bool = False) -
             f"Start a new run folder for the new values (give no --run-dir), or resume as recorded "
             f"(tim train --resume {d})."
         )
-    fresh = _never_stepped(d)  # a start that failed or was stopped before its first step: nothing to mix
+    fresh = retry and _never_stepped(
+        d
+    )  # a start that failed or stopped before its first step: nothing to mix
     if not allow_change and not fresh:
         raise RecipeChangeError(
             f"{d} was started with another recipe; {len(changes)} key(s) differ (recorded -> given):\n{lines}\n"
