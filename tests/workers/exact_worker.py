@@ -88,7 +88,12 @@ def scenario_doses(out: dict, overrides: list[str]) -> None:
         return {
             "tokens": [s.response_ids for g in groups for s in g],
             "rho_std": rho["mismatch/old_vs_rollout/rho_std"],
-            "mu_differs": float(((batch.rollout_logprobs != old) & mask).sum() / mask.sum()),
+            # over the tokens the policy does not take with probability exactly 1 (log pi = 0 in float32): there a
+            # low-precision softmax and a small logit perturbation give exactly 1 too, whichever token was drawn
+            "mu_differs": float(
+                ((batch.rollout_logprobs != old) & mask & (old < 0)).sum() / (mask & (old < 0)).sum()
+            ),
+            "certain_tokens": int((mask & (old == 0)).sum()),
             "grad": grad,
             "response_tokens": int(mask.sum()),
         }
