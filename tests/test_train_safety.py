@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import importable, require
-from tests.test_loop import FAST, ROOT, TIM, metrics
+from tests.test_loop import FAST, ROOT, TIM, metrics, tim_train
 
 GRPO = "recipes/tiny-moe/grpo.yaml"
 
@@ -61,14 +61,7 @@ def _tree(d: Path) -> dict[str, bytes]:
 
 
 def _tim(args: list[str], *, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*TIM, "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
+    return tim_train(args, ROOT, timeout=timeout, check=False)
 
 
 def _start(args: list[str]) -> subprocess.Popen:

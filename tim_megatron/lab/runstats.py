@@ -19,7 +19,6 @@ Every number comes from the run's ``metrics.jsonl`` (read with :func:`tim_megatr
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,10 +28,8 @@ import numpy as np
 from tim_megatron.algo.early_warning import GrowthDetector, SurgeDetector, TrendDetector
 from tim_megatron.lab.stats import pearson, theil_sen
 from tim_megatron.logging.tracker import read_metrics
-from tim_megatron.logging.untrusted import UnreadableFile, read_bounded
-
-MAX_META_BYTES = 1 << 20
-"""A run.json larger than this is not read (the project writes a few hundred bytes)."""
+from tim_megatron.logging.untrusted import UnreadableFile
+from tim_megatron.report.runs import read_meta
 
 
 def run_rows(path: Path) -> list[dict]:
@@ -45,12 +42,8 @@ def run_rows(path: Path) -> list[dict]:
 
 
 def run_meta(path: Path) -> dict:
-    """The run.json of run folder ``path``, read bounded; empty if missing, unreadable or not an object."""
-    try:
-        meta = json.loads(read_bounded(path / "run.json", MAX_META_BYTES))
-    except (UnreadableFile, ValueError, FileNotFoundError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
+    """The run.json of run folder ``path`` (read bounded, regular files only); empty if missing or unreadable."""
+    return read_meta(path, notices=[])
 
 
 P = "mismatch/old_vs_rollout/"

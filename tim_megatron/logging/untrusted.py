@@ -9,6 +9,7 @@ sequence in a path or a name cannot reach the terminal.
 from __future__ import annotations
 
 import os
+import reprlib
 import stat
 from pathlib import Path
 from typing import BinaryIO
@@ -65,9 +66,13 @@ def printable(text: str) -> str:
 
 
 def shown(value: object, limit: int = 80) -> str:
-    """A value from outside, quoted, short and printable (``repr`` escapes every control character)."""
+    """A value from outside, quoted, short and printable (``repr`` escapes every control character). Nested
+    containers are cut at a few levels and items, so a value megabytes long or nested thousands deep costs
+    little."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 3, limit, limit, 6, 6
     try:
-        text = repr(value)
+        text = short.repr(value)
     except ValueError:  # an int past Python's digit limit for str()
         text = f"<an integer of {value.bit_length()} bits>"
     return text if len(text) <= limit else text[:limit] + "..."

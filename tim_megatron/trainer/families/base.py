@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 import re
-import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tim_megatron.logging.untrusted import shown
 from tim_megatron.recipe.schema import ModelDims
 from tim_megatron.trainer.weights.mapping import Rule
 
@@ -98,13 +98,6 @@ class Family:
 
 
 _REQUIRED = object()
-
-
-def shown(value: Any) -> str:
-    """``repr(value)`` cut short (a config.json value can be megabytes long or nested hundreds deep)."""
-    short = reprlib.Repr()
-    short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 3, 80, 80, 6, 6
-    return short.repr(value)
 
 
 class ConfigReader:
