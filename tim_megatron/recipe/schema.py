@@ -560,10 +560,15 @@ _REMOVED_VEXACT = {
 
 class DiagnosticsConfig(Section):
     vexact: Literal["off", "exact"] = "off"
-    """Zero-mismatch mode. ``exact``: the trainer samples every token from its own logits, computed by the
-    training forward with the old-logprob pass's shapes (one forward of the micro-batch per generated token, MoE
-    experts on a shape-invariant path), so each logged rollout logprob equals the old logprob bit for bit; the
-    loop checks it every step and stops at the first token where they differ."""
+    """Zero-mismatch mode. ``exact``: the trainer samples every token from its own logits, computed on row-invariant
+    kernels (each position's bits depend only on its own sequence up to it) by a KV-cached decode or a full
+    forward (``exact_sampler``), so each logged rollout logprob equals the old logprob bit for bit; the loop checks
+    it every step and stops at the first token where they differ."""
+    exact_sampler: Literal["kv-cache", "full-forward"] = "kv-cache"
+    """How exact mode decodes. ``kv-cache``: incremental decoding through the trainer's model with a fixed-width KV
+    cache (one new position per sequence per step); ``full-forward``: one full training forward of the micro-batch
+    per generated token (the reference it is tested against). Both run the forward on row-invariant kernels, so
+    both give the old-logprob pass's bits, and the same samples for the same seeds."""
     allow_precision_mismatch: bool = False
     """Permit trainer and rollout dtypes or heads to differ (an experiment, not an accident)."""
     objective_injection: ObjectiveInjection = ObjectiveInjection()
@@ -1015,17 +1020,10 @@ def _check(r: Recipe) -> None:
                 f"vexact = exact samples from the whole softmax and stops at the end-of-text token only; got "
                 f"rollout.top_p = {ro.top_p}, rollout.top_k = {ro.top_k}, rollout.stop = {ro.stop} (leave them unset)",
             )
-        if p.ep > 1:
-            raise RecipeValueError(
-                ["diagnostics.vexact", "parallel.ep"],
-                f"vexact = exact supports data and tensor parallelism; parallel.ep = {p.ep} would pair the "
-                "micro-batches of several data-parallel ranks in the expert dispatch (not implemented): use "
-                "parallel.ep = 1",
-            )
         if r.trainer.moe_dispatcher == "alltoall":
             raise RecipeValueError(
                 ["diagnostics.vexact", "trainer.moe_dispatcher"],
-                "vexact = exact runs the experts on a shape-invariant path over the allgather dispatcher; "
+                "vexact = exact runs the experts on row-invariant kernels over the allgather dispatcher; "
                 "set trainer.moe_dispatcher = allgather or auto",
             )
     inj = dg.sampling_injection

@@ -100,15 +100,18 @@ class ExactSampler:
         ]
         results = [_Row(len(s)) for s in seqs]
         forwards = 0
-        for rows in self.trainer.micro_batches(len(seqs)):
-            forwards += self._micro_batch(
-                [seqs[i] for i in rows],
-                [seeds[i] for i in rows],
-                [results[i] for i in rows],
-                width,
-                greedy,
-                inject,
-            )
+        if self.recipe.diagnostics.exact_sampler == "kv-cache":
+            forwards = self._cached(seqs, seeds, results, width, greedy, inject)
+        else:
+            for rows in self.trainer.micro_batches(len(seqs)):
+                forwards += self._micro_batch(
+                    [seqs[i] for i in rows],
+                    [seeds[i] for i in rows],
+                    [results[i] for i in rows],
+                    width,
+                    greedy,
+                    inject,
+                )
         samples = [
             Sample(
                 s[: res.prompt_len],
@@ -133,6 +136,76 @@ class ExactSampler:
             extra={"forwards": forwards, "width": width},
         )
         return groups, stats
+
+    def _cached(self, seqs, seeds, results, width: int, greedy: bool, inject) -> int:
+        """Generate every row of this rank with the KV cache (in place); returns the number of forwards.
+
+        The first forward prefills every prompt (all prompt positions as entries); each later one feeds every
+        unfinished row's last token. The row-invariant kernels make a row's bits independent of the micro-batch
+        it trains in, so all rows decode together. Entries are padded (scratch cache row) to a multiple of TP for
+        sequence parallelism, plus one so that the last real entry's prediction is kept, and under expert
+        parallelism to the largest count of any rank, whose forwards all run in step until every rank is done."""
+        from tim_megatron.exact.kv_cache import KVCache
+
+        tr = self.trainer
+        budget = self.recipe.rollout.max_tokens
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        cache = KVCache(rows=len(seqs), width=width)
+        lockstep = tr.recipe.parallel.ep > 1 and dist.is_initialized() and dist.get_world_size() > 1
+        forwards, prefill = 0, True
+        while True:
+            active = [row for row, res in enumerate(results) if res.finish is None]
+            entries = []  # (row, position, token)
+            last = []  # each active row's last entry: the one predicting its next token
+            for row in active:
+                seq = seqs[row]
+                start = 0 if prefill else len(seq) - 1
+                entries.extend((row, p, seq[p]) for p in range(start, len(seq)))
+                last.append(len(entries) - 1)
+            prefill = False
+            count = len(entries)
+            if lockstep:
+                c = torch.tensor([count], device=tr._device())
+                dist.all_reduce(c, op=dist.ReduceOp.MAX)
+                count = int(c.item())
+            if count == 0:
+                return forwards
+            n = -(-(count + 1) // tr.tp) * tr.tp
+            entries.extend((cache.scratch, 0, 0) for _ in range(n - len(entries)))
+            chooser = _Chooser(
+                trainer=tr,
+                rows=[0] * len(active),
+                lengths=[i + 1 for i in last],
+                generators=[gens[row] for row in active],
+                seeds=[seeds[row] for row in active],
+                positions=[len(results[row].logprobs) for row in active],
+                greedy=greedy,
+                injection=inject,
+            )
+            rows_t, pos_t, ids = (torch.tensor(col, dtype=torch.long) for col in zip(*entries, strict=True))
+            lp, routed = tr.decode_forward(
+                ids.view(1, -1),
+                rows=rows_t,
+                positions=pos_t,
+                cache=cache,
+                sampler=chooser,
+                record=self.capture,
+            )
+            forwards += 1
+            if routed is not None:
+                for i, (row, _p, _t) in enumerate(entries):
+                    if row != cache.scratch:
+                        results[row].routed.append(routed[:, i].numpy())
+            for k, row in enumerate(active):
+                tok, res = chooser.tokens[k], results[row]
+                seqs[row].append(tok)
+                policy = float(lp[last[k] + 1])  # the old pass's cross-entropy line, on this step's logits
+                res.policy.append(policy)
+                res.logprobs.append(policy if chooser.mu_logprobs is None else chooser.mu_logprobs[k])
+                if tok == self.eos_id:
+                    res.finish = "stop"
+                elif len(res.logprobs) >= budget:
+                    res.finish = "length"
 
     def _micro_batch(self, seqs, seeds, results, width: int, greedy: bool, inject) -> int:
         """Generate one micro-batch in place (``seqs`` grow); returns the number of forwards."""
@@ -202,7 +275,7 @@ class ExactSampler:
         """Nothing to take back."""
 
     def reset_prefix_cache(self) -> None:
-        """No cache: one full forward per generated token."""
+        """Nothing kept between calls: each generation builds its own KV cache."""
 
     def head_dtype(self) -> str:
         from tim_megatron.trainer.logprobs import head_gemm, head_weight

@@ -9,11 +9,12 @@ and this rank's place in the TP/EP/DP layout. It does three things for the loop:
   micro-batches, with a loss given by the loop (the math lives in ``tim_megatron.algo``);
 * :meth:`MegatronTrainer.export_hf`: the weights in HF checkpoint layout, for the rollout engine.
 
-Exact mode (``diagnostics.vexact: exact``) changes two things, both local: the MoE layers run their experts on
-the shape-invariant path (``patches/megatron/shape_invariant_moe.py``), and callers can fix every micro-batch's
-width (``width=``, :meth:`MegatronTrainer.exact_width`) so that the exact sampler
-(:mod:`tim_megatron.rollout.exact_sampler`, through :meth:`MegatronTrainer.sample_forward`) and the old-logprob
-pass run the same rows, in the same micro-batches, at the same width.
+Exact mode (``diagnostics.vexact: exact``) changes three things, all local: every product of the forward (linears,
+routers, attention, the LM head) runs on row-invariant kernels (``patches/megatron/invariant_kernels.py``,
+:mod:`tim_megatron.exact.kernels`), so a position's bits depend only on its own sequence up to it; callers can fix
+every micro-batch's width (``width=``, :meth:`MegatronTrainer.exact_width`); and the exact sampler
+(:mod:`tim_megatron.rollout.exact_sampler`) can decode through the same model with a KV cache
+(:meth:`MegatronTrainer.decode_forward`) or with one full forward per token (:meth:`MegatronTrainer.sample_forward`).
 
 Checkpoints are in :mod:`tim_megatron.trainer.checkpoint`.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from patches.megatron import cpu_shims, router_replay, shape_invariant_moe
+from patches.megatron import cpu_shims, invariant_kernels, router_replay
 from tim_megatron.algo.stats import Stats
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
@@ -134,12 +135,15 @@ class MegatronTrainer:
         if self.replay_enabled:
             router_replay.attach(gpt)
         if self.exact:
-            shape_invariant_moe.apply(gpt)
+            from tim_megatron.exact.kernels import kernels_for
+
+            invariant_kernels.apply(gpt, kernels_for(self._device()))
         self.model = self._wrap(gpt)
         self.head = HeadSpec(
             temperature=recipe.rollout.temperature if recipe.rollout.logprobs_after_temperature else 1.0,
             chunk=recipe.trainer.logprob_chunk,
             fp32=recipe.remedies.fp32_lm_head,
+            kernels=invariant_kernels.kernels_of(gpt),
         )
         t = time.perf_counter()
         self.loaded_params = load_hf_into_model(
@@ -305,9 +309,9 @@ class MegatronTrainer:
             else torch.device("cpu")
         )
 
-    def _forward(self, ids: torch.Tensor, **kw) -> TokenLogprobs:
+    def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kw) -> TokenLogprobs:
         """The forward every pass runs: model to the final norm, then the chunked head (``kw``: token_logprobs')."""
-        hidden = final_hidden_states(self.model, ids.to(self._device()))
+        hidden = final_hidden_states(self.model, ids.to(self._device()), position_ids)
         return token_logprobs(
             hidden=hidden,
             input_ids=ids.to(self._device()),
@@ -376,6 +380,40 @@ class MegatronTrainer:
         self._check_clean()
         routed = self._gather_recorded(rec.indices, ids.shape[0], ids.shape[1]) if record else None
         return out.logprobs.float().cpu(), routed
+
+    @torch.no_grad()
+    def decode_forward(
+        self,
+        ids: torch.Tensor,
+        *,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        sampler: ChunkSampler,
+        record: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Exact mode's cached step: the entries ``ids [1, n]`` (entry i: token at ``positions[i]`` of cache row
+        ``rows[i]``) go through the model as one sequence; each layer writes their keys and values into ``cache``
+        (a :class:`~tim_megatron.exact.kv_cache.KVCache` as wide as the training forward) and attends over the
+        rows' buffers. ``sampler`` picks next tokens from the entries it wants (its positions are entry indices).
+        Returns the logprobs ``[n]`` (entry i's sampled token at ``i + 1``, as in :func:`token_logprobs`) and, with
+        ``record``, the experts of every entry ``[layers, n, k]``."""
+        if not self.exact:
+            raise RuntimeError("decode_forward is exact mode's (diagnostics.vexact = exact)")
+        self.model.eval()
+        dev = self._device()
+        ids = ids.to(dev)
+        mb = SeqBatch(ids, torch.full((1,), ids.shape[1]))
+        with (
+            invariant_kernels.decoding(
+                self.model, cache=cache, rows=rows.to(dev), positions=positions.to(dev)
+            ),
+            self._routing("record" if record else "off", mb) as rec,
+        ):
+            out = self._forward(ids, sampler=sampler, position_ids=positions.view(1, -1).to(dev))
+        self._check_clean()
+        routed = self._gather_recorded(rec.indices, 1, ids.shape[1])[:, 0] if record else None
+        return out.logprobs[0].float().cpu(), routed
 
     def _routing(self, mode: str, mb: SeqBatch):
         import contextlib

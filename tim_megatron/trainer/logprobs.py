@@ -33,6 +33,8 @@ class HeadSpec:
     """The FP32 LM head remedy: the head GEMM in float32 from a float32 copy of the (bf16/fp16) head weights,
     with float32 logits, as vLLM's ``head_dtype=float32`` does on the rollout side. The weights themselves stay
     in the model dtype on both sides (identical after every sync); the optimizer keeps their fp32 masters."""
+    kernels: object | None = None
+    """Exact mode's row-invariant kernels (:mod:`tim_megatron.exact.kernels`) for the head GEMM; None: stock."""
 
 
 def _tp():
@@ -49,9 +51,10 @@ def _tp():
 
 def head_gemm(h: torch.Tensor, weight: torch.Tensor, spec: HeadSpec) -> torch.Tensor:
     """The LM-head GEMM, in float32 with the FP32 head remedy, else in the weight's dtype."""
+    linear = torch.nn.functional.linear if spec.kernels is None else spec.kernels.linear
     if spec.fp32:
-        return torch.nn.functional.linear(h.float(), weight.float())
-    return torch.nn.functional.linear(h.to(weight.dtype), weight)
+        return linear(h.float(), weight.float())
+    return linear(h.to(weight.dtype), weight)
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, spec: HeadSpec) -> torch.Tensor:
