@@ -1,8 +1,10 @@
 """Exact zero-mismatch sampling (``diagnostics.vexact: exact``) and injected mismatch in the sampling distribution.
 
-Real megatron-core on CPU (gloo): the trainer samples from its own training forward, on one rank and on two (DP2,
-TP2), and every sampled token's logprob equals the old pass's bit for bit; a one-ulp difference stops the run on
-every rank, naming the step, row and position. Injections change what is sampled and trained on, by a dose.
+Real megatron-core on CPU (gloo): the trainer samples from its own model with a KV cache (or one full forward per
+token, the reference), on one rank and on two (DP2, TP2, EP2), and every sampled token's logprob equals the old
+pass's bit for bit; the two samplers draw the same tokens with the same bits; a one-ulp difference (in a logged
+logprob, in the cached keys, in one expert's output) stops the run on every rank, naming the step, row and
+position. Injections change what is sampled and trained on, by a dose.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +85,6 @@ def test_the_shape_invariant_moe_patch_refuses_an_unknown_megatron_version(monke
     [
         (["remedies.router_replay=r3"], "remedies.router_replay = r3 replays vLLM's experts"),
         (["rollout.top_p=0.9"], "rollout.top_p"),
-        (["parallel.ep=2", "parallel.dp=2"], "parallel.ep"),
         (["trainer.moe_dispatcher=alltoall"], "trainer.moe_dispatcher"),
         (["rl.correction.bypass=true"], "rl.correction.bypass"),
         (
@@ -143,21 +145,62 @@ def test_precision_injection_on_float32_logits_and_on_an_fp32_head_loads():
 # --------------------------------------------------------------------------------- the loop, bit for bit
 
 
-LAYOUTS = {"single": (1, []), "dp2": (2, ["parallel.dp=2"]), "tp2": (2, ["parallel.tp=2"])}
+LAYOUTS = {
+    "single": (1, []),
+    "dp2": (2, ["parallel.dp=2"]),
+    "tp2": (2, ["parallel.tp=2"]),
+    "ep2": (2, ["parallel.dp=2", "parallel.ep=2"]),
+}
+# The lab's exact arm (countdown chains, responses up to 120 tokens, fp32 head over a bf16 model), smaller: 4 prompts
+# x 8 samples per step, a 20-step warm-up instead of 800 (the warm-up only shapes what the policy writes).
+COUNTDOWN = ROOT / "recipes" / "tiny-moe" / "countdown.yaml"
+COUNTDOWN_EXACT = [
+    "diagnostics.vexact=exact",
+    "remedies.fp32_lm_head=true",
+    "data.prompts_per_step=4",
+    "model.tiny_warmup_steps=20",
+    "run.val_every=0",
+]
+
+
+def _check_exact_rows(d: Path, rows: list[dict], steps: int) -> None:
+    import pyarrow.parquet as pq
+
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert r["exact/mismatched_tokens"] == 0.0
+        assert r["exact/checked_tokens"] == r["rollout/response_tokens"] > 0  # every sampled token, once
+        assert r["mismatch/old_vs_rollout/rho_std"] == 0.0
+        assert r["mismatch/old_vs_rollout/rho_min"] == r["mismatch/old_vs_rollout/rho_max"] == 1.0
+        assert r["routing/rollout_vs_trainer/exact_match"] == 1.0  # the sampler's routing is the old pass's
+        assert r["exact/kv_cache_mib"] > 0  # the KV-cached sampler ran
+    experts = set()
+    for step in range(1, steps + 1):
+        t = pq.read_table(d / "dumps" / f"step_{step:08d}.parquet").to_pydict()
+        assert len(t["pi_infer"]) == rows[step - 1]["rollout/response_tokens"]
+        assert t["pi_infer"] == t["pi_old"] == t["pi_train"]
+        experts |= {tuple(e) for e in t["routed_experts"]}
+    # The capture is real routing, whatever was sampled: per layer, top-k distinct experts of the model's.
+    dims = load_recipe(d / "recipe.yaml").recipe.model.dims
+    k, n_exp = dims.num_experts_per_tok, dims.num_experts
+    for e in experts:
+        assert len(e) % k == 0 and all(0 <= x < n_exp for x in e), e
+        assert all(len(set(e[i : i + k])) == k for i in range(0, len(e), k)), e
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_exact_mode_gives_rho_one_bit_for_bit_for_five_steps(layout, tmp_path):
-    """Five steps of the tiny MoE, routing recorded on both sides (r2 hooks), every step's tokens dumped."""
+def test_kv_cache_exact_mode_gives_rho_one_bit_for_bit_for_five_steps(layout, tmp_path):
+    """Five countdown steps with the KV-cached exact sampler, routing recorded on both sides (r2 hooks), every
+    step's tokens dumped; on one rank, DP2, TP2 and EP2 (experts split over the two data-parallel ranks)."""
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     nproc, extra = LAYOUTS[layout]
     args = [
-        str(VEXACT),
+        str(COUNTDOWN),
         "--nproc",
         str(nproc),
+        *COUNTDOWN_EXACT,
         "run.steps=5",
-        "run.val_every=5",
         f"run.output_dir={tmp_path}",
         "diagnostics.dumps.every=1",
         "diagnostics.dumps.routed_experts=true",
@@ -169,29 +212,86 @@ def test_exact_mode_gives_rho_one_bit_for_bit_for_five_steps(layout, tmp_path):
     run_ok([*TIM, "train", *args], threads=1, timeout=900)
     d = run_folder(tmp_path)
     rows = metrics(d)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    for r in rows:
-        assert r["exact/mismatched_tokens"] == 0.0
-        assert r["exact/checked_tokens"] == r["rollout/response_tokens"] > 0  # every sampled token, once
-        assert r["mismatch/old_vs_rollout/rho_std"] == 0.0
-        assert r["mismatch/old_vs_rollout/rho_min"] == r["mismatch/old_vs_rollout/rho_max"] == 1.0
-        assert r["routing/rollout_vs_trainer/exact_match"] == 1.0  # the sampler's routing is the old pass's
+    _check_exact_rows(d, rows, 5)
+    assert max(r["batch/width"] for r in rows) > 40  # long responses: the cache spans many decode steps
+
+
+@pytest.mark.slow
+def test_kv_cache_and_full_forward_sample_the_same_tokens_with_the_same_bits(tmp_path):
+    """The same recipe and seeds through both exact samplers, on one rank: every dumped token, position and
+    logprob is the same (both run the forward on the row-invariant kernels, one cached, one full-width)."""
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     import pyarrow.parquet as pq
 
-    experts = set()
-    for step in range(1, 6):
-        t = pq.read_table(d / "dumps" / f"step_{step:08d}.parquet").to_pydict()
-        assert len(t["pi_infer"]) == rows[step - 1]["rollout/response_tokens"]
-        assert t["pi_infer"] == t["pi_old"] == t["pi_train"]
-        experts |= {tuple(e) for e in t["routed_experts"]}
-    # The capture is real routing, whatever was sampled: per layer, top-k distinct experts of the model's.
-    from tim_megatron.recipe import load_recipe
+    dumps = {}
+    for sampler in ("kv-cache", "full-forward"):
+        out = tmp_path / sampler
+        args = [
+            str(COUNTDOWN),
+            *COUNTDOWN_EXACT,
+            "data.prompts_per_step=2",
+            "rollout.max_tokens=48",
+            "run.steps=2",
+            f"run.output_dir={out}",
+            "diagnostics.dumps.every=1",
+            f"diagnostics.exact_sampler={sampler}",
+            *QUIET,
+        ]
+        run_ok([*TIM, "train", *args], threads=2, timeout=900)
+        d = run_folder(out)
+        rows = metrics(d)
+        assert all(r["exact/mismatched_tokens"] == 0.0 for r in rows)
+        assert all((r["exact/kv_cache_mib"] > 0) == (sampler == "kv-cache") for r in rows)
+        dumps[sampler] = [pq.read_table(d / "dumps" / f"step_{s:08d}.parquet").to_pydict() for s in (1, 2)]
+    for a, b in zip(dumps["kv-cache"], dumps["full-forward"], strict=True):
+        assert len(a["token_id"]) > 0
+        for key in ("seq", "position", "token_id", "pi_infer", "pi_old", "finish"):
+            assert a[key] == b[key], key
 
-    dims = load_recipe(d / "recipe.yaml").recipe.model.dims
-    k, n_exp = dims.num_experts_per_tok, dims.num_experts
-    for e in experts:
-        assert len(e) % k == 0 and all(0 <= x < n_exp for x in e), e
-        assert all(len(set(e[i : i + k])) == k for i in range(0, len(e), k)), e
+
+def test_the_kv_cached_decode_gives_the_training_forwards_bits_at_every_position(tmp_path):
+    """Given tokens, no sampling: random sequences (prompt 1-8 tokens, 1-40 more) prefilled and then decoded one
+    position per step through the KV cache; every position's logprob equals the old-logprob pass's (the training
+    forward at the exact width), in float32 and in bfloat16 with the fp32 head."""
+    require(importable("megatron.core"), "megatron-core")
+    for name, extra in (
+        ("fp32", []),
+        ("bf16", ["trainer.dtype=bfloat16", "rollout.dtype=bfloat16", "remedies.fp32_lm_head=true"]),
+    ):
+        out = tmp_path / name
+        run_ok(
+            [sys.executable, str(WORKER), "forced", str(out), "rollout.max_model_len=64", *extra],
+            threads=2,
+            timeout=600,
+        )
+        res = torch.load(out / "forced-rank0.pt", weights_only=False)
+        assert res["compared"] > 100 and res["width"] == 48, res
+        assert res["differing"] == 0, res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["keys", "expert"])
+def test_a_one_ulp_perturbation_inside_the_sampler_stops_the_run(what, tmp_path):
+    """The real loop on one rank. At step 2 every key the sampler caches (every layer), or the output of one expert
+    (the busiest in each MoE layer's call), moves by one ulp inside the sampler only (the old pass is untouched): the check stops the run
+    at step 2, naming the row, the response token and its position."""
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
+    from tim_megatron.run_dir import write_resolved
+
+    loaded = load_recipe(COUNTDOWN, [*COUNTDOWN_EXACT, "data.prompts_per_step=2", "run.steps=3", *QUIET])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_resolved(loaded, run_dir)
+    out = tmp_path / "out"
+    run_ok([sys.executable, str(WORKER), "perturb", str(out), what, str(run_dir)], threads=2, timeout=900)
+    res = torch.load(out / "perturb-rank0.pt", weights_only=False)
+    assert res["hits"] > 0, res  # the perturbation ran
+    err = res["error"]
+    assert err is not None and err["type"] == "ExactMismatchError", err
+    assert "exact mode, step 2: " in err["message"]
+    assert re.search(r"row \d+ response token \d+ \(position \d+\): sampled -?0x", err["message"]), err
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Exact-mode scenarios run in fresh processes by tests/test_exact.py.
 
 python tests/workers/exact_worker.py SCENARIO OUT_DIR [overrides...]     (nudge: under torchrun, 2 ranks)
+(perturb: OUT_DIR keys|expert RUN_DIR)
 """
 
 from __future__ import annotations
@@ -149,6 +150,132 @@ def scenario_nudge(out: dict, overrides: list[str]) -> None:
         traceback.print_exc()
 
 
+class _Forced:
+    """A ChunkSampler that "samples" given tokens: entry i of a decode step is followed by ``nxt[i]``."""
+
+    def __init__(self, nxt: dict[int, int]):
+        self.nxt = nxt
+
+    def wants(self, start: int, stop: int) -> bool:
+        return any(start <= p < stop for p in self.nxt)
+
+    def choose(self, start: int, logits, targets):
+        targets = targets.clone()
+        for p, tok in self.nxt.items():
+            if start <= p < start + logits.shape[0]:
+                targets[p - start, 0] = tok
+        return targets
+
+
+def scenario_forced(out: dict, overrides: list[str]) -> None:
+    """Given tokens (no sampling): the KV-cached decode's logprob of every position against the old-logprob pass's
+    (the training forward at the exact width), for random sequences of random prompt and total lengths."""
+    from tim_megatron.exact.kv_cache import KVCache
+    from tim_megatron.run_setup import model_path_for
+    from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch
+
+    recipe = load_recipe(RECIPE, ["rollout.max_tokens=40", *overrides]).recipe
+    tr = MegatronTrainer(recipe, model_path=model_path_for(recipe))
+    g = torch.Generator().manual_seed(0)
+    rows = 6
+    width = tr.exact_width(8)
+    plen = torch.randint(1, 9, (rows,), generator=g)
+    total = torch.minimum(plen + torch.randint(1, 41, (rows,), generator=g), torch.tensor(width))
+    ids = torch.randint(2, tr.dims.vocab_size, (rows, width), generator=g)
+    old = tr.logprobs(SeqBatch(ids, total), width=width)[0].logprobs
+
+    def decode() -> torch.Tensor:
+        cache = KVCache(rows=rows, width=width)
+        got = torch.zeros(rows, width)
+        fed = [0] * rows  # positions fed so far
+        while True:
+            entries, nxt = [], {}
+            for r in range(rows):
+                stop = int(plen[r]) if fed[r] == 0 else fed[r] + 1
+                stop = min(stop, int(total[r]))
+                for p in range(fed[r], stop):
+                    entries.append((r, p, int(ids[r, p])))
+                if stop > fed[r] and stop < int(total[r]):
+                    nxt[len(entries) - 1] = int(ids[r, stop])
+                fed[r] = stop
+            if not entries:
+                return got
+            index = list(nxt)
+            entries.append((cache.scratch, 0, 0))
+            rows_t, pos_t, tok_t = (torch.tensor(c) for c in zip(*entries, strict=True))
+            lp, _ = tr.decode_forward(
+                tok_t.view(1, -1), rows=rows_t, positions=pos_t, cache=cache, sampler=_Forced(nxt)
+            )
+            for e in index:
+                r, p, _t = entries[e]
+                got[r, p + 1] = lp[e + 1]
+
+    scored = torch.arange(width)[None, :] < total[:, None]
+    scored &= torch.arange(width)[None, :] >= plen[:, None]  # positions predicted by a decode step
+    got = decode()
+    out["compared"] = int(scored.sum())
+    out["differing"] = int(((got != old) & scored).sum())
+    out["width"] = width
+    tr.close()
+
+
+def scenario_perturb(out: dict, overrides: list[str]) -> None:
+    """The real loop on one rank; at step 2 the exact sampler's cached keys (``what = keys``: every key written,
+    every layer) or the output of one expert (the busiest of each MoE layer call, ``what = expert``) moves by one
+    ulp."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from tim_megatron.exact.kv_cache import KVCache
+    from tim_megatron.loop import train
+    from tim_megatron.rollout.exact_sampler import ExactSampler
+    from tim_megatron.run_dir import load_run
+
+    what, run_dir = overrides[0], Path(overrides[1])
+    armed = {"on": False, "hits": 0}
+    up = torch.tensor(float("inf"))
+
+    real_generate = ExactSampler.generate
+
+    def generate(self, prompts, *, step, **kw):
+        armed["on"] = step == 2
+        try:
+            return real_generate(self, prompts, step=step, **kw)
+        finally:
+            armed["on"] = False
+
+    real_write = KVCache.write
+
+    def write(self, layer, rows, positions, k, v):
+        if armed["on"] and what == "keys":
+            k = torch.nextafter(k, up.to(k.dtype))
+            armed["hits"] += 1
+        return real_write(self, layer, rows, positions, k, v)
+
+    real_experts = SequentialMLP.forward
+
+    def experts(self, hidden, tokens_per_expert, probs):
+        y, bias = real_experts(self, hidden, tokens_per_expert, probs)
+        counts = [int(c) for c in tokens_per_expert]
+        if armed["on"] and what == "expert" and max(counts):
+            e = counts.index(max(counts))  # the busiest expert of this call: its rows are contiguous in y
+            lo, hi = sum(counts[:e]), sum(counts[: e + 1])
+            y = y.clone()
+            y[lo:hi] = torch.nextafter(y[lo:hi], up.to(y.dtype))
+            armed["hits"] += 1
+        return y, bias
+
+    ExactSampler.generate = generate
+    KVCache.write = write
+    SequentialMLP.forward = experts
+    try:
+        train(load_run(run_dir), run_dir)
+        out["error"] = None
+    except Exception as e:
+        out["error"] = {"type": type(e).__name__, "message": str(e)}
+        traceback.print_exc()
+    out["hits"] = armed["hits"]
+
+
 def scenario_vllm(out: dict, overrides: list[str]) -> None:
     """The injection in the vLLM fleet: a float32 engine with zero-mean logit noise (std 1) on its sampled requests.
     Its logged logprobs are compared with mu recomputed from HF transformers' float32 logits and the same noise."""
@@ -219,7 +346,13 @@ def scenario_vllm(out: dict, overrides: list[str]) -> None:
 def main() -> None:
     name, out_dir, *overrides = sys.argv[1:]
     out: dict = {}
-    {"doses": scenario_doses, "nudge": scenario_nudge, "vllm": scenario_vllm}[name](out, overrides)
+    {
+        "doses": scenario_doses,
+        "nudge": scenario_nudge,
+        "vllm": scenario_vllm,
+        "forced": scenario_forced,
+        "perturb": scenario_perturb,
+    }[name](out, overrides)
     rank = int(__import__("os").environ.get("RANK", "0"))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     torch.save(out, Path(out_dir) / f"{name}-rank{rank}.pt")

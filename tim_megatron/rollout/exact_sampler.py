@@ -99,9 +99,9 @@ class ExactSampler:
             sample_seed(self.recipe.run.seed, step, first_index + k // n, k % n) for k in range(len(seqs))
         ]
         results = [_Row(len(s)) for s in seqs]
-        forwards = 0
+        forwards, cache_bytes = 0, 0
         if self.recipe.diagnostics.exact_sampler == "kv-cache":
-            forwards = self._cached(seqs, seeds, results, width, greedy, inject)
+            forwards, cache_bytes = self._cached(seqs, seeds, results, width, greedy, inject)
         else:
             for rows in self.trainer.micro_batches(len(seqs)):
                 forwards += self._micro_batch(
@@ -133,12 +133,13 @@ class ExactSampler:
             seconds=time.perf_counter() - t0,
             prompt_tokens=n_prompt,
             response_tokens=n_resp,
-            extra={"forwards": forwards, "width": width},
+            extra={"forwards": forwards, "width": width, "kv_cache_bytes": cache_bytes},
         )
         return groups, stats
 
-    def _cached(self, seqs, seeds, results, width: int, greedy: bool, inject) -> int:
-        """Generate every row of this rank with the KV cache (in place); returns the number of forwards.
+    def _cached(self, seqs, seeds, results, width: int, greedy: bool, inject) -> tuple[int, int]:
+        """Generate every row of this rank with the KV cache (in place); returns the number of forwards and the
+        cache's size in bytes.
 
         The first forward prefills every prompt (all prompt positions as entries); each later one feeds every
         unfinished row's last token. The row-invariant kernels make a row's bits independent of the micro-batch
@@ -169,7 +170,7 @@ class ExactSampler:
                 dist.all_reduce(c, op=dist.ReduceOp.MAX)
                 count = int(c.item())
             if count == 0:
-                return forwards
+                return forwards, cache.nbytes()
             n = -(-(count + 1) // tr.tp) * tr.tp
             entries.extend((cache.scratch, 0, 0) for _ in range(n - len(entries)))
             chooser = _Chooser(
