@@ -195,9 +195,10 @@ def test_shipped_grids_plan_and_hold_the_claims_arms():
     assert list(CLAIMS) == [f"C{i}" for i in range(1, 10)]
 
 
-def test_long_grid_is_the_full_grids_vllm_family_at_200_steps():
-    """lab/long.yaml runs the full grid's vLLM arms unchanged but for their length (and length-decay's period,
-    a quarter of the run in both), so its verdicts read as the same experiment run longer."""
+def test_long_grid_is_the_full_grid_at_200_steps():
+    """lab/long.yaml runs the full grid's vLLM arms and its exact-sampling family unchanged but for their length
+    (and length-decay's period, a quarter of the run in both), so its verdicts read as the same experiment run
+    longer; the exact family runs on the KV-cached sampler (the default)."""
     from tim_megatron.lab.grid import load_grid, plan
 
     full, long = load_grid(ROOT / "lab" / "full.yaml"), load_grid(ROOT / "lab" / "long.yaml")
@@ -209,9 +210,13 @@ def test_long_grid_is_the_full_grids_vllm_family_at_200_steps():
     plans = plan(long)
     assert all(p.runnable for p in plans), [(p.arm.name, p.schema_error) for p in plans if not p.runnable]
     assert {p.loaded.recipe.run.steps for p in plans} == {200}
-    assert all(p.loaded.recipe.diagnostics.vexact != "exact" for p in plans)
-    vllm_full = {a.name: a for a in full.arms if "diagnostics.vexact=exact" not in a.overrides}
-    assert {a.name for a in long.arms} == set(vllm_full) - {"lr-high"}
+    exact = {p.arm.name for p in plans if p.loaded.recipe.diagnostics.vexact == "exact"}
+    assert exact and all(
+        p.loaded.recipe.diagnostics.exact_sampler == "kv-cache" for p in plans if p.arm.name in exact
+    )
+    by_name = {a.name: a for a in full.arms}
+    assert {a.name for a in long.arms} == set(by_name) - {"lr-high"}
+    assert exact == {a.name for a in full.arms if "diagnostics.vexact=exact" in a.overrides}
     for arm in long.arms:
         if arm.name == "length-decay":
             period = {p.arm.name: p.loaded.recipe for p in plans}[
@@ -219,7 +224,9 @@ def test_long_grid_is_the_full_grids_vllm_family_at_200_steps():
             ].remedies.lr_schedule.decay_period
             assert period == 200 // 4
         else:
-            assert arm.overrides == vllm_full[arm.name].overrides, arm.name
+            theirs = [o for o in by_name[arm.name].overrides if not o.startswith("run.steps=")]
+            assert list(arm.overrides) == theirs, arm.name
+            assert (arm.group, arm.dose) == (by_name[arm.name].group, by_name[arm.name].dose)
 
 
 def test_collapse_needs_full_reward_windows():
