@@ -1,29 +1,27 @@
-"""Exact zero-mismatch sampling (``diagnostics.vexact: exact``): the trainer samples from its own training forward.
+"""Exact zero-mismatch sampling (``diagnostics.vexact: exact``): the trainer samples from its own model.
 
 Every sampled token's logged logprob equals the old-logprob pass's bit for bit, and the loop checks it
-(:func:`check_exact`). What that takes, measured on this CPU (``python -m tim_megatron.bench exact``):
+(:func:`check_exact`). What makes that hold: in exact mode every product of the trainer's forward runs on
+row-invariant kernels (:mod:`tim_megatron.exact.kernels`, ``patches/megatron/invariant_kernels.py``), so a
+position's bits depend only on its own sequence up to it, never on the rows, the row count or the micro-batch
+around it; experts stay sparse (each token through its own top-k). Two samplers rely on that
+(``diagnostics.exact_sampler``):
 
-* A causal forward gives position t the same bits whatever sits after t only if every kernel is invariant to the
-  rows around a row. At a FIXED shape they are: a float32 or bfloat16 ``linear`` gave all 512 rows the same bits
-  when every other row changed or the rows were permuted; ``bmm`` did not depend on the batch count; masked
-  attention keys with other values changed nothing; ``log_softmax`` over one row equals that row inside 4096.
-* Across shapes they are not: a float32 ``linear`` gives the last ``M % 4`` rows other bits when its row count
-  M is below 12. The MoE experts' row counts depend on the routing of the whole micro-batch, so the default
-  (sparse) path changed 47 of 3,757 logprobs (fp32, 16 x 24) between a full forward and the same rows with their
-  future replaced by padding; the dense shape-invariant path (``patches/megatron/shape_invariant_moe.py``)
-  changed none.
+* ``kv-cache`` (the default, :meth:`ExactSampler._cached`): incremental decoding through the trainer's
+  megatron-core model. A first forward prefills every prompt; each later one feeds every unfinished sequence's
+  last token. Each attention layer keeps a key/value buffer per sequence as wide as the old-logprob pass's
+  micro-batches (:meth:`MegatronTrainer.exact_width`), so a decode step attends over the very keys, at the very
+  width, of the training forward's causal row. All of this rank's sequences decode together.
+* ``full-forward`` (:meth:`ExactSampler._micro_batch`, the reference the cache is tested against): each
+  micro-batch the old pass will run, at its width, one full forward per generated token.
 
-Hence design (a) of issue 13, not (b): a KV-cached decode would need every kernel to be invariant across shapes
-(row counts 1 vs W, softmax and ``P @ V`` over t vs W keys), which these kernels are not; (a) needs only the
-fixed-shape invariance measured above. Each micro-batch the old-logprob pass will run (the same rows, in the
-same order, :meth:`MegatronTrainer.micro_batches`) is generated at the same width W
-(:meth:`MegatronTrainer.exact_width`: the step's longest prompt plus ``rollout.max_tokens``, rounded for TP), one
-full forward per generated token, rows that finished staying in place. Each forward runs the trainer's own
-chunked head (:func:`tim_megatron.trainer.logprobs.token_logprobs`); this module's :class:`_Chooser` samples from a
-chunk's logits and the cross-entropy line the old pass uses computes the sampled token's logprob from the same
-logits. Cost: about one training forward per generated token (``make bench``'s ``exact`` ratio).
+Both sample through the trainer's own chunked head (:func:`tim_megatron.trainer.logprobs.token_logprobs`): this
+module's :class:`_Chooser` picks each next token from a chunk's logits, and the cross-entropy line the old pass uses
+computes the sampled token's logprob from the same logits. The two samplers give the same tokens and bits for the
+same seeds.
 
 Layout: one engine per data-parallel rank (its TP ranks together), generating exactly the rows that rank trains.
+Under expert parallelism the ranks' decode steps run in lockstep (the expert dispatch is a collective).
 Sampling injection (``diagnostics.sampling_injection``, engine ``trainer``): tokens are drawn from mu =
 perturb(pi) (:func:`tim_megatron.algo.injection.perturbed_logprobs`) and ``Sample.logprobs`` are log mu;
 ``Sample.policy_logprobs`` keep pi's, which the exact check compares with the old pass. Greedy validation uses
