@@ -18,7 +18,8 @@ Inside :func:`decoding` the same attention runs a decode step instead: the model
 (one token each, laid out as one sequence of batch 1), each with its own cache row and position. Each layer first
 writes the entries' keys and values into the :class:`~tim_megatron.exact.kv_cache.KVCache`, then every entry
 attends over its row's whole fixed-width buffer with the positions after its own masked, so the entries of one
-prompt can be prefilled in a single forward. The rotary embedding gives each entry the angles of its own position,
+prompt can be prefilled in a single forward (a sequence's buffer is read once per layer, whatever the number of
+its entries). The rotary embedding gives each entry the angles of its own position,
 taken from the table the training forward builds for the same width.
 
 With the experts' GEMMs row-invariant, the sparse path (each token through its own top-k experts only) no longer
@@ -164,14 +165,32 @@ def _attention_forward(
     cache, n = state.cache, sq
     with torch.no_grad():
         cache.write(state.layer, state.rows, state.positions, key[:, 0], value[:, 0])
-        keys, values = cache.read(state.layer, state.rows)  # [n, W, ng, hn]
-    width = keys.shape[1]
-    q = query.reshape(n, groups, per, hn).reshape(n * groups, per, hn)
-    k = keys.permute(0, 2, 1, 3).reshape(n * groups, width, hn)
-    v = values.permute(0, 2, 1, 3).reshape(n * groups, width, hn)
-    after = torch.arange(width, device=query.device).view(1, width) > state.positions.view(n, 1)  # [n, W]
-    masked = after.view(n, 1, 1, width).expand(n, groups, per, width).reshape(n * groups, per, width)
-    ctx = attend(kernels, q, k, v, masked, self.softmax_scale)  # [n * ng, per, hn]
+    # Entries of one sequence share its buffer: gather each sequence's buffer once and stack its entries as rows
+    # (a prefill holds many entries per sequence, a decode step one), padded to the longest; the padding slots see
+    # every key (finite values) and are dropped.
+    seqs, which = torch.unique(state.rows, return_inverse=True)
+    order = torch.argsort(which, stable=True)
+    counts = torch.bincount(which, minlength=len(seqs))
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(which)
+    slot[order] = torch.arange(n, device=which.device) - starts[which[order]]
+    depth = int(counts.max())
+    with torch.no_grad():
+        keys, values = cache.read(state.layer, seqs)  # [u, W, ng, hn]
+    u, width = len(seqs), keys.shape[1]
+    q = query.new_zeros(u, depth, groups, per, hn)
+    q[which, slot] = query[:, 0].reshape(n, groups, per, hn)
+    pos = torch.full((u, depth), width - 1, dtype=torch.long, device=query.device)
+    pos[which, slot] = state.positions
+    q = q.permute(0, 2, 3, 1, 4).reshape(u * groups, per * depth, hn)
+    k = keys.permute(0, 2, 1, 3).reshape(u * groups, width, hn)
+    v = values.permute(0, 2, 1, 3).reshape(u * groups, width, hn)
+    after = torch.arange(width, device=query.device).view(1, 1, width) > pos.view(
+        u, depth, 1
+    )  # [u, depth, W]
+    masked = after.view(u, 1, 1, depth, width).expand(u, groups, per, depth, width)
+    ctx = attend(kernels, q, k, v, masked.reshape(u * groups, per * depth, width), self.softmax_scale)
+    ctx = ctx.reshape(u, groups, per, depth, hn).permute(0, 3, 1, 2, 4)[which, slot]  # [n, ng, per, hn]
     return ctx.reshape(n, 1, heads * hn)
 
 
