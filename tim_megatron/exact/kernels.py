@@ -3,16 +3,17 @@
 Exact mode (``diagnostics.vexact: exact``) needs a token's logprob to come out bit for bit the same whether the
 token is computed inside the training forward (every position of a micro-batch at once, ``M = width x rows``
 GEMM rows) or inside a cached decode step (one new position per sequence, ``M = rows``). Stock GEMMs do not give
-that: on this CPU (torch 2.13, MKL) a float32 ``linear`` gave 1,887 of 1,890 probe rows other bits when the
-same row sat in a GEMM of another row count (``make bench``'s ``exact`` section repeats the probe).
+that: on a 2-core AMD EPYC VM (torch 2.13 CPU), ``make bench``'s ``exact`` probe found 15 of 1,586 float32
+``linear`` rows and 16 of 33,280 float32 ``bmm`` rows with other bits at another row count (bfloat16: none).
 
 What does hold, measured the same way, is the fixed-shape invariance: at a FIXED GEMM shape a row's bits depend
 only on that row (not on the other rows' values or its place among them), and ``bmm`` treats each batch element
 on its own. :class:`TiledCPUKernels` builds every product out of fixed-shape tiles: the rows are zero-padded to a
 multiple of ``R`` and each tile of ``R`` rows is one ``[R, K] x [K, N]`` GEMM of a ``bmm``. A row's result is then
-the same for any row count, any neighbours and any batch: 0 of 4,140 linear rows and 0 of 1,196 ``bmm`` rows
-differed in the probe at ``R = 4 .. 32``, float32 and bfloat16 (at ``R = 1``, float32 ``bmm`` took a GEMV path and
-185 of 1,174 differed, so ``R >= 4``). ``tests/test_exact_kernels.py`` checks the property on every run.
+the same for any row count, any neighbours and any batch: 0 rows differ in the bench's probe, and 0 of 4,140
+linear rows and 0 of 1,196 ``bmm`` rows differed in a wider one at ``R = 4 .. 32``, float32 and bfloat16 (at
+``R = 1``, float32 ``bmm`` took a GEMV path and 185 of 1,174 differed, so ``R >= 4``).
+``tests/test_exact_kernels.py`` checks the property on every run (and fails on the stock float32 kernels here).
 
 Everything else the forward runs is row-wise by construction on this CPU (norms, softmax, the vocab-parallel
 cross-entropy reduce each row on its own, and ``tests/test_exact_kv.py`` checks the whole forward). A CUDA variant
