@@ -86,6 +86,15 @@ def test_the_shape_invariant_moe_patch_refuses_an_unknown_megatron_version(monke
         (["remedies.router_replay=r3"], "remedies.router_replay = r3 replays vLLM's experts"),
         (["rollout.top_p=0.9"], "rollout.top_p"),
         (["trainer.moe_dispatcher=alltoall"], "trainer.moe_dispatcher"),
+        (
+            ["parallel.tp=4", "model.dims.num_key_value_heads=4"],
+            "parallel.tp = 4 and an expert group of parallel.ep x parallel.expert_tp = 4",
+        ),
+        (["parallel.ep=4", "parallel.dp=4"], "an expert group of parallel.ep x parallel.expert_tp = 4"),
+        (
+            ["model.dims.router_score=sigmoid", "model.dims.router_expert_bias=true"],
+            "model.dims.router_score = sigmoid is not supported",
+        ),
         (["rl.correction.bypass=true"], "rl.correction.bypass"),
         (
             [
@@ -252,11 +261,23 @@ def test_kv_cache_and_full_forward_sample_the_same_tokens_with_the_same_bits(tmp
 def test_the_kv_cached_decode_gives_the_training_forwards_bits_at_every_position(tmp_path):
     """Given tokens, no sampling: random sequences (prompt 1-8 tokens, 1-40 more) prefilled and then decoded one
     position per step through the KV cache; every position's logprob equals the old-logprob pass's (the training
-    forward at the exact width), in float32 and in bfloat16 with the fp32 head."""
+    forward at the exact width), in float32 and in bfloat16 with the fp32 head, also at hidden size 1024."""
     require(importable("megatron.core"), "megatron-core")
     for name, extra in (
         ("fp32", []),
         ("bf16", ["trainer.dtype=bfloat16", "rollout.dtype=bfloat16", "remedies.fp32_lm_head=true"]),
+        # Wide enough for MKL to split one GEMM over its threads (K >= 896): exact mode's MKL setting at work.
+        (
+            "bf16-wide",
+            [
+                "trainer.dtype=bfloat16",
+                "rollout.dtype=bfloat16",
+                "remedies.fp32_lm_head=true",
+                "model.dims.hidden_size=1024",
+                "model.dims.moe_intermediate_size=1536",
+                "model.tiny_warmup_steps=0",
+            ],
+        ),
     ):
         out = tmp_path / name
         run_ok(

@@ -77,12 +77,17 @@ def test_the_tiled_kernels_compute_the_same_products_as_torch():
     torch.testing.assert_close(x.grad, w.sum(0).expand_as(x))
 
 
-def test_tiles_below_four_rows_and_devices_without_verified_kernels_are_refused():
+def test_tiles_below_four_rows_devices_without_verified_kernels_and_failed_checks_are_refused(monkeypatch):
+    from tim_megatron.exact import kernels as kmod
+
     with pytest.raises(ValueError, match=r"TiledCPUKernels.attention_rows = 1: allowed >= 4"):
         TiledCPUKernels(attention_rows=1)
-    assert isinstance(kernels_for("cpu"), TiledCPUKernels)
     with pytest.raises(ValueError, match=r"exact mode on cuda: no row-invariant kernels are verified"):
         kernels_for("cuda")
+    # What a process without exact mode's MKL setting meets on a multi-threaded MKL (this pytest process may be one).
+    monkeypatch.setattr(kmod, "invariance_problems", lambda kernels: ["float32 linear, K = 2048, N = 64"])
+    with pytest.raises(RuntimeError, match=r"not row-invariant .*K = 2048.* Set MKL_CBWR=AUTO,STRICT"):
+        kernels_for("cpu")
 
 
 def test_the_kv_cache_writes_where_told_and_refuses_positions_past_its_width():
@@ -107,3 +112,25 @@ def test_the_invariant_kernels_patch_refuses_an_unknown_megatron_version(monkeyp
     monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d == "megatron-core" else real(d))
     with pytest.raises(guard.UnverifiedVersionError, match=r"megatron-invariant-kernels.*0\.99\.0"):
         invariant_kernels.apply(model=None, kernels=TiledCPUKernels())
+
+
+def test_with_exact_modes_mkl_setting_the_tiles_are_invariant_at_wide_shapes_too():
+    """At K >= 896 MKL may split one GEMM over its threads (a decode step's single tile); exact mode's MKL setting
+    (tim train sets it, before the first GEMM) fixes the order of the sums. A fresh process with that setting and
+    two threads: the wide-shape check kernels_for runs before a run finds nothing, and kernels_for returns."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tim_megatron.exact.kernels import CPU_ENV
+
+    code = (
+        "from tim_megatron.exact.kernels import TiledCPUKernels, invariance_problems, kernels_for\n"
+        "print(invariance_problems(TiledCPUKernels(), seed=3)); kernels_for('cpu')\n"
+    )
+    env = {**os.environ, **CPU_ENV, "OMP_NUM_THREADS": "2"}
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "[]", res.stdout

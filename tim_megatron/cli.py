@@ -249,6 +249,10 @@ def _train(
                 _fail("under torchrun/srun every rank needs the same --run-dir")
             rd = run_dir
         _check_world(loaded.recipe.parallel, world, nproc=nproc, under_launcher=under_launcher)
+        if loaded.recipe.diagnostics.vexact == "exact":  # before any GEMM of this process or of its ranks
+            from tim_megatron.exact.kernels import pin_cpu_reductions
+
+            pin_cpu_reductions()
         # Everything that can be checked was: only now is a folder created or written.
         if rd is None:
             rd = new_run_dir(loaded)

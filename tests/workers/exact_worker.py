@@ -15,6 +15,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tim_megatron.exact.kernels import pin_cpu_reductions  # noqa: E402
+
+pin_cpu_reductions()  # exact mode's MKL setting, before this process's first GEMM (as tim train does)
+
 from tim_megatron.recipe import load_recipe  # noqa: E402
 from tim_megatron.recipe.schema import SamplingInjection  # noqa: E402
 

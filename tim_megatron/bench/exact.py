@@ -388,12 +388,32 @@ def _trainer(overrides: list[str]):
 
 
 def _print_kernels() -> None:
-    print(
-        f"[exact] kernel probe (torch {torch.__version__}, {torch.get_num_threads()} threads): "
-        "rows differing (0 = invariant)"
+    """The probe under MKL's default and under exact mode's strict mode, each in a fresh process (MKL reads the
+    setting at a process's first GEMM), plus the wide-shape check exact mode runs before a run starts."""
+    import os
+    import subprocess
+    import sys
+
+    from tim_megatron.exact.kernels import CPU_ENV
+
+    code = (
+        "import torch\n"
+        "from tim_megatron.bench.exact import kernel_probe\n"
+        "from tim_megatron.exact.kernels import TiledCPUKernels, invariance_problems\n"
+        "for dtype, kname, what, bad, tot in kernel_probe():\n"
+        "    print(f'  {dtype:<9} {kname:<9} {what:<49} {bad:5d} of {tot}')\n"
+        "print('  wide-shape check of the tiled kernels:', invariance_problems(TiledCPUKernels()) or 'invariant')\n"
     )
-    for dtype, kname, what, bad, tot in kernel_probe():
-        print(f"  {dtype:<9} {kname:<9} {what:<49} {bad:5d} of {tot}")
+    for setting in ("default", CPU_ENV["MKL_CBWR"]):
+        env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+        if setting != "default":
+            env["MKL_CBWR"] = setting
+        print(
+            f"[exact] kernel probe (torch {torch.__version__}, {torch.get_num_threads()} threads, MKL_CBWR "
+            f"{setting}): rows differing (0 = invariant)",
+            flush=True,
+        )
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
 
 def _print_trainer(*, overrides: list[str]) -> None:
@@ -513,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-repeat", type=int, default=5, help="MoE forward runs (fastest taken)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides on recipes/tiny-moe/vexact.yaml")
     a = ap.parse_args(argv)
+    from tim_megatron.exact.kernels import pin_cpu_reductions
+
+    pin_cpu_reductions()  # exact mode's setting for this process's trainers (tim train sets it the same way)
     t0 = time.perf_counter()
     if "kernels" in a.parts:
         _print_kernels()

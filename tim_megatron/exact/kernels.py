@@ -15,6 +15,14 @@ linear rows and 0 of 1,196 ``bmm`` rows differed in a wider one at ``R = 4 .. 32
 ``R = 1``, float32 ``bmm`` took a GEMV path and 185 of 1,174 differed, so ``R >= 4``).
 ``tests/test_exact_kernels.py`` checks the property on every run (and fails on the stock float32 kernels here).
 
+One more condition: MKL may split a single GEMM's reduction over its threads when one tile is all there is (a
+decode step's few rows against ``K >= 896``), which changes the order of the sums; several tiles run one per
+thread. MKL's conditional-numerical-reproducibility mode fixes the order whatever the split
+(``MKL_CBWR=AUTO,STRICT``, read at the process's first GEMM: :func:`pin_cpu_reductions`, which ``tim train`` calls
+in exact mode before anything runs). bfloat16 and float16 GEMMs go through oneDNN, which that mode does not reach,
+so the tiles compute them in float32 and round the result. :func:`kernels_for` checks the invariance at a wide
+shape before a run starts and stops with the fix when it does not hold.
+
 Everything else the forward runs is row-wise by construction on this CPU (norms, softmax, the vocab-parallel
 cross-entropy reduce each row on its own, and ``tests/test_exact_kv.py`` checks the whole forward). A CUDA variant
 needs batch-invariant versions of these kernels and of those row reductions (split-K and tile choices there depend
@@ -24,11 +32,21 @@ in this version, so :func:`kernels_for` refuses CUDA.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+CPU_ENV = {"MKL_CBWR": "AUTO,STRICT"}
+"""MKL's strict reproducibility mode: a GEMM's sums in one order whatever its threads do."""
+
+
+def pin_cpu_reductions() -> None:
+    """Set :data:`CPU_ENV` (unless set): call before the process's first GEMM, where MKL reads it."""
+    for key, value in CPU_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 class ExactKernels(Protocol):
@@ -74,28 +92,63 @@ class TiledCPUKernels:
         tiles = -(-m // r) if m else 0
         if tiles == 0:
             return x.new_zeros(*lead, n)
-        padded = F.pad(rows, (0, 0, 0, tiles * r - m)).view(tiles, r, k)
-        out = torch.bmm(padded, weight.t().unsqueeze(0).expand(tiles, k, n))
-        return out.reshape(tiles * r, n)[:m].reshape(*lead, n)
+        wide = _wide(x.dtype)
+        padded = F.pad(rows.to(wide), (0, 0, 0, tiles * r - m)).view(tiles, r, k)
+        out = torch.bmm(padded, weight.to(wide).t().unsqueeze(0).expand(tiles, k, n))
+        return out.reshape(tiles * r, n)[:m].reshape(*lead, n).to(x.dtype)
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         batch, m, _k = a.shape
         r = self.attention_rows
         tiles = -(-m // r)
-        padded = F.pad(a, (0, 0, 0, tiles * r - m))
+        wide = _wide(a.dtype)
+        padded = F.pad(a.to(wide), (0, 0, 0, tiles * r - m))
+        b = b.to(wide)
         # One bmm per tile, over the whole batch: b is never copied per tile.
         parts = [torch.bmm(padded[:, t * r : (t + 1) * r], b) for t in range(tiles)]
-        return torch.cat(parts, 1)[:, :m] if parts else a.new_zeros(batch, 0, b.shape[-1])
+        return torch.cat(parts, 1)[:, :m].to(a.dtype) if parts else a.new_zeros(batch, 0, b.shape[-1])
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x, dim=-1)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the tiles compute in: float32 for the 16-bit types (oneDNN's GEMMs, outside MKL's strict mode)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def invariance_problems(kernels: ExactKernels, *, seed: int = 0) -> list[str]:
+    """Where ``kernels`` give a row other bits alone than among many, at shapes wide enough for MKL to split one
+    GEMM over its threads (a decode step's), float32 and bfloat16; empty when none."""
+    g = torch.Generator().manual_seed(seed)
+    found = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for k, n in ((2048, 64), (1024, 1536)):
+            x = torch.randn(256, k, generator=g).to(dtype)
+            w = torch.randn(n, k, generator=g).to(dtype)
+            if not torch.equal(kernels.linear(x[:1], w)[0], kernels.linear(x, w)[0]):
+                found.append(f"{str(dtype)[6:]} linear, K = {k}, N = {n}")
+        p = torch.softmax(torch.randn(1, 64, 2048, generator=g), -1).to(dtype)
+        v = torch.randn(1, 2048, 64, generator=g).to(dtype)
+        if not torch.equal(kernels.bmm(p[:, :1], v)[0, 0], kernels.bmm(p, v)[0, 0]):
+            found.append(f"{str(dtype)[6:]} bmm over 2048 keys")
+    return found
+
+
 def kernels_for(device: torch.device | str) -> ExactKernels:
-    """The verified row-invariant kernels for ``device``; raises where none is."""
+    """The verified row-invariant kernels for ``device``, checked at a wide shape; raises where none holds."""
     kind = torch.device(device).type
     if kind == "cpu":
-        return TiledCPUKernels()
+        kernels = TiledCPUKernels()
+        problems = invariance_problems(kernels)
+        if problems:
+            raise RuntimeError(
+                f"exact mode: the row-invariant CPU kernels are not row-invariant in this process "
+                f"({'; '.join(problems)}; MKL_CBWR = {os.environ.get('MKL_CBWR', 'unset')}, "
+                f"{torch.get_num_threads()} threads). Set MKL_CBWR=AUTO,STRICT in the environment before the "
+                "process's first matrix product (tim train does in exact mode), or run with OMP_NUM_THREADS=1"
+            )
+        return kernels
     raise ValueError(
         f"exact mode on {kind}: no row-invariant kernels are verified for this device (CPU only in this version). "
         "A CUDA variant needs batch-invariant GEMM, bmm and row reductions; see tim_megatron/exact/kernels.py"

@@ -1020,6 +1020,22 @@ def _check(r: Recipe) -> None:
                 f"vexact = exact samples from the whole softmax and stops at the end-of-text token only; got "
                 f"rollout.top_p = {ro.top_p}, rollout.top_k = {ro.top_k}, rollout.stop = {ro.stop} (leave them unset)",
             )
+        etp = p.etp
+        if p.tp > 2 or p.ep * etp > 2:
+            raise RecipeValueError(
+                ["diagnostics.vexact", "parallel.tp", "parallel.ep", "parallel.expert_tp"],
+                f"vexact = exact sums partial results over at most 2 ranks (a + b is exact in either order; gloo's "
+                f"sums over 3 or more depend on the buffer size): got parallel.tp = {p.tp} and an expert group of "
+                f"parallel.ep x parallel.expert_tp = {p.ep * etp}; allowed tp <= 2 and ep x expert_tp <= 2 (use more "
+                "data-parallel ranks instead)",
+            )
+        if r.model.dims.is_moe and r.model.dims.router_score != "softmax":
+            raise RecipeValueError(
+                ["diagnostics.vexact", "model.dims.router_score"],
+                f"vexact = exact: model.dims.router_score = {r.model.dims.router_score} is not supported (torch's "
+                "float32 sigmoid computes a tensor's tail elements on another path, so a router score depends on "
+                "the token count); allowed: softmax",
+            )
         if r.trainer.moe_dispatcher == "alltoall":
             raise RecipeValueError(
                 ["diagnostics.vexact", "trainer.moe_dispatcher"],
