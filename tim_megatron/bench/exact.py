@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -423,8 +424,8 @@ def _print_trainer(*, overrides: list[str]) -> None:
     finally:
         tr.close()
     print(
-        f"[exact] trainer probe ({VEXACT}, {tr.dtype}): full forward vs the same rows padded after t, "
-        "same width"
+        f"[exact] trainer probe ({VEXACT}, {tr.dtype}, MKL_CBWR {os.environ.get('MKL_CBWR', 'default')}): "
+        "full forward vs the same rows padded after t, same width"
     )
     for what, (bad, tot) in res.items():
         print(f"  {what:<29} {bad:5d} of {tot} logprobs differ")
