@@ -227,8 +227,9 @@ def test_kv_cache_exact_mode_gives_rho_one_bit_for_bit_for_five_steps(layout, tm
 
 @pytest.mark.slow
 def test_kv_cache_and_full_forward_sample_the_same_tokens_with_the_same_bits(tmp_path):
-    """The same recipe and seeds through both exact samplers, on one rank: every dumped token, position and
-    logprob is the same (both run the forward on the row-invariant kernels, one cached, one full-width)."""
+    """The same recipe and seeds through both exact samplers, on one rank, with R2 routing capture and a noise
+    injection in the sampling distribution: every dumped token, position, logprob (mu's and pi's) and captured
+    expert set is the same (both run the forward on the row-invariant kernels, one cached, one full-width)."""
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     import pyarrow.parquet as pq
 
@@ -244,6 +245,13 @@ def test_kv_cache_and_full_forward_sample_the_same_tokens_with_the_same_bits(tmp
             f"run.output_dir={out}",
             "diagnostics.dumps.every=1",
             f"diagnostics.exact_sampler={sampler}",
+            # R2 capture and a sampling injection ride along: both samplers must carry them the same way.
+            "remedies.router_replay=r2",
+            "rollout.capture_routed_experts=true",
+            "diagnostics.dumps.routed_experts=true",
+            "diagnostics.sampling_injection.type=noise",
+            "diagnostics.sampling_injection.std=0.1",
+            "diagnostics.sampling_injection.engine=trainer",
             *QUIET,
         ]
         run_ok([*TIM, "train", *args], threads=2, timeout=900)
@@ -254,7 +262,8 @@ def test_kv_cache_and_full_forward_sample_the_same_tokens_with_the_same_bits(tmp
         dumps[sampler] = [pq.read_table(d / "dumps" / f"step_{s:08d}.parquet").to_pydict() for s in (1, 2)]
     for a, b in zip(dumps["kv-cache"], dumps["full-forward"], strict=True):
         assert len(a["token_id"]) > 0
-        for key in ("seq", "position", "token_id", "pi_infer", "pi_old", "finish"):
+        assert a["pi_infer"] != a["pi_old"]  # the injection acted: the logged logprobs are mu's
+        for key in ("seq", "position", "token_id", "pi_infer", "pi_old", "finish", "routed_experts"):
             assert a[key] == b[key], key
 
 
