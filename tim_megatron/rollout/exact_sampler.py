@@ -196,15 +196,9 @@ class ExactSampler:
                     if row != cache.scratch:
                         results[row].routed.append(routed[:, i].numpy())
             for k, row in enumerate(active):
-                tok, res = chooser.tokens[k], results[row]
-                seqs[row].append(tok)
-                policy = float(lp[last[k] + 1])  # the old pass's cross-entropy line, on this step's logits
-                res.policy.append(policy)
-                res.logprobs.append(policy if chooser.mu_logprobs is None else chooser.mu_logprobs[k])
-                if tok == self.eos_id:
-                    res.finish = "stop"
-                elif len(res.logprobs) >= budget:
-                    res.finish = "length"
+                seqs[row].append(chooser.tokens[k])
+                # The old pass's cross-entropy line, on this step's logits.
+                results[row].take(chooser, k, float(lp[last[k] + 1]), eos_id=self.eos_id, budget=budget)
 
     def _micro_batch(self, seqs, seeds, results, width: int, greedy: bool, inject) -> int:
         """Generate one micro-batch in place (``seqs`` grow); returns the number of forwards."""
@@ -238,13 +232,7 @@ class ExactSampler:
                 seqs[row].append(tok)
                 ids[row, pos] = tok
                 # The logprob from the old pass's own cross-entropy line, on this forward's logits.
-                policy = float(lp[row, pos])
-                res.policy.append(policy)
-                res.logprobs.append(policy if chooser.mu_logprobs is None else chooser.mu_logprobs[k])
-                if tok == self.eos_id:
-                    res.finish = "stop"
-                elif len(res.logprobs) >= budget:
-                    res.finish = "length"
+                res.take(chooser, k, float(lp[row, pos]), eos_id=self.eos_id, budget=budget)
 
     # ---------------------------------------------------------------------------- the rest of the protocol
 
@@ -306,6 +294,16 @@ class _Row:
         self.routed: list = []
         """``[layers, k]`` expert ids per input position, when captured."""
         self.finish: str | None = None
+
+    def take(self, chooser: _Chooser, k: int, policy: float, *, eos_id: int, budget: int) -> None:
+        """Record the token ``chooser`` picked for its ``k``-th row, with pi's logprob ``policy`` (and mu's, under
+        an injection), and whether the row is done."""
+        self.policy.append(policy)
+        self.logprobs.append(policy if chooser.mu_logprobs is None else chooser.mu_logprobs[k])
+        if chooser.tokens[k] == eos_id:
+            self.finish = "stop"
+        elif len(self.logprobs) >= budget:
+            self.finish = "length"
 
 
 class _Chooser:
