@@ -149,9 +149,8 @@ def rollouts(run, step: int) -> tuple[StepBatch, dict, list[list[int]]]:
         "reward/groups_all_equal_frac": equal / (n / batch.group_size),
         "batch/width": float(global_width(batch)),
     }
-    if (
-        r.diagnostics.vexact == "exact"
-    ):  # every rank is in exact mode: the max is a collective all of them join
+    if r.diagnostics.vexact == "exact":
+        # Every rank is in exact mode: the max is a collective all of them join.
         forwards, cache = _max_over_world(
             [float(gen.extra.get("forwards", 0)), float(gen.extra.get("kv_cache_bytes", 0))]
         )

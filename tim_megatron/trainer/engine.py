@@ -100,9 +100,8 @@ class MegatronTrainer:
         self.dims = dims_from_hf(hf_cfg)
         check_dims_match(recipe.model.dims, self.dims, where=f"model.path = {self.model_path}")
         self._handles = []
-        if (
-            recipe.diagnostics.vexact == "exact"
-        ):  # MKL reads it at the process's first GEMM: maybe still ahead
+        if recipe.diagnostics.vexact == "exact":
+            # MKL reads it at the process's first GEMM, which may still be ahead (else kernels_for says so).
             from tim_megatron.exact.kernels import pin_cpu_reductions
 
             pin_cpu_reductions()
