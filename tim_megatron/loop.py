@@ -33,6 +33,8 @@ class Run:
     """This rank's rollout engine (tim_megatron.rollout.base.RolloutEngine): every rank has one."""
     sync: object
     """The weight-sync state machine (tim_megatron.rollout.sync.WeightSync)."""
+    colocation: object
+    """Who holds the accelerator memory when (tim_megatron.rl.colocation.Colocation): sleeps, wakes, offload."""
     source: object
     tokenizer: object
     schedule: object
@@ -93,7 +95,7 @@ def run_steps(run: Run) -> int:
             with t("step"):
                 with t("rollout"):
                     batch, metrics, probe = phases.rollouts(run, step)
-                    run.rollout.sleep(level=2)  # the update replaces the weights: nothing to keep
+                    metrics.update(run.colocation.to_trainer())
                 with t("old_logprobs"):
                     old = phases.old_logprobs(run, batch, step)
                     metrics.update(old.sync)
@@ -153,7 +155,7 @@ def sync_weights(run: Run, probe: list[list[int]] | None = None, *, last: bool =
 
     ``probe``: this engine's own sequences from the step (likely tokens give the check its power); distinct
     prompts, because a router near-tie on one prompt moves all of its samples together."""
-    return run.sync.push(run.rollout, run.trainer, probe=lambda: probe or run.probe, last=last)
+    return run.colocation.to_rollout(probe=lambda: probe or run.probe, last=last)
 
 
 def validate(run: Run, step: int) -> dict:
@@ -293,9 +295,10 @@ def save(run: Run, step: int, *, overwrite: bool = True) -> Path:
     if not overwrite and (step_dir(run.run_dir / "checkpoints", step) / "state.json").exists():
         return step_dir(run.run_dir / "checkpoints", step)
     state = {"schedule": run.schedule.state_dict(), "warnings": run.warnings.state_dict()}
-    return save_checkpoint(
-        run.trainer, run.run_dir / "checkpoints", step=step, state=state, keep=run.recipe.checkpoint.keep
-    )
+    with run.colocation.resident():  # between steps the optimizer state may be in host memory
+        return save_checkpoint(
+            run.trainer, run.run_dir / "checkpoints", step=step, state=state, keep=run.recipe.checkpoint.keep
+        )
 
 
 def finish(run: Run, step: int, seconds: float, *, status: str) -> None:

@@ -74,6 +74,7 @@ def setup(
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.logging.tracker import Tracker, truncate_jsonl
     from tim_megatron.loop import Run, StopRequest, new_schedule, new_warnings
+    from tim_megatron.rl.colocation import Colocation
     from tim_megatron.rollout.engine import check_model_for_engine
     from tim_megatron.rollout.sync import WeightSync, manifest
     from tim_megatron.run_dir import mark_running
@@ -122,6 +123,9 @@ def setup(
         trainer=trainer,
         rollout=rollout,
         sync=sync,
+        colocation=Colocation(
+            rollout=rollout, trainer=trainer, sync=sync, offload=r.trainer.offload_during_rollout
+        ),
         source=source,
         tokenizer=tokenizer,
         schedule=schedule,
@@ -134,8 +138,8 @@ def setup(
     run.probe = probe
     layout = fleet_description(rollout)
     run.info = {**remedy_info(run), "rollout/engines": float(rollout.layout.engines)}
-    if ckpt is not None:  # the engines start from the checkpoint on disk: load the resumed weights
-        sync.push(rollout, trainer, probe=lambda: probe)
+    # a resumed run's engines start from the checkpoint on disk: they get the resumed weights
+    run.colocation.start(probe=lambda: probe, resumed=ckpt is not None)
     run.tracker = Tracker(
         r,
         run_dir=run_dir,

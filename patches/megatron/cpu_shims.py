@@ -11,12 +11,12 @@ Each shim and why it is needed (megatron-core 0.16.1, torch 2.13 CPU):
    builds, so every tracker state starts from the CPU generator's state; RL recipes use no dropout.)
 3. ``torch.cuda.synchronize`` is a no-op: distributed checkpointing synchronizes "the GPU" before
    handing tensors to its file writers.
-4. ``moe_utils.te_general_gemm = None``: ``router_gating_linear`` references ``te_general_gemm``, which is
-   never defined when transformer-engine is missing (a bug in 0.16.1).
-5. :func:`cuda_placement_to_cpu`: megatron's optimizers, grad scaler, grad clipping and checkpoint
+4. :func:`cuda_placement_to_cpu`: megatron's optimizers, grad scaler, grad clipping and checkpoint
    strategies create buffers with a literal ``device='cuda'``, call ``.cuda()`` and check ``param.type()``
    against ``'torch.cuda.FloatTensor'``. The context manager redirects those to CPU. It is entered only
    around DDP and optimizer construction, optimizer steps and checkpoint I/O, never around the forward.
+
+The router's unbound ``te_general_gemm`` (no transformer-engine) is not CPU-only: ``no_te_router_gemm.py``.
 
 Not shims, but CPU choices made by the trainer: the ``allgather`` MoE token dispatcher (``alltoall``
 creates CUDA streams) and an explicit boolean causal mask (``get_default_causal_mask`` allocates on
@@ -45,7 +45,6 @@ SPEC = PatchSpec(
         "torch.cuda.synchronize",
         "megatron.core.tensor_parallel.random._get_cuda_rng_state",
         "megatron.core.tensor_parallel.random._set_cuda_rng_state",
-        "megatron.core.transformer.moe.moe_utils.te_general_gemm",
     ),
 )
 
@@ -55,12 +54,11 @@ def needed() -> bool:
 
 
 def apply() -> Handle:
-    """Install shims 1-4 (idempotent per process is the caller's job: keep the handle)."""
+    """Install shims 1-3 (idempotent per process is the caller's job: keep the handle)."""
     check_version(SPEC)
     if not needed():
         raise RuntimeError("megatron-cpu-shims must not be applied when CUDA is available")
     import megatron.core.tensor_parallel.random as tp_random
-    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     h = Handle(SPEC.name)
     set_attr(h, torch.cuda, "current_device", lambda: "cpu")
@@ -78,8 +76,6 @@ def apply() -> Handle:
         "_set_cuda_rng_state",
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state),
     )
-    if not hasattr(moe_utils, "te_general_gemm"):
-        set_attr(h, moe_utils, "te_general_gemm", None)
     return h
 
 
@@ -108,7 +104,7 @@ class _CudaToCpu(TorchFunctionMode):
 
 @contextlib.contextmanager
 def cuda_placement_to_cpu():
-    """Shim 5: inside, ``device='cuda'`` means CPU and CPU tensors report CUDA type names."""
+    """Shim 4: inside, ``device='cuda'`` means CPU and CPU tensors report CUDA type names."""
     if not needed():
         yield
         return

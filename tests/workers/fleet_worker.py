@@ -7,12 +7,17 @@ Writes ``OUT_DIR/<scenario>.json``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from tim_megatron.loop import run_steps  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
@@ -54,6 +59,62 @@ class Spy:
         return call
 
 
+class TouchSpy(TorchDispatchMode):
+    """Sees every tensor op of this thread (the trainer's and the in-process engine's); records and refuses one
+    that reads or writes a storage the trainer has in host memory (outside the trainer's own moves)."""
+
+    def __init__(self, host):
+        super().__init__()
+        self.host = host
+        self.moving = False
+        self.touches: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        away = () if self.moving else self.host.away()
+        if away:
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    try:
+                        key = t.untyped_storage()._cdata
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    if key in away:
+                        self.touches.append(str(func))
+                        raise RuntimeError(f"{func} touched an offloaded trainer tensor")
+        return func(*args, **kwargs)
+
+
+def spy_trainer(trainer, calls: list, touch: TouchSpy) -> None:
+    """Record the trainer's memory moves and its update, in the same list as the engine's calls."""
+
+    def wrap(name: str, moves: bool = False):
+        inner = getattr(trainer, name)
+
+        def call(*args, **kwargs):
+            calls.append([f"trainer.{name}", {"parts": list(args[0])} if name == "offload" else {}])
+            touch.moving = moves
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                touch.moving = False
+
+        setattr(trainer, name, call)
+
+    for name in ("release_memory", "backward", "step"):
+        wrap(name)
+    wrap("offload", moves=True)
+    wrap("onload", moves=True)
+
+
+def param_digest(trainer) -> str:
+    h = hashlib.sha256()
+    for name, p in trainer.model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().float().clone().numpy().tobytes())  # a copy: numpy() pins a storage's size
+    return h.hexdigest()
+
+
 def scenario_sleep_wake(out_dir: Path, overrides: list[str]) -> dict:
     loaded = load_recipe(RECIPE, overrides)
     run_dir = out_dir / "run"
@@ -62,15 +123,31 @@ def scenario_sleep_wake(out_dir: Path, overrides: list[str]) -> dict:
     run = setup(loaded, run_dir, resume=False)
     calls: list = []
     run.rollout = Spy(run.rollout, calls)
-    release = run.trainer.release_memory
-
-    def spied_release():
-        calls.append(["trainer.release_memory", {}])
-        release()
-
-    run.trainer.release_memory = spied_release
-    rc = run_steps(run)
-    return {"rc": rc, "calls": calls, "steps": loaded.recipe.run.steps}
+    run.colocation.rollout = run.rollout
+    touch = TouchSpy(run.trainer.host)
+    spy_trainer(run.trainer, calls, touch)
+    with touch:
+        rc = run_steps(run)
+    calls = list(calls)  # the run's; the check below adds its own
+    # Does the spy see a touch? Move the parameters out, read one, and expect the refusal.
+    caught = False
+    run.trainer.offload(("params",))
+    with touch:
+        try:
+            next(run.trainer.model.parameters()).sum()
+        except RuntimeError:
+            caught = touch.touches[-1:] == ["aten.sum.default"]
+    touch.touches.pop()
+    run.trainer.onload()
+    return {
+        "rc": rc,
+        "calls": calls,
+        "steps": loaded.recipe.run.steps,
+        "touches": touch.touches,
+        "spy_catches_a_touch": caught,
+        "params": param_digest(run.trainer),
+        "metrics": [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()],
+    }
 
 
 SCENARIOS = {"sleep_wake": scenario_sleep_wake}

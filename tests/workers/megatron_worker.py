@@ -207,6 +207,9 @@ def scenario_resume(tr: MegatronTrainer, out: dict) -> None:
                 time.sleep(1)
             raise SystemExit("resume worker was never killed")
     out["losses"] = losses
+    # The weights too: this loss is the same at every step (old logprobs are the current ones, ratio 1), so
+    # only the weights show whether the optimizer state came back whole.
+    out["weights"] = {k: v.float().clone() for k, v in tr.export_hf()}
 
 
 def scenario_fp16(tr: MegatronTrainer, out: dict) -> None:
@@ -339,6 +342,10 @@ def main() -> None:
         warmup_steps=recipe.model.tiny_warmup_steps,
         task=recipe.data.task,
     )
+    if os.environ.get("TIM_DISTRIBUTED_OPTIMIZER"):
+        # megatron's distributed optimizer, which the trainer uses on CUDA only: on one CPU rank it runs the same
+        # save and load code (what a GPU job's resume runs), so its checkpoint round trip can be tested here.
+        MegatronTrainer._use_distributed_optimizer = lambda self: True
     tr = MegatronTrainer(recipe, model_path=ckpt)
     out: dict = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     SCENARIOS[name](tr, out)

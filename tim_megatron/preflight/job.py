@@ -203,6 +203,7 @@ class Job:
         records = Records()
         run.rollout = RecordedRollout(run.rollout, records)
         run.sync = RecordedSync(run.sync, records, engines=run.rollout.layout.engines)
+        run.colocation.rollout, run.colocation.sync = run.rollout, run.sync  # the recorded ones
         record_train_steps(run.trainer, records)
         t0 = time.perf_counter()
         out: dict = {}

@@ -331,6 +331,11 @@ class TrainerConfig(Section):
     """Consecutive non-finite updates tolerated (each skipped); one more aborts with a checkpoint."""
     distributed_optimizer: bool | None = None
     """Shard optimizer state over data-parallel ranks. Unset: on with CUDA, off on CPU."""
+    offload_during_rollout: Literal["none", "optimizer", "optimizer+grads", "all"] = "none"
+    """What of the trainer's state moves to (pinned) host memory while the rollout engine generates, so the
+    engine can take that accelerator memory: ``optimizer`` (Adam's moments and fp32 master weights),
+    ``optimizer+grads`` (and the gradient buffers), ``all`` (and the parameters). It leaves after the update and
+    the weight sync and returns when the rollout is done. ``none`` keeps everything resident."""
     deterministic: bool = True
     """Ask torch for deterministic kernels (bitwise-repeatable runs on CPU)."""
     moe_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
@@ -714,6 +719,16 @@ GPU_MEMORY_GIB: dict[str, int] = {
     "b200-180gb": 180,
 }
 """Memory of each GPU type ``cluster.gpu_type`` may name, GiB (the memory plan's budget)."""
+GPU_PEAK_BF16_FLOPS: dict[str, float] = {
+    "a100-40gb": 312e12,
+    "a100-80gb": 312e12,
+    "h100-80gb": 989e12,
+    "h100-94gb": 835e12,
+    "h200-141gb": 989e12,
+    "b200-180gb": 2250e12,
+}
+"""Dense bf16 tensor-core peak of each GPU type, FLOP/s (vendor data sheets, without sparsity; h100-94gb is the
+H100 NVL): the step estimate's update and old-logprob times are FLOPs / (GPUs x this x ``cluster.assumed_mfu``)."""
 
 
 class ClusterConfig(Section):
@@ -734,6 +749,36 @@ class ClusterConfig(Section):
                 "pick the closest one with no more memory than yours)"
             )
         return v
+
+    assumed_mfu: float = Field(0.2, gt=0, le=1)
+    """Model FLOPs utilization ``tim plan`` assumes for the trainer's forward and backward passes: the fraction of
+    the GPU's dense bf16 peak (``GPU_PEAK_BF16_FLOPS``) its matmuls and attention reach. The default, 0.2, is
+    NVIDIA's published Megatron-Core figure for this model class: Qwen3-30B-A3B pre-training on 16 DGX-H100
+    GPUs, 206-208 model TFLOP/s per GPU (Megatron-Bridge ``docs/performance-summary-archive.md``, NeMo
+    containers 26.02.01 and 26.04), i.e. 21% of 989 TFLOP/s. That run is FP8 with forced expert balance and
+    fixed 4K sequences, so a bf16, dropless RL update reaches at most that: the estimate is a lower bound."""
+    assumed_sync_gb_per_s: float = Field(100.0, gt=0)
+    """Rate, GB/s (10^9 bytes), at which each GPU receives the whole model in the rollout dtype during the weight
+    sync (the export gathers every parameter on every rank). An assumption: about a quarter of an H100's NVLink
+    (450 GB/s per direction), since the export moves one parameter at a time and vLLM loads each as it arrives."""
+    assumed_host_gb_per_s: float = Field(25.0, gt=0)
+    """Rate, GB/s, of one GPU's copies to and from pinned host memory (``trainer.offload_during_rollout``). An
+    assumption: PCIe Gen4 x16 is 32 GB/s nominal (Gen5: 64); pinned copies reach about 80% of it."""
+    reference_step_seconds: float | None = Field(None, gt=0)
+    """A published whole-step time of the setting this recipe reproduces, seconds: ``tim plan`` prints it beside
+    its own estimate. A recipe that changes the setting should unset it (``null``)."""
+    reference_step_source: str | None = None
+    """Where ``reference_step_seconds`` is published (document, version, table row); required with it."""
+
+    @model_validator(mode="after")
+    def _reference_has_a_source(self) -> ClusterConfig:
+        if self.reference_step_seconds is not None and not self.reference_step_source:
+            raise RecipeValueError(
+                ["cluster.reference_step_seconds", "cluster.reference_step_source"],
+                f"cluster.reference_step_seconds = {self.reference_step_seconds:g} needs "
+                "cluster.reference_step_source (where the figure is published)",
+            )
+        return self
 
     cpus_per_task: int = Field(2, ge=1)
     """CPUs per launcher task (one per node)."""
@@ -1012,6 +1057,12 @@ def _check(r: Recipe) -> None:
                 ["diagnostics.vexact", "remedies.router_replay"],
                 "remedies.router_replay = r3 replays vLLM's experts, but vexact = exact uses no vLLM rollout "
                 "(its routing is the trainer's own already)",
+            )
+        if r.trainer.offload_during_rollout != "none":
+            raise RecipeValueError(
+                ["diagnostics.vexact", "trainer.offload_during_rollout"],
+                f"trainer.offload_during_rollout = {r.trainer.offload_during_rollout}: vexact = exact samples "
+                "from the trainer's own weights, so nothing can leave while it generates; allowed: none",
             )
         ro = r.rollout
         if ro.top_p < 1 or ro.top_k != -1 or ro.stop:

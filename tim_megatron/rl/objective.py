@@ -34,6 +34,15 @@ class Shard:
             self.old[idx], self.rollout[idx], self.mask[idx], self.advantages[idx], self.weights[idx]
         )
 
+    def to(self, device: torch.device) -> Shard:
+        """The same rows on ``device`` (the trainer's logprobs live there: a GPU in a GPU run)."""
+        return Shard(
+            *(
+                t.to(device, non_blocking=True)
+                for t in (self.old, self.rollout, self.mask, self.advantages, self.weights)
+            )
+        )
+
 
 def token_weights(
     recipe: Recipe,
@@ -85,12 +94,13 @@ def make_loss_fn(
     current_stats: Stats | None = None,
     loss_stats: Stats | None = None,
 ):
-    """The loss of a minibatch shard: called by the trainer per micro-batch with its current logprobs."""
+    """The loss of a minibatch shard: called by the trainer per micro-batch with its current logprobs, which
+    are on the trainer's device; the shard's rows (host tensors) follow them there."""
     rl = recipe.rl
     dg = recipe.diagnostics
 
     def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor, s: int):
-        sub = shard.rows(rows)
+        sub = shard.rows(rows).to(logprobs.device)
         old, roll, mask, w = sub.old[:, :s], sub.rollout[:, :s], sub.mask[:, :s], sub.weights[:, :s]
         if logprobs.shape[1] != s or old.shape[1] != s:
             raise ValueError(

@@ -272,19 +272,27 @@ class WeightSync:
     # ------------------------------------------------------------------------------------- push
 
     def push(
-        self, rollout, trainer, *, probe: Callable[[], list[list[int]]] | None, last: bool = False
+        self,
+        rollout,
+        trainer,
+        *,
+        probe: Callable[[], list[list[int]]] | None,
+        last: bool = False,
+        after_load: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """Load the trainer's weights into every engine, check the structure everywhere, and run the eager probe
-        check when due (``probe()`` gives this engine's probe sequences, the same on all its ranks)."""
+        check when due (``probe()`` gives this engine's probe sequences, the same on all its ranks).
+
+        The engine's weights must be awake; ``after_load`` runs between the load and the probe check (the memory
+        choreography, :class:`tim_megatron.rl.colocation.Colocation`, wakes the KV cache there)."""
         if rollout.shares_trainer_weights:
             return {}
         first = self.syncs == 0
         eager = self.check == "probe" or (self.check in ("every", "first") and first)
         eager = eager or (self.check == "every" and last)
-        trainer.release_memory()  # the trainer's cached blocks go back before vLLM takes its memory again
-        rollout.wake_up(tags=["weights"])
         rep = self.load(rollout, trainer.export_hf())
-        rollout.wake_up(tags=["kv_cache"])
+        if after_load is not None:
+            after_load()
         rollout.reset_prefix_cache()  # cached KV was computed with the old weights
         self.syncs += 1
         self.pending = self.check == "every" and not last

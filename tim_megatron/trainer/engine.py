@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from patches.megatron import cpu_shims, invariant_kernels, router_replay
+from patches.megatron import cpu_shims, invariant_kernels, no_te_router_gemm, router_replay
 from tim_megatron.algo.stats import Stats
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
 from tim_megatron.trainer.logprobs import ChunkSampler, HeadSpec, TokenLogprobs, head_weight, token_logprobs
 from tim_megatron.trainer.model import BuildOptions, build_model, final_hidden_states, unwrap
+from tim_megatron.trainer.offload import PARTS, HostOffload, Transfer, trainer_tensors
 from tim_megatron.trainer.parallel import DistEnv, init_parallel
 from tim_megatron.trainer.weights import export_hf, load_hf_into_model
 
@@ -107,6 +108,10 @@ class MegatronTrainer:
             pin_cpu_reductions()
         if cpu_shims.needed():
             self._handles.append(cpu_shims.apply())
+        import megatron.core.transformer.moe.moe_utils  # noqa: F401  (binds te_general_gemm when it can)
+
+        if no_te_router_gemm.needed():
+            self._handles.append(no_te_router_gemm.apply())
         self.env: DistEnv = init_parallel(
             recipe.parallel,
             seed=recipe.run.seed,
@@ -156,6 +161,8 @@ class MegatronTrainer:
         )
         self.load_seconds = time.perf_counter() - t
         self.optimizer = self._optimizer()
+        self.host = HostOffload(device=self._device())
+        """Where the state goes while the rollout engine generates (``trainer.offload_during_rollout``)."""
         self.nonfinite_streak = 0
         self.updates = 0
 
@@ -316,6 +323,7 @@ class MegatronTrainer:
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kw) -> TokenLogprobs:
         """The forward every pass runs: model to the final norm, then the chunked head (``kw``: token_logprobs')."""
+        self.require_resident(("params",), "a forward")
         hidden = final_hidden_states(self.model, ids.to(self._device()), position_ids)
         return token_logprobs(
             hidden=hidden,
@@ -457,6 +465,7 @@ class MegatronTrainer:
         """Accumulate gradients of ``loss_fn`` over the micro-batches of ``batch``, reduced over DP and TP."""
         from megatron.core.distributed import finalize_model_grads
 
+        self.require_resident(PARTS, "a backward")
         self.model.train()
         self.model.zero_grad_buffer()
         with cpu_shims.cuda_placement_to_cpu():
@@ -482,6 +491,7 @@ class MegatronTrainer:
 
     def step(self, *, lr: float, loss: float = 0.0) -> StepResult:
         """Apply the accumulated gradients (skipped when they are not finite; see trainer.nan_guard_max)."""
+        self.require_resident(PARTS, "an optimizer step")
         t1 = time.perf_counter()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -517,18 +527,29 @@ class MegatronTrainer:
 
     def _all_finite(self, loss: float, *, grads: bool) -> bool:
         """Loss (and gradients) finite on every rank: the ranks agree, so they skip and abort together."""
-        ok = torch.ones(1) if math.isfinite(loss) else torch.zeros(1)
-        for p in unwrap(self.model).parameters() if grads and ok.item() else ():
-            g = getattr(p, "main_grad", None)
-            if g is None:
-                g = p.grad
-            if g is not None and not bool(torch.isfinite(g).all()):
-                ok.zero_()
-                break
+        ok = torch.ones(1) if math.isfinite(loss) and (not grads or self._grads_finite()) else torch.zeros(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             ok = ok.to(self._device())
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item() > 0)
+
+    def _grads_finite(self) -> bool:
+        """Every gradient finite: their float64 sum is (an inf or a NaN anywhere makes it inf or NaN; float64
+        cannot overflow on fp32 gradients). One pass over megatron's contiguous gradient buffers and one host
+        sync, instead of a check and a sync per parameter."""
+        buffers = list(getattr(self.model, "buffers", [])) + list(
+            getattr(self.model, "expert_parallel_buffers", [])
+        )
+        grads = [b.grad_data for b in buffers if b.grad_data is not None]
+        if not grads:
+            for p in unwrap(self.model).parameters():
+                g = getattr(p, "main_grad", None)
+                grads.append(p.grad if g is None else g)
+        total = torch.zeros((), dtype=torch.float64, device=self._device())
+        for g in grads:
+            if g is not None:
+                total += g.sum(dtype=torch.float64)
+        return math.isfinite(float(total))
 
     # ------------------------------------------------------------------------------------------ export
 
@@ -536,7 +557,27 @@ class MegatronTrainer:
         self, dtype: torch.dtype | None = None, *, grads: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Weights (or, with ``grads``, the reduced gradients) in HF checkpoint names and shapes."""
+        self.require_resident(("params", "grads") if grads else ("params",), "an export")
         return export_hf(self.model, family=self.family, dims=self.dims, dtype=dtype, grads=grads)
+
+    def offload(self, parts: tuple[str, ...]) -> Transfer:
+        """Move ``parts`` of the state (see :mod:`tim_megatron.trainer.offload`) to host memory, and give the
+        freed device memory back to the device."""
+        moved = self.host.offload(trainer_tensors(self.model, self.optimizer), parts)
+        self.release_memory()
+        return moved
+
+    def onload(self) -> Transfer:
+        """Bring back whatever :meth:`offload` moved (nothing to do when nothing is away)."""
+        return self.host.onload()
+
+    def require_resident(self, parts: tuple[str, ...], doing: str) -> None:
+        away = [p for p in self.host.offloaded if p in parts]
+        if away:
+            raise RuntimeError(
+                f"the trainer's {', '.join(away)} are in host memory (trainer.offload_during_rollout): "
+                f"{doing} needs them back first (trainer.onload())"
+            )
 
     def release_memory(self) -> None:
         """Give the allocator's cached blocks back (before the rollout engine takes its memory again)."""
