@@ -487,15 +487,20 @@ def cancel_cmd(job: str = typer.Argument(..., help="Slurm job id")) -> None:
 
 @app.command("plan")
 def plan_cmd(recipe: Path, overrides: list[str] = typer.Argument(None)) -> None:
-    """Per-GPU memory estimate: parameters, gradients, optimizer state, activations, vLLM weights and KV cache
-    (exit 1 when it does not fit, or when the recipe's ranks do not fill its nodes)."""
+    """Per-GPU memory estimate (parameters, gradients, optimizer state, activations, vLLM weights and KV cache),
+    the rollout with each offload level, and the whole step's time (exit 1 when it does not fit, or when the
+    recipe's ranks do not fill its nodes)."""
     from tim_megatron.slurm.fleet_plan import fleet_plan, format_fleet
     from tim_megatron.slurm.plan import estimate, format_plan
+    from tim_megatron.slurm.step_plan import format_rollout_options, format_step
 
     loaded = _loaded_or_fail(recipe, overrides)
     plan = estimate(loaded.recipe)
     print(format_plan(loaded.recipe, plan, loaded.name))
-    print(format_fleet(loaded.recipe, fleet_plan(loaded.recipe)))
+    print(format_fleet(loaded.recipe, fleet_plan(loaded.recipe, plan)))
+    if loaded.recipe.cluster.gpus_per_node:
+        print(format_rollout_options(loaded.recipe, plan))
+    print(format_step(loaded.recipe, plan))
     if not plan.fits:  # the reasons are printed above; exit 1 like `tim doctor` does for a plan that fails
         raise typer.Exit(1)
 

@@ -11,18 +11,23 @@ Decode model (a stated lower bound, not a measurement):
 * every response is ``rollout.max_tokens`` long (the batch lasts as long as its longest response), and a sequence
   in flight holds ``max_prompt_tokens + max_tokens / 2`` tokens of KV cache on average;
 * an engine runs as many sequences at once as its KV cache holds at full length
-  (``prompt + max_tokens`` tokens each); the rest wait for the next wave.
+  (``prompt + max_tokens`` tokens each); the rest wait for the next wave (the last wave holds what is left).
 
-time per step = waves x max_tokens x (weights / R + in-flight KV / R) / bandwidth.
+time per step = max_tokens x (waves x weights / R + sequences x mean KV per sequence / R) / bandwidth: every
+iteration of every wave reads the weights, and every sequence's KV cache is read at each of its iterations.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.rollout.base import FleetLayout
+
+if TYPE_CHECKING:
+    from tim_megatron.slurm.plan import Plan
 
 HBM_BYTES_PER_S = {
     "a100-80gb": 2.039e12,
@@ -30,6 +35,7 @@ HBM_BYTES_PER_S = {
     "h100-80gb": 3.35e12,
     "h100-94gb": 3.9e12,
     "h200-141gb": 4.8e12,
+    "b200-180gb": 8.0e12,
 }
 """Nominal HBM bandwidth (vendor data sheets, SXM parts)."""
 GIB = 2**30
@@ -69,16 +75,18 @@ def _rollout_minutes(
     if bw is None:
         return float("nan"), seqs, in_flight, waves
     mean_ctx = recipe.data.max_prompt_tokens + r.max_tokens / 2
-    per_iter = (weights / R + in_flight * mean_ctx * kv_per_token / R) / bw
-    return waves * r.max_tokens * per_iter / 60, seqs, in_flight, waves
+    read = waves * weights / R + seqs * mean_ctx * kv_per_token / R
+    return r.max_tokens * read / bw / 60, seqs, in_flight, waves
 
 
-def fleet_plan(recipe: Recipe) -> FleetPlan:
+def fleet_plan(recipe: Recipe, plan: Plan | None = None) -> FleetPlan:
+    """The recipe's fleet, with the KV cache of ``plan`` (unset: the recipe's own memory plan; pass another to see
+    the fleet at another ``gpu_memory_utilization`` or ``trainer.offload_during_rollout``)."""
     from tim_megatron.slurm.plan import estimate
 
     R = recipe.rollout.tensor_parallel_size
     layout = FleetLayout(world=recipe.parallel.world_size, ranks_per_engine=R)
-    kv_gpu = estimate(recipe).vllm_kv_cache
+    kv_gpu = (plan or estimate(recipe)).vllm_kv_cache
     kv_engine = kv_gpu * R
     minutes, seqs, conc, waves = _rollout_minutes(
         recipe, engines=layout.engines, kv_bytes_per_engine=kv_engine

@@ -10,7 +10,8 @@ The estimate, per GPU (bytes; all numbers are upper-bound style, documented so t
   data-parallel size (dense) or expert-data-parallel size (experts) with the distributed optimizer;
 * activations, for one micro-batch of ``trainer.micro_batch_size`` sequences of ``rollout.max_model_len``
   tokens: per layer ``34 x s x b x h / tp`` bytes (Korthikanti et al.'s count with sequence parallelism), plus
-  ``5 x heads x s^2 x b / tp`` for materialized attention scores on CPU (fused attention on GPU keeps none);
+  ``5 x heads x s^2 x b / tp`` for materialized attention scores on CPU, or on GPU without transformer-engine
+  (its fused attention keeps none);
   with ``trainer.recompute: full`` only each layer's input is kept (``2 x s x b x h / tp`` per layer) plus one
   layer's full set during its recomputation; plus one logits chunk (``logprob_chunk x b x vocab / tp x 4``);
 * vLLM: the weights in the rollout dtype (whole model / rollout.tensor_parallel_size) and the KV cache it
@@ -18,9 +19,16 @@ The estimate, per GPU (bytes; all numbers are upper-bound style, documented so t
   The plan asks for room for at least one GRPO group there (``rollout.n`` sequences of ``rollout.max_model_len``
   tokens; K and V of every layer, a GPU holding ``max(kv_heads / rollout TP, 1)`` heads).
 
-Two phases share the GPU. While vLLM generates, the trainer's state (parameters, gradients, optimizer) stays
-resident beside vLLM's share; during the update, the activations join, and vLLM's share leaves only with
-``rollout.sleep_between_steps``. The plan's total is the larger phase; it fits within 95% of the GPU.
+Two phases share the GPU. While vLLM holds its share, the trainer keeps on the GPU what
+``trainer.offload_during_rollout`` does not move to host memory (``optimizer``: Adam's moments and fp32 master
+copy; ``optimizer+grads``: and the fp32 gradient buffers; ``all``: and the parameters). The parameters leave
+(with ``all``) only after the weight sync has been checked, and by then the KV cache is back: so during the sync the
+parameters are resident beside vLLM's whole share, and that moment sets the rollout phase's peak. During the
+update everything is back, the activations join, and vLLM's share leaves only with ``rollout.sleep_between_steps``.
+The plan's total is the larger phase; it fits within 95% of the GPU.
+
+:func:`largest_utilization` is the vLLM share the free memory allows; ``tim plan`` prints it beside the recipe's
+own ``rollout.gpu_memory_utilization`` (the job always uses the recipe's value).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ MAX_NODES = 64
 MAX_ROLLOUT_TP = 16
 """Largest vLLM tensor-parallel size the search tries (beyond one node it needs a multi-node vLLM engine)."""
 MAX_GPU_MEMORY_UTILIZATION = 0.9
-"""Largest vLLM memory share the search sets."""
+"""Largest vLLM memory share the search sets, and the largest :func:`largest_utilization` proposes."""
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -81,10 +89,34 @@ class Plan:
     layout: list[str] = field(default_factory=list)
     """Why the recipe's ranks cannot be placed on its cluster (the job script would be refused); empty when they
     can, and always empty for a layout the search proposes (its ranks are derived from the node count)."""
+    offload: str = "none"
+    """``trainer.offload_during_rollout`` the plan assumes."""
+    offloaded: tuple[str, ...] = ()
+    """The parts it moves to host memory while vLLM generates (``params``, ``grads``, ``optimizer``)."""
 
     @property
     def trainer_state(self) -> float:
         return self.params + self.grads + self.optimizer
+
+    def _kept(self, *, also: tuple[str, ...] = ()) -> float:
+        parts = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+        return sum(v for k, v in parts.items() if k not in self.offloaded or k in also)
+
+    @property
+    def generating_state(self) -> float:
+        """The trainer's bytes on the GPU while vLLM generates."""
+        return self._kept()
+
+    @property
+    def sync_state(self) -> float:
+        """The trainer's bytes on the GPU beside vLLM's whole share: during the weight sync and its check the
+        parameters are still there (``all`` moves them only afterwards)."""
+        return self._kept(also=("params",))
+
+    @property
+    def offloaded_bytes(self) -> float:
+        """What goes to host memory after the update and comes back before the next one."""
+        return self.trainer_state - self.generating_state
 
     @property
     def vllm_resident(self) -> float:
@@ -92,7 +124,7 @@ class Plan:
 
     @property
     def rollout_phase(self) -> float:
-        return self.trainer_state + self.vllm_resident
+        return self.sync_state + self.vllm_resident
 
     @property
     def update_phase(self) -> float:
@@ -133,8 +165,9 @@ class Plan:
                 f"of rollout.max_model_len tokens ({self.kv_needed / g:.1f} GiB)"
             )
         if self.rollout_phase > self.budget:
+            kept = "" if self.offload == "none" else f" kept (offload {self.offload})"
             out.append(
-                f"generation: trainer state {self.trainer_state / g:.1f} GiB + vLLM {self.vllm_resident / g:.1f} GiB "
+                f"generation: trainer state{kept} {self.sync_state / g:.1f} GiB + vLLM {self.vllm_resident / g:.1f} GiB "
                 f"= {self.rollout_phase / g:.1f} GiB > {self.budget / g:.1f} GiB ({HEADROOM:.0%} of {self.gpu_gib} GiB)"
             )
         if self.update_phase > self.budget:
@@ -161,8 +194,15 @@ def estimate(
     nodes: int | None = None,
     rollout_tp: int | None = None,
     gpu_memory_utilization: float | None = None,
+    materialized_attention: bool | None = None,
+    offload: str | None = None,
 ) -> Plan:
-    """The recipe's plan, or the plan it would have with another layout (unset: the recipe's own)."""
+    """The recipe's plan, or the plan it would have with another layout (unset: the recipe's own).
+    ``materialized_attention``: count the attention scores (megatron-core's local spec, without
+    transformer-engine's fused attention); unset: on CPU only. ``offload``: another
+    ``trainer.offload_during_rollout`` (unset: the recipe's)."""
+    from tim_megatron.trainer.offload import LEVELS
+
     d, p, c, r = recipe.model.dims, recipe.parallel, recipe.cluster, recipe.rollout
     relayout = tp is not None or ep is not None or nodes is not None
     tp = tp or p.tp
@@ -180,15 +220,22 @@ def estimate(
     grads = (dense_local + expert_local) * 4
     optimizer = 12 * (dense_local / (dp if dist_opt else 1) + expert_local / (edp if dist_opt else 1))
     s, b, h = r.max_model_len, recipe.trainer.micro_batch_size, d.hidden_size
-    layer = 34 * s * b * h / tp + (0 if c.gpus_per_node else 5 * d.num_attention_heads * s * s * b / tp)
+    if materialized_attention is None:
+        materialized_attention = not c.gpus_per_node
+    scores = 5 * d.num_attention_heads * s * s * b / tp if materialized_attention else 0
+    layer = 34 * s * b * h / tp + scores
     if recipe.trainer.recompute == "full":
         act = d.num_layers * 2 * s * b * h / tp + layer
     else:
         act = d.num_layers * layer
     act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 4
     placement = [] if relayout else layout_problems(recipe)
+    offload = offload or recipe.trainer.offload_during_rollout
+    moved = LEVELS[offload]
     if not c.gpus_per_node:
-        return Plan(params, grads, optimizer, act, 0.0, 0.0, 0, layout=placement)
+        return Plan(
+            params, grads, optimizer, act, 0.0, 0.0, 0, layout=placement, offload=offload, offloaded=moved
+        )
     gpu = GPU_MEMORY_GIB[c.gpu_type]
     rtp = rollout_tp or r.tensor_parallel_size
     util = gpu_memory_utilization or r.gpu_memory_utilization
@@ -211,7 +258,20 @@ def estimate(
         rollout_tp=rtp,
         gpu_memory_utilization=util,
         layout=placement,
+        offload=offload,
+        offloaded=moved,
     )
+
+
+def largest_utilization(plan: Plan) -> float:
+    """The largest vLLM share (``gpu_memory_utilization``, in 0.01 steps, at most MAX_GPU_MEMORY_UTILIZATION) that
+    fits the budget beside what the trainer keeps on the GPU while vLLM holds its share (and, when vLLM stays
+    awake, beside the update's trainer state and activations too); 0 when nothing is free."""
+    if not plan.gpu_gib:
+        return 0.0
+    busy = plan.sync_state if plan.sleep else max(plan.sync_state, plan.trainer)
+    free = (plan.budget - busy) / (plan.gpu_gib * GIB)
+    return max(min(math.floor(free * 100 + 1e-9) / 100, MAX_GPU_MEMORY_UTILIZATION), 0.0)
 
 
 def layout_problems(recipe: Recipe) -> list[str]:
@@ -365,6 +425,11 @@ def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
         f"  {'vLLM':<32} TP {plan.rollout_tp}, gpu_memory_utilization {plan.gpu_memory_utilization:g}, "
         f"KV cache for one group {plan.kv_needed / GIB:.2f} GiB"
     )
+    if plan.offload != "none":
+        lines.append(
+            f"  {'offload during rollout':<32} {plan.offload}: {plan.offloaded_bytes / GIB:.2f} GiB to host memory, "
+            f"{plan.sync_state / GIB:.2f} GiB kept beside vLLM"
+        )
     sleep = "vLLM asleep" if plan.sleep else "vLLM resident"
     lines.append(
         f"  {'peak: generation / update':<32} {plan.rollout_phase / GIB:9.2f} / {plan.update_phase / GIB:.2f} GiB ({sleep})"
