@@ -256,6 +256,21 @@ def test_cpu_run_of_every_section_that_can_run_on_cpu(tmp_path):
     assert math.isfinite(finding("train step", "ours / bare")["value"])
     restore = finding("checkpoint", "restored vs saved model, max |dlogp|")
     assert restore["verdict"] == "pass" and restore["value"] == 0.0
+    # the offload round trip: every part moved, the same bytes back, the same logprobs, a step after it
+    moved = finding("offload", "state moved (params + grads + optimizer)")["value"]
+    parts = [finding("offload", f"  of which {p}")["value"] for p in ("optimizer", "grads", "params")]
+    assert all(v > 0 for v in parts) and math.isclose(sum(parts), moved)
+    for name in ("state bytes after the round trips equal before", "a train step after the round trip: loss"):
+        assert finding("offload", name)["verdict"] == "pass"
+    assert finding("offload", "logprobs after vs before, max |dlogp|")["value"] == 0.0
+    # the exact kernels' row-invariance check ran on this device, against torch's plain products
+    from tim_megatron.exact.kernels import INVARIANCE_CHECKS
+
+    for kernels in ("cpu-tiled", "plain"):
+        f = finding(
+            "exact kernels", f"{kernels} kernels: cases where a row's bits depend on the batch (of 8)"
+        )
+        assert 0 <= f["value"] <= INVARIANCE_CHECKS and f["rule"]
     assert finding("vllm", "vLLM bf16 vs HF fp32, mean |dlogp|")["verdict"] == "pass"
     assert finding("vllm", "after wake_up vs before sleep, max |dlogp|")["value"] == 0.0
     assert finding("vllm", "native routed-expert capture")["verdict"] == "skip"

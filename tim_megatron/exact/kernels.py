@@ -117,21 +117,45 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def invariance_problems(kernels: ExactKernels, *, seed: int = 0) -> list[str]:
+class PlainKernels:
+    """torch's own products, untiled: the contrast :func:`invariance_problems` is read against (not exact)."""
+
+    name: str = "plain"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(a, b)
+
+    def softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, dim=-1)
+
+
+INVARIANCE_CHECKS = 8
+"""How many (dtype, product, shape) cases :func:`invariance_problems` tries."""
+
+
+def invariance_problems(
+    kernels: ExactKernels, *, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[str]:
     """Where ``kernels`` give a row other bits alone than among many, at shapes wide enough for MKL to split one
-    GEMM over its threads (a decode step's), float32 and bfloat16; empty when none."""
+    GEMM over its threads (a decode step's), float32 and bfloat16, on ``device``; empty when none."""
     g = torch.Generator().manual_seed(seed)
     found = []
     for dtype in (torch.float32, torch.bfloat16):
         for k, n in ((2048, 64), (1024, 1536)):
-            x = torch.randn(256, k, generator=g).to(dtype)
-            w = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(256, k, generator=g).to(device, dtype)
+            w = torch.randn(n, k, generator=g).to(device, dtype)
             if not torch.equal(kernels.linear(x[:1], w)[0], kernels.linear(x, w)[0]):
                 found.append(f"{str(dtype)[6:]} linear, K = {k}, N = {n}")
-        p = torch.softmax(torch.randn(1, 64, 2048, generator=g), -1).to(dtype)
-        v = torch.randn(1, 2048, 64, generator=g).to(dtype)
+        p = torch.softmax(torch.randn(1, 64, 2048, generator=g), -1).to(device, dtype)
+        v = torch.randn(1, 2048, 64, generator=g).to(device, dtype)
         if not torch.equal(kernels.bmm(p[:, :1], v)[0, 0], kernels.bmm(p, v)[0, 0]):
             found.append(f"{str(dtype)[6:]} bmm over 2048 keys")
+        scores = torch.randn(256, 2048, generator=g).to(device, dtype)
+        if not torch.equal(kernels.softmax(scores[:1])[0], kernels.softmax(scores)[0]):
+            found.append(f"{str(dtype)[6:]} softmax over 2048")
     return found
 
 

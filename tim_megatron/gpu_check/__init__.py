@@ -20,6 +20,7 @@ import importlib.metadata as md
 import importlib.util
 import platform
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,7 +28,15 @@ from datetime import UTC, datetime
 import torch
 
 from tim_megatron.gpu_check.report import Finding, Report
-from tim_megatron.gpu_check.sections import Bench, checkpoint_round_trip, parity, train_step, vllm_engine
+from tim_megatron.gpu_check.sections import (
+    Bench,
+    checkpoint_round_trip,
+    exact_kernels,
+    offload_round_trip,
+    parity,
+    train_step,
+    vllm_engine,
+)
 
 LIMIT_SECONDS = 600.0
 
@@ -47,6 +56,12 @@ def _step(b: Bench) -> list[Finding]:
     return train_step(b, b.tiny(), section="train step", seqs=32, length=32, repeat=3)
 
 
+def _offload(b: Bench) -> list[Finding]:
+    if b.on_gpu:
+        return offload_round_trip(b, b.one_b(), section="offload", seqs=4, length=1024)
+    return offload_round_trip(b, b.tiny(), section="offload", seqs=8, length=32)
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("parity tiny", lambda b: parity(b, b.tiny(), section="parity tiny", n=8, length=32)),
     Section(
@@ -54,6 +69,8 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section("train step", _step),
     Section("checkpoint", lambda b: checkpoint_round_trip(b, b.tiny(), section="checkpoint")),
+    Section("offload", lambda b: _offload(b)),
+    Section("exact kernels", lambda b: exact_kernels(b, section="exact kernels")),
     Section("vllm", lambda b: vllm_engine(b, b.tiny(), section="vllm"), needs="vllm"),
 )
 """What ``make gpu-check`` runs, in order (vLLM last: its engine keeps a share of the GPU until the end)."""
@@ -103,6 +120,7 @@ def run_sections(bench: Bench, sections: tuple[Section, ...] = SECTIONS, *, echo
             try:
                 found = s.run(bench)
             except Exception as e:
+                traceback.print_exc()  # the report keeps the message; the log gets where it was raised
                 found = [
                     Finding(s.name, "section raised", None, verdict="fail", rule=f"{type(e).__name__}: {e}")
                 ]
