@@ -155,6 +155,18 @@ def _loss_fn(recipe, old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor):
     return make_loss_fn(recipe, shard, denominator=float(mask.sum()))
 
 
+def _random_batch(model: Model, *, seqs: int, length: int, seed: int, prompt: int):
+    """Random full-length sequences: ids, the trainer's batch, the loss mask (the first ``prompt`` positions
+    off) and one advantage per sequence."""
+    from tim_megatron.trainer.engine import SeqBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, model.dims.vocab_size, (seqs, length), generator=g)
+    mask = torch.ones(seqs, length, dtype=torch.bool)
+    mask[:, :prompt] = False
+    return ids, SeqBatch(ids, torch.full((seqs,), length)), mask, torch.randn(seqs, generator=g)
+
+
 def train_step(
     bench: Bench, model: Model, *, section: str, seqs: int, length: int, repeat: int
 ) -> list[Finding]:
@@ -162,7 +174,6 @@ def train_step(
     memory against ``tim plan``'s estimate for the same recipe."""
     from tim_megatron.bench.bare import bare_megatron_step
     from tim_megatron.slurm.plan import GIB, estimate
-    from tim_megatron.trainer.engine import SeqBatch
 
     recipe = bench.recipe(model, dtype="bfloat16", micro_batch=seqs, max_model_len=length)
     bench.free()
@@ -174,12 +185,7 @@ def train_step(
     tr = MegatronTrainer(recipe, model_path=model.path)
     out = [model_finding(model, section)]
     try:
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(2, model.dims.vocab_size, (seqs, length), generator=g)
-        batch = SeqBatch(ids, torch.full((seqs,), length))
-        mask = torch.ones(seqs, length, dtype=torch.bool)
-        mask[:, : length // 4] = False
-        adv = torch.randn(seqs, generator=g)
+        ids, batch, mask, adv = _random_batch(model, seqs=seqs, length=length, seed=0, prompt=length // 4)
         old = tr.logprobs(batch)[0].logprobs
         loss_fn = _loss_fn(recipe, old, mask, adv)
 
@@ -269,17 +275,12 @@ def offload_round_trip(bench: Bench, model: Model, *, section: str, seqs: int, l
     goes to host memory and back. Bytes, seconds, device memory freed, the state's bytes before and after, the
     logprobs before and after, and a train step after it."""
     from tim_megatron.slurm.plan import GIB
-    from tim_megatron.trainer.engine import SeqBatch
     from tim_megatron.trainer.offload import LEVELS
 
     tr = bench.trainer(model, dtype="bfloat16", micro_batch=seqs, max_model_len=length)
     out = [model_finding(model, section)]
     try:
-        g = torch.Generator().manual_seed(3)
-        ids = torch.randint(2, model.dims.vocab_size, (seqs, length), generator=g)
-        batch = SeqBatch(ids, torch.full((seqs,), length))
-        mask = torch.ones(seqs, length, dtype=torch.bool)
-        adv = torch.randn(seqs, generator=g)
+        _, batch, mask, adv = _random_batch(model, seqs=seqs, length=length, seed=3, prompt=0)
         old = tr.logprobs(batch)[0].logprobs
         tr.train_step(batch, _loss_fn(tr.recipe, old, mask, adv), lr=1e-6)
         before = tr.logprobs(batch)[0].logprobs
