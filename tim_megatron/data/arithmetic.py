@@ -6,7 +6,6 @@ Small enough for the tiny MoE to learn by RL on a laptop CPU in minutes, and ver
 from __future__ import annotations
 
 import itertools
-import random
 from dataclasses import dataclass
 
 import torch
@@ -37,41 +36,13 @@ def possible_answers(task: TaskConfig) -> list[str]:
     return sorted({p.answer for p in all_problems(task)}, key=lambda s: (len(s), s))
 
 
-def task_problems(task: TaskConfig) -> list[Problem]:
-    """Every problem of the built-in task ``task.kind`` (arithmetic, or the countdown lab task)."""
-    if task.kind == "countdown":
-        from tim_megatron.data import countdown
-
-        return countdown.all_problems(task)
-    return all_problems(task)
-
-
-def task_reward_kind(task: TaskConfig) -> str:
-    """The reward function of the built-in task (a kind of :func:`tim_megatron.data.rewards.reward`)."""
-    return "countdown" if task.kind == "countdown" else "exact"
-
-
-def problem_pool(task: TaskConfig, seed: int) -> list[Problem]:
-    """The fixed prompt pool: every problem, or ``num_prompts`` of them drawn with ``seed``."""
-    pool = task_problems(task)
-    if task.num_prompts and task.num_prompts < len(pool):
-        pool = random.Random(seed).sample(pool, task.num_prompts)
-    return pool
-
-
 def exact_answer_reward(response: str, answer: str) -> float:
     """1.0 when the response (up to end of text, whitespace stripped) is exactly the answer."""
     return 1.0 if response.strip() == answer else 0.0
 
 
-def format_warmup_batch(*, tokenizer, task: TaskConfig, batch_size: int, generator: torch.Generator):
-    """``prompt + random answer + EOS`` sequences with labels on the answer and EOS only (format SFT).
-
-    For ``task.kind = countdown`` the lab task's own warm-up (:func:`tim_megatron.data.countdown.warmup_batch`)."""
-    if task.kind == "countdown":
-        from tim_megatron.data.countdown import warmup_batch
-
-        return warmup_batch(tokenizer=tokenizer, task=task, batch_size=batch_size, generator=generator)
+def warmup_batch(*, tokenizer, task: TaskConfig, batch_size: int, generator: torch.Generator):
+    """``prompt + random answer + EOS`` sequences with labels on the answer and EOS only (format SFT)."""
     pool = all_problems(task)
     answers = possible_answers(task)
     eos = tokenizer.eos_token_id

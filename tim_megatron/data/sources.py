@@ -15,10 +15,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from tim_megatron.data.arithmetic import problem_pool, task_problems, task_reward_kind
 from tim_megatron.data.checks import bad_rows, row_problem
 from tim_megatron.data.errors import DataError, listing
 from tim_megatron.data.files import read_dataset
+from tim_megatron.data.tasks import problem_pool, task_problems, task_reward_kind
 from tim_megatron.recipe.schema import DataConfig, DatasetConfig
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

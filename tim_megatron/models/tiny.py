@@ -197,7 +197,7 @@ def _family_init(model, dims: ModelDims, seed: int) -> None:
 
 
 def _warmup(model, tokenizer, *, steps: int, seed: int, task: TaskConfig) -> None:
-    from tim_megatron.data.arithmetic import format_warmup_batch
+    from tim_megatron.data.tasks import format_warmup_batch
 
     g = torch.Generator().manual_seed(seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
