@@ -73,11 +73,12 @@ def setup(
     from patches.megatron import checkpoint_writer_signals
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.logging.tracker import Tracker, truncate_jsonl
-    from tim_megatron.loop import Run, StopRequest, new_schedule, new_warnings
     from tim_megatron.rl.colocation import Colocation
     from tim_megatron.rollout.engine import check_model_for_engine
     from tim_megatron.rollout.sync import WeightSync, manifest
     from tim_megatron.run_dir import mark_running
+    from tim_megatron.run_state import Run, new_schedule, new_warnings
+    from tim_megatron.stop import StopRequest
     from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint, refuse_unsafe
     from tim_megatron.trainer.engine import MegatronTrainer
 
