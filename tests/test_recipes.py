@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tim_megatron.recipe import RecipeError, load_recipe
-from tim_megatron.recipe.loader import all_keys, check_dir, parse_override
+from tim_megatron.recipe.check import check_dir
+from tim_megatron.recipe.loader import all_keys, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -59,7 +59,7 @@ def recipe_check(
     root: Path = typer.Argument(Path("recipes"), help="folder (or one file) to validate"),
 ) -> None:
     """Validate every recipe and sweep file under a folder, offline."""
-    from tim_megatron.recipe.loader import check_dir
+    from tim_megatron.recipe.check import check_dir
 
     results = check_dir(root) if root.is_dir() else check_dir_single(root)
     bad = [(p, e) for p, e in results if e]

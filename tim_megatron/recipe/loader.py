@@ -533,20 +533,3 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def recipe_to_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
-
-
-def check_dir(root: str | Path) -> list[tuple[Path, str | None]]:
-    """Validate every recipe under ``root`` (sweep files are checked by the sweep loader)."""
-    from tim_megatron.recipe.sweep import is_sweep_file, load_sweep
-
-    results = []
-    for p in sorted(Path(root).rglob("*.yaml")):
-        try:  # a folder, a binary or an unreadable file named *.yaml fails here too, and the check goes on
-            if is_sweep_file(p):
-                load_sweep(p)
-            else:
-                load_recipe(p)
-            results.append((p, None))
-        except RecipeError as e:
-            results.append((p, str(e)))
-    return results
