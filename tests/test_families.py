@@ -424,7 +424,7 @@ def test_new_recipe_from_the_published_config_fits_a100_and_h100(model, recipes_
     import yaml
 
     from tim_megatron.recipe import load_recipe
-    from tim_megatron.recipe.loader import check_dir
+    from tim_megatron.recipe.check import check_dir
     from tim_megatron.slurm.plan import estimate
     from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
 
