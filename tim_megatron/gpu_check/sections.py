@@ -259,15 +259,10 @@ def train_step(
 def _state_snapshot(trainer) -> list[torch.Tensor]:
     """A copy, on the same device, of every storage the offload moves (parameters, gradient buffers, optimizer
     state), as bytes, in a fixed order."""
-    from tim_megatron.trainer.offload import trainer_tensors
+    from tim_megatron.trainer.offload import storage_bytes, trainer_tensors
 
-    out = []
-    for storages in trainer.host.storages(trainer_tensors(trainer.model, trainer.optimizer)).values():
-        for s in storages.values():
-            out.append(
-                torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (s.nbytes(),), (1,)).clone()
-            )
-    return out
+    parts = trainer.host.storages(trainer_tensors(trainer.model, trainer.optimizer)).values()
+    return [storage_bytes(s).clone() for storages in parts for s in storages.values()]
 
 
 def offload_round_trip(bench: Bench, model: Model, *, section: str, seqs: int, length: int) -> list[Finding]:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from patches.megatron import distopt_checkpoint
 from patches.megatron.cpu_shims import cuda_placement_to_cpu
 from tim_megatron.integrity import IntegrityWarning, sha256_file
 from tim_megatron.trainer.checkpoint_scan import scan_checkpoint
@@ -278,52 +279,6 @@ def load_rng_state(folder: Path, rank: int) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
-"""How megatron's distributed optimizer lays its state out in a checkpoint: one tensor per rank's buffer, saved and
-loaded in parallel, reshardable across DP only. megatron-core 0.16.1's default (``fully_sharded_model_space``,
-deprecated) refuses to save (``ShardedTensor.flattened_range is not supported``), seen on an H200. The other
-optimizers ignore it."""
-
-
-def _prime_optimizer_state(optimizer) -> None:
-    """Give a fresh distributed optimizer an Adam state to load into. megatron-core 0.16.1's
-    ``DistributedOptimizer.state_dict`` asserts exactly one ``step`` among its states, so a trainer that has not
-    stepped yet cannot describe what it is about to load (seen on an H200: ``assert len(steps) == 1``). Its own
-    helper fills every state with a zero-gradient step, as megatron's FSDP loader does; the load then replaces
-    every value it wrote (moments, fp32 master weights, step), and the model's weights are not touched."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if isinstance(o, DistributedOptimizer) and not o.optimizer.state:
-            o._init_optimizer_states_with_dummy_values()
-
-
-def _restore_adam_steps(optimizer, loaded: dict, path: Path) -> None:
-    """Give every parameter of megatron's distributed optimizer its own Adam ``step``, with the value the checkpoint
-    recorded. megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (without apex or transformer-engine)
-    puts one tensor object in every state, and its per-parameter state then copies in the ``step`` of the state
-    it loads into (the primed one, :func:`_prime_optimizer_state`), not the saved one. torch's Adam adds 1 to
-    that one tensor once per parameter, so after a resume the bias correction ran far from the truth (seen on an
-    H200, reproduced on CPU: one step after a restore moved the logprobs by 7.3 nats)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    per_optimizer = loaded if len(chained) > 1 else {0: loaded}  # several: one state dict per optimizer
-    for idx, o in enumerate(chained):
-        if not isinstance(o, DistributedOptimizer):
-            continue
-        groups = per_optimizer[idx]["optimizer"]["param_groups"]
-        steps = {float(g["step"]) for g in groups if "step" in g}
-        if len(steps) != 1:
-            raise CheckpointError(
-                f"checkpoint {path}: optimizer {idx} records Adam steps {sorted(steps)}; want one"
-            )
-        (step,) = steps
-        for state in o.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
-
-
 def _sharded(trainer, loading: bool) -> dict:
     gpt = unwrap(trainer.model)
     msd = gpt.sharded_state_dict()
@@ -331,9 +286,9 @@ def _sharded(trainer, loading: bool) -> dict:
     if trainer.recipe.checkpoint.save_optimizer:
         with cuda_placement_to_cpu():
             if loading:
-                _prime_optimizer_state(trainer.optimizer)
+                distopt_checkpoint.prime(trainer.optimizer)
             out["optimizer"] = trainer.optimizer.sharded_state_dict(
-                msd, is_loading=loading, metadata=dict(OPTIMIZER_SHARDING)
+                msd, is_loading=loading, metadata=dict(distopt_checkpoint.SHARDING)
             )
     return out
 
@@ -431,7 +386,10 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
         # no_grad: with an fp32 model the distributed optimizer's master weights are the parameters themselves
         with cuda_placement_to_cpu(), torch.no_grad():
             trainer.optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(trainer.optimizer, loaded["optimizer"], path)
+        try:
+            distopt_checkpoint.restore_steps(trainer.optimizer, loaded["optimizer"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
     load_rng_state(path, _rank())
     trainer.updates = meta.get("updates", 0)
     return meta

@@ -54,6 +54,12 @@ class _Away:
     part: str
 
 
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage`` (it stays valid across ``resize_`` of the storage)."""
+    n = storage.nbytes()
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (n,), (1,))
+
+
 def _tensors_of(obj) -> Iterable[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -140,7 +146,7 @@ class HostOffload:
                 if key in self._away:
                     continue
                 n = s.nbytes()
-                view = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (n,), (1,))
+                view = storage_bytes(s)
                 host = self._host.get(key)
                 if host is None or host.numel() != n:
                     host = torch.empty(n, dtype=torch.uint8, pin_memory=view.is_cuda)
