@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -79,26 +80,47 @@ def test_length_decay_defaults_to_the_fixed_period_and_needs_one():
         load_recipe(None, ["remedies.lr_schedule.type=length_decay"])
 
 
-def _fires(lengths: list[float]) -> int | None:
-    det = SurgeDetector(window=5, baseline_steps=20, factor=2.0)  # the 4B/8B recipes' old settings
+def _fires(lengths: list[float], **kw) -> int | None:
+    det = SurgeDetector(**kw)
     for t, x in enumerate(lengths, start=1):
         if det.update(t, x):
             return t
     return None
 
 
-def test_surge_trigger_limits_documented_in_the_schema():
-    """The two blind spots the schema docstring names, shown on the detector the opt-in trigger uses."""
-    # A base-model-like curve: starts high (2500), dips to 1000, then surges to 3x the dip (TIM-LR Fig. 6's
-    # 1000 -> 3000), which is below 2x the mean of the first 20 steps (1788).
+def test_surge_fires_on_a_tripling_within_5_steps_and_not_on_a_slow_drift():
+    """TIM-LR's surge is a rapid multiplication: a tripling within 5 steps fires, a 1%/step drift never does
+    (it triples over 110 steps, which the earlier first-steps-baseline rule called a surge)."""
+    flat_then_triple = [30.0] * 20 + [30.0 + 12 * k for k in range(1, 6)] + [90.0] * 30  # 30 -> 90 in 5 steps
+    fired = _fires(flat_then_triple)  # defaults: window 3, factor 2, within 10
+    # window means: (54 + 66 + 78) / 3 = 66 at step 24 is the first >= 2 x 30 (step 23: 54 < 60)
+    assert fired == 24
+    drift = [30.0 * 1.01**t for t in range(300)]  # 1%/step: 20x over the run
+    assert _fires(drift) is None
+    assert drift[-1] / drift[0] > 19
+    # A curve that starts high and dips (base models) fires when it surges back: the reference is the recent
+    # past, not the first steps (TIM-LR Fig. 6's 1000 -> 3000).
     base_like = [2500 - 75 * t for t in range(20)] + [1000] * 30 + [3000] * 50
-    assert _fires(base_like) is None
-    # A steady 1%/step growth, no surge: fires anyway, ~70 steps after the baseline.
-    steady = [1000 * 1.01**t for t in range(200)]
-    fired = _fires(steady)
-    assert fired is not None and 60 <= fired <= 100
+    assert _fires(base_like, window=5, baseline_steps=20) == 53  # (1000 x 2 + 3000 x 3) / 5 = 2200 at step 53
     doc = type(Recipe().remedies.lr_schedule).model_fields["trigger"].description
-    assert "never decay" in doc and "1%/step" in doc
+    assert "1%/step" in doc and "within" in doc
+
+
+def test_surge_detector_state_round_trips_and_reads_the_recipe():
+    r = load_recipe(None, ["remedies.lr_schedule.surge.within=4", "remedies.lr_schedule.surge.factor=3"])
+    det = SurgeDetector.from_config(r.recipe.remedies.lr_schedule.surge)
+    assert (det.within, det.factor, det.window) == (4, 3.0, 3)
+    lengths = [10.0] * 8 + [40.0] * 6
+    for t, x in enumerate(lengths[:9], start=1):
+        det.update(t, x)
+    twin = SurgeDetector.from_config(r.recipe.remedies.lr_schedule.surge)
+    twin.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    a = [det.update(t, x) for t, x in enumerate(lengths[9:], start=10)]
+    b = [twin.update(t, x) for t, x in enumerate(lengths[9:], start=10)]
+    assert a == b and any(a)
+    old = SurgeDetector()
+    old.load_state_dict({"history": [1.0], "baseline": 3.0, "fired_at": None, "window": 3})  # earlier format
+    assert old.update(1, 5.0) is None and not hasattr(old, "baseline")
 
 
 # -------------------------------------------------------------- clipping sweeps: aggregation held fixed

@@ -49,7 +49,6 @@ class Run:
 
 def new_warnings(recipe) -> EarlyWarning:
     ew = recipe.diagnostics.early_warning
-    sv = recipe.remedies.lr_schedule.surge
     return EarlyWarning.create(
         metrics=list(ew.metrics),
         rule=ew.rule,
@@ -59,7 +58,7 @@ def new_warnings(recipe) -> EarlyWarning:
         z_cap=ew.z_cap,
         window=ew.window,
         threshold=ew.threshold,
-        surge=SurgeDetector(window=sv.window, baseline_steps=sv.baseline_steps, factor=sv.factor),
+        surge=SurgeDetector.from_config(recipe.remedies.lr_schedule.surge),
     )
 
 

@@ -13,8 +13,10 @@ All are small state machines fed one value per step; their state is plain data f
 * :class:`GrowthDetector` (the earlier rule, kept for comparison and for ``tim report``) fires when the median
   of the last ``window`` values reaches ``threshold`` x the median of the first ``baseline_steps`` values. It
   ignores the run's noise: a quiet run's 2x is a large event, a noisy run's 2x can be a fluctuation.
-* :class:`SurgeDetector` fires when the mean length of the last ``window`` steps reaches ``factor`` x the
-  mean of the first ``baseline_steps`` steps (the TIM-LR paper's "length can triple in a few steps").
+* :class:`SurgeDetector` fires on a rapid multiplication of the response length (TIM-LR's surge: "length can
+  triple in a few steps"): the mean length of the last ``window`` steps reaches ``factor`` x its smallest value
+  over the ``within`` steps before. A slow drift never fires (1% per step doubles in 70 steps), and neither the
+  level the run starts at nor an early dip moves the reference, which is always the recent past.
 """
 
 from __future__ import annotations
@@ -155,40 +157,56 @@ def noise_sd(diffs: list[float], *, min_sigma: float) -> float:
 
 @dataclass
 class SurgeDetector:
+    """A rapid multiplication of the mean response length (see the module docstring); fires once."""
+
     window: int = 3
+    """Steps averaged into the current length."""
     baseline_steps: int = 5
+    """Steps seen before the detector may fire."""
     factor: float = 2.0
-    history: list[float] = field(default_factory=list)
-    baseline: float | None = None
+    """The surge: the current length reaches this multiple of its smallest value over the last ``within`` steps."""
+    within: int = 10
+    """How many steps the multiplication may take."""
+    recent: list[float] = field(default_factory=list)
+    """The last ``window`` raw lengths."""
+    smoothed: list[float] = field(default_factory=list)
+    """The current length at each of the last ``within`` steps (before this one)."""
+    seen: int = 0
     fired_at: int | None = None
     metric: str = "response/length_mean"
+
+    @classmethod
+    def from_config(cls, cfg) -> SurgeDetector:
+        """From a recipe's ``remedies.lr_schedule.surge`` section."""
+        return cls(window=cfg.window, baseline_steps=cfg.baseline_steps, factor=cfg.factor, within=cfg.within)
 
     def update(self, step: int, mean_length: float) -> Event | None:
         if mean_length is None or not math.isfinite(mean_length):
             return None
-        self.history.append(float(mean_length))
-        if self.baseline is None:
-            if len(self.history) >= self.baseline_steps:
-                self.baseline = sum(self.history[: self.baseline_steps]) / self.baseline_steps
-                self.history = []
+        self.seen += 1
+        self.recent = [*self.recent, float(mean_length)][-self.window :]
+        if len(self.recent) < self.window:
             return None
-        self.history = self.history[-self.window :]
-        if self.fired_at is not None or len(self.history) < self.window:
-            return None
-        recent = sum(self.history) / self.window
-        if self.baseline > 0 and recent >= self.factor * self.baseline:
-            self.fired_at = step
-            return Event(
-                step=step, kind="length_surge", metric=self.metric, value=recent, baseline=self.baseline
-            )
-        return None
+        current = sum(self.recent) / self.window
+        event = None
+        if self.fired_at is None and self.seen >= self.baseline_steps and self.smoothed:
+            low = min(self.smoothed)
+            if low > 0 and current >= self.factor * low:
+                self.fired_at = step
+                event = Event(step=step, kind="length_surge", metric=self.metric, value=current, baseline=low)
+        self.smoothed = [*self.smoothed, current][-self.within :]
+        return event
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` saved; the state of the earlier definition (a fixed baseline from the
+        first steps) has no counterpart here and starts the detector afresh, keeping only ``fired_at``."""
+        names = {f for f in self.__dataclass_fields__}
         for k, v in state.items():
-            setattr(self, k, v)
+            if k in names:
+                setattr(self, k, v)
 
 
 @dataclass

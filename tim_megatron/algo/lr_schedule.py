@@ -8,10 +8,9 @@ eta_t = max(eta_{t-1} / 2, eta_inf), eta_inf = min_lr_ratio x eta_0 (default 10%
 ``step`` with ``trigger_step = 0``, is Algorithm 1 exactly: T_decay is fixed in advance (the paper takes about
 1.8 x the step where an earlier run's response length surged). ``trigger = surge`` is an opt-in variant that
 starts counting when the :class:`SurgeDetector` fires and derives the period from that step
-(period_factor x surge step). Its limits: the detector compares recent mean length with the mean of the
-first steps, so a length curve that starts high, dips and surges back can stay below ``factor`` x that
-baseline and never trigger, and a slow steady growth (1%/step doubles in ~70 steps) triggers it without any
-surge.
+(period_factor x surge step). The detector fires when the mean length multiplies by ``factor`` within
+``within`` steps (TIM-LR's rapid surge), so a slow steady growth never triggers it and a curve that starts
+high and dips still does when it surges back.
 """
 
 from __future__ import annotations
@@ -157,8 +156,6 @@ def build_schedule(cfg, *, base_lr: float, total_steps: int):
             trigger_step=cfg.trigger_step,
             decay_period=cfg.decay_period,
             period_factor=cfg.period_factor,
-            surge=SurgeDetector(
-                window=cfg.surge.window, baseline_steps=cfg.surge.baseline_steps, factor=cfg.surge.factor
-            ),
+            surge=SurgeDetector.from_config(cfg.surge),
         )
     raise ValueError(f"remedies.lr_schedule.type = {cfg.type!r}: allowed constant, cosine, length_decay")

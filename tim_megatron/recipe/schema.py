@@ -428,12 +428,17 @@ class RLConfig(Section):
 
 
 class SurgeDetectorConfig(Section):
+    """TIM-LR's length surge: the mean response length multiplies by ``factor`` within ``within`` steps."""
+
     window: int = Field(3, ge=1)
     """Steps averaged for the current response length."""
     baseline_steps: int = Field(5, ge=1)
-    """First steps whose mean length is the baseline."""
+    """Steps seen before the detector may fire."""
     factor: float = Field(2.0, gt=1)
-    """The surge fires when current / baseline mean length reaches this."""
+    """The surge fires when the current length reaches this multiple of its smallest value over ``within``."""
+    within: int = Field(10, ge=1)
+    """Steps the multiplication may take: the reference is the smallest current length of the last ``within``
+    steps, so a slow drift (1%/step doubles in ~70 steps) never fires."""
 
 
 class LRScheduleConfig(Section):
@@ -449,10 +454,9 @@ class LRScheduleConfig(Section):
     """length_decay: ``step`` (default) is Algorithm 1 of the TIM-LR paper exactly with ``trigger_step: 0``:
     hold the LR, then halve it at every multiple of ``decay_period`` down to the floor, T_decay chosen in advance
     (the paper: ~1.8 x the step of the length surge seen in an earlier run). ``surge`` (opt-in) waits for the
-    surge detector and derives the period from the step it fires. Its limits: it compares the mean length of the
-    last ``surge.window`` steps with the mean of the first ``surge.baseline_steps``, so a curve that starts high,
-    dips and then surges back (base models) may never reach ``factor`` x that baseline and never decay, while a
-    steady growth of ~1%/step reaches 2x within ~70 steps and fires without any surge."""
+    surge detector and derives the period from the step it fires: the mean length multiplying by ``surge.factor``
+    within ``surge.within`` steps, whatever level the run started at (a base model's curve that starts high, dips
+    and surges back fires) and never on a steady growth of ~1%/step."""
     trigger_step: int = Field(0, ge=0)
     """length_decay with ``trigger: step``: halving counts only after this step (0: Algorithm 1 from step 1)."""
     decay_period: int | None = Field(None, ge=1)

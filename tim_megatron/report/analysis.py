@@ -29,6 +29,7 @@ class WarningSettings:
     surge_window: int = 3
     surge_baseline_steps: int = 5
     surge_factor: float = 2.0
+    surge_within: int = 10
     collapse_drop: float = 0.3
 
 
@@ -92,7 +93,9 @@ def first_warning(run: RunData, s: WarningSettings, key: str = MISMATCH) -> int 
 
 
 def length_surge(run: RunData, s: WarningSettings) -> int | None:
-    det = SurgeDetector(window=s.surge_window, baseline_steps=s.surge_baseline_steps, factor=s.surge_factor)
+    det = SurgeDetector(
+        window=s.surge_window, baseline_steps=s.surge_baseline_steps, factor=s.surge_factor, within=s.surge_within
+    )
     for step, v in zip(*run.series("response/length_mean"), strict=True):
         if det.update(int(step), v):
             return int(step)
