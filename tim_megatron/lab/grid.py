@@ -6,6 +6,8 @@ base_recipe: ../recipes/tiny-moe/countdown.yaml
 seeds: [1, 2]
 data_seed: 0                  # every arm and seed sees the same prompts in the same order
 tune_seeds: [1]               # the early-warning detector is tuned on these and checked on the others
+weights: seed                 # seed (default): the tiny model's initial weights follow the run seed; fixed: one set
+collapse_window: 10           # steps in the reward mean of the persistent-collapse rule (lab/runstats.py)
 overrides: [run.steps=24]     # applied to every arm
 arms:
   - name: baseline
@@ -37,7 +39,13 @@ from tim_megatron.recipe.loader import LoadedRecipe, RecipeError, load_recipe, r
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 """A grid's or an arm's name; used with ``fullmatch`` (``match`` with ``$`` would pass a trailing newline)."""
-GRID_KEYS = {"name", "description", "base_recipe", "seeds", "data_seed", "tune_seeds", "overrides", "arms"}
+GRID_KEYS = {
+    "name", "description", "base_recipe", "seeds", "data_seed", "tune_seeds", "overrides", "arms", "weights",
+    "collapse_window",
+}  # fmt: skip
+WEIGHTS = ("seed", "fixed")
+"""``weights``: ``seed`` sets ``model.tiny_seed`` to the run seed (seeds vary the initial weights as well as the
+sampling); ``fixed`` keeps the base recipe's tiny_seed (seeds vary only the sampling)."""
 ARM_KEYS = {"name", "overrides", "requires", "group", "dose", "description"}
 
 
@@ -67,16 +75,22 @@ class Grid:
     overrides: list[str]
     arms: list[Arm]
     description: str = ""
+    weights: str = "seed"
+    """``seed``: the tiny model's initial weights follow the run seed; ``fixed``: every run starts from one set."""
+    collapse_window: int = 10
+    """Steps in the trailing reward mean of the persistent-collapse rule."""
 
     def arm(self, name: str) -> Arm | None:
         return next((a for a in self.arms if a.name == name), None)
 
     def run_overrides(self, arm: Arm, seed: int) -> list[str]:
-        """Every override of one run: the grid's, the arm's, then the seed, the data seed and the name."""
+        """Every override of one run: the grid's, the arm's, then the seed (and the tiny model's weight seed, with
+        ``weights: seed``), the data seed and the name."""
         return [
             *self.overrides,
             *arm.overrides,
             f"run.seed={seed}",
+            *([f"model.tiny_seed={seed}"] if self.weights == "seed" else []),
             f"data.seed={self.data_seed}",
             f"run.name={self.name}-{arm.name}",
             "logging.wandb.mode=disabled",
@@ -152,6 +166,12 @@ def load_grid(path: str | Path) -> Grid:
     data_seed = data.get("data_seed", 0)
     if not isinstance(data_seed, int) or isinstance(data_seed, bool) or data_seed < 0:
         raise _fail(path, f"data_seed = {data_seed!r}: expected an integer >= 0")
+    weights = data.get("weights", "seed")
+    if weights not in WEIGHTS:
+        raise _fail(path, f"weights = {weights!r}: expected one of {list(WEIGHTS)}")
+    window = data.get("collapse_window", 10)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+        raise _fail(path, f"collapse_window = {window!r}: expected an integer >= 2 (steps)")
     raw = data.get("arms")
     if not isinstance(raw, list) or not raw:
         raise _fail(path, "arms: expected a non-empty list of {name, overrides, ...}")
@@ -194,6 +214,8 @@ def load_grid(path: str | Path) -> Grid:
         overrides=_str_list(path, "overrides", data.get("overrides")),
         arms=arms,
         description=str(data.get("description") or ""),
+        weights=weights,
+        collapse_window=window,
     )
 
 
