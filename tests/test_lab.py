@@ -229,17 +229,61 @@ def test_long_grid_is_the_full_grid_at_200_steps():
             assert (arm.group, arm.dose) == (by_name[arm.name].group, by_name[arm.name].dose)
 
 
-def test_collapse_needs_full_reward_windows():
-    """A lucky first batch (0.40, then 0.20-0.22) is not a 30% collapse; a real drop to 0.05 is, once the
-    trailing 5-step mean has fallen 30% below its best."""
+def _reward_rows(rewards: list[float]) -> list[dict]:
+    return [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]
+
+
+def test_a_recovering_dip_is_not_a_collapse_and_a_sustained_drop_is():
+    """Persistent collapse: the trailing 10-step mean at or below 70% of its best so far, and still there at the
+    end. A dip that climbs back is not one (4 of 5 flagged 'collapses' of the old grid recovered)."""
     from tim_megatron.lab.runstats import collapse_step, score_series
 
-    rewards = [0.40, 0.20, 0.22, 0.21, 0.20, 0.22, 0.21, 0.20, 0.05, 0.05, 0.05, 0.05]
-    rows = [{"step": i + 1, "reward/mean": r} for i, r in enumerate(rewards)]
-    x, score, _ = score_series(rows)
-    assert x[0] == 5 and score[0] == pytest.approx(sum(rewards[:5]) / 5)  # no shorter window
-    assert collapse_step(x, score) == 10
-    assert collapse_step(*score_series(rows[:8])[:2]) is None
+    base = [0.40] * 15
+    dip = base + [0.05] * 8 + [0.40] * 20
+    x, score, _ = score_series(_reward_rows(dip))
+    assert x[0] == 10 and score.min() == pytest.approx(0.12)  # (2 x 0.40 + 8 x 0.05) / 10: far below 0.28
+    assert collapse_step(x, score) is None
+    # the same fall, sustained: (6 x 0.40 + 4 x 0.05) / 10 = 0.26 <= 0.7 x 0.40 first at step 19
+    assert collapse_step(*score_series(_reward_rows(base + [0.05] * 28))[:2]) == 19
+    # a recovered dip, then a fall that lasts: the collapse is the second fall
+    twice = dip + [0.05] * 20
+    assert collapse_step(*score_series(_reward_rows(twice))[:2]) == len(dip) + 4
+    # no best from a short window: a lucky first batch (0.40, then 0.20) is not a 30% fall
+    lucky = [0.40] + [0.20] * 30
+    assert collapse_step(*score_series(_reward_rows(lucky))[:2]) is None
+    # the grid's collapse_window sets the window
+    x5, _, what = score_series(_reward_rows(lucky), window=5)
+    assert x5[0] == 5 and "5-step" in what
+
+
+def test_final_window_reward_is_the_last_tenth_of_the_run():
+    from tim_megatron.lab.runstats import final_window
+
+    rewards = [0.1] * 180 + [0.5] * 20
+    assert final_window(_reward_rows(rewards)) == pytest.approx(0.5)  # 200 steps: the last 20
+    assert final_window(_reward_rows([0.1] * 40 + [0.3] * 10)) == pytest.approx(
+        0.3
+    )  # at least the window, 10
+
+
+def test_holm_adjusts_a_known_example_and_the_t_test_matches_the_t_table():
+    from tim_megatron.lab.stats import fisher_fewer, holm, t975, t_sf, t_test_greater
+
+    # Holm (1979) by hand: sorted 0.005 x 4, 0.01 x 3, 0.03 x 2, 0.04 x 1, each at least the one before
+    adjusted = holm([0.01, 0.04, 0.03, 0.005, float("nan")])
+    assert adjusted[:4] == pytest.approx([0.03, 0.06, 0.06, 0.02]) and adjusted[4] != adjusted[4]
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1, never below the previous
+    for df in (1, 2, 3, 7, 30, 60):
+        assert t_sf(t975(df), df) == pytest.approx(0.025, abs=2e-5)
+    assert t_sf(1.0, 1) == pytest.approx(0.25)  # Cauchy: P(T > 1) = 1/4
+    assert t_sf(-1.0, 1) == pytest.approx(0.75)
+    assert t_test_greater([0.1]) != t_test_greater([0.1])  # NaN: one seed is no test
+    assert t_test_greater([1.0, 1.0, 1.0]) == 0.0 and t_test_greater([-1.0, -1.0]) == 1.0
+    # Fisher, one-sided: none of 4 vs all 8 collapse: 1 / C(12, 4); 7 of 8: 5 / 495; 6 of 8: 15 / 495
+    assert fisher_fewer(0, 4, 8, 8) == pytest.approx(1 / 495)
+    assert fisher_fewer(0, 4, 7, 8) == pytest.approx(5 / 495)
+    assert fisher_fewer(0, 4, 6, 8) == pytest.approx(15 / 495)
+    assert fisher_fewer(0, 4, 0, 8) == 1.0
 
 
 # ------------------------------------------------------------------- aggregation, verdicts and the report
@@ -265,6 +309,9 @@ def _fake_run(d: Path, spec: dict, *, steps: int, growth: float, seed: int, coll
                 * math.exp(rng.gauss(0, 0.02)),
                 "objective/J": 5.0 * frac + rng.gauss(0, 0.1),
                 "response/length_mean": 40.0,
+                "mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean": 0.002
+                * math.exp(growth * frac)
+                * math.exp(rng.gauss(0, 0.02)),
                 "mismatch/old_vs_rollout/bucket/0.01-0.1/count": 100.0,
                 "mismatch/old_vs_rollout/bucket/0.01-0.1/rho_mean": 1.0 - 0.05 * frac,
                 "mismatch/old_vs_rollout/bucket/0.9-1/count": 500.0,
@@ -439,3 +486,130 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count(": reused ") == 2 and ": completed in " not in again.stdout
+
+
+# ------------------------------------------------------------------------------ the claims on built run stats
+
+VEXACT_GRID = """name: causal
+seeds: [1, 2, 3, 4]
+arms:
+  - {name: exact, overrides: [diagnostics.vexact=exact, remedies.fp32_lm_head=true]}
+  - name: inject-bias-3
+    group: inject
+    dose: 3
+    overrides: [diagnostics.vexact=exact, remedies.fp32_lm_head=true, diagnostics.sampling_injection.type=bias,
+                diagnostics.sampling_injection.delta=3.0, diagnostics.sampling_injection.engine=trainer]
+  - name: inject-noise-0.3
+    group: inject
+    dose: 0.3
+    overrides: [diagnostics.vexact=exact, remedies.fp32_lm_head=true, diagnostics.sampling_injection.type=noise,
+                diagnostics.sampling_injection.std=0.3, diagnostics.sampling_injection.engine=trainer]
+"""
+
+
+def _stats(arm: str, seed: int, **kw):
+    from tim_megatron.lab.runstats import RunStats
+
+    nan = float("nan")
+    base = dict(
+        arm=arm, seed=seed, path="", status="completed", steps=200, wall_seconds=1.0, slope=nan, growth=nan,
+        rho_std_start=nan, rho_std_end=nan, zero_mismatch=arm == "exact", j_step_pcc=nan, bucket_drift=nan,
+        collapse_step=None, collapse_metric="", best_score=0.4, final_score=0.4, reward_start=0.2, reward_end=0.4,
+        length_start=30.0, length_end=40.0, surge_step=None, final_reward=0.4, dose=0.0 if arm == "exact" else 0.01,
+    )  # fmt: skip
+    base.update(kw)
+    return RunStats(**base)
+
+
+def _lab(tmp_path, grid_text: str, runs: dict):
+    from tim_megatron.lab.claims import LabData
+    from tim_megatron.lab.grid import load_grid, plan
+
+    path = tmp_path / "g.yaml"
+    path.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/lab.yaml'}\n" + grid_text)
+    grid = load_grid(path)
+    return LabData(grid=grid, plans={p.arm.name: p for p in plan(grid)}, runs=runs)
+
+
+def _by_claim(lab) -> dict:
+    from tim_megatron.lab.claims import verdicts
+
+    return {v.claim: v for v in verdicts(lab)}
+
+
+def test_c1_needs_a_contrast_against_the_matched_control(tmp_path):
+    """C1 is not reproduced by a stable exact arm alone: when the injected runs did not collapse either there
+    is no contrast (inconclusive, no test); when they collapsed and exact did not, Fisher's test decides."""
+    seeds = (1, 2, 3, 4)
+    arms = ("exact", "inject-bias-3", "inject-noise-0.3")
+    stable = {a: {s: _stats(a, s) for s in seeds} for a in arms}
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, stable))["C1"]
+    assert v.verdict == "inconclusive" and "no contrast" in v.detail
+    assert v.p_value != v.p_value  # no test
+    fell = {a: {s: _stats(a, s, collapse_step=None if a == "exact" else 50, final_reward=0.4 if a == "exact" else 0.05)
+                for s in seeds} for a in arms}  # fmt: skip
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, fell))["C1"]
+    assert v.verdict == "reproduced" and v.p_value == pytest.approx(1 / 495)
+    assert "0 of 4 exact run(s) and 8 of 8 injected" in v.detail and v.effect == 1.0
+    # exact collapsing as often as the injected arms: not reproduced
+    both = {a: {s: _stats(a, s, collapse_step=50 if s <= 2 else None) for s in seeds} for a in arms}
+    assert _by_claim(_lab(tmp_path, VEXACT_GRID, both))["C1"].verdict == "not reproduced"
+    # an exact run with rho_std > 0 is no zero-mismatch control
+    leaky = {**fell, "exact": {**fell["exact"], 3: _stats("exact", 3, zero_mismatch=False)}}
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, leaky))["C1"]
+    assert v.verdict == "inconclusive" and "not zero mismatch" in v.detail
+
+
+def test_c2_reads_the_reward_deficit_against_the_dose(tmp_path):
+    """C2: per seed, the final-window reward deficit against exact regressed on the measured dose (KL per token)
+    through the origin, read at the highest dose; deficits proportional to the dose give that deficit."""
+    seeds = (1, 2, 3, 4)
+    dose = {"inject-bias-3": 0.02, "inject-noise-0.3": 0.01}
+    runs = {"exact": {s: _stats("exact", s, final_reward=0.40 + 0.01 * s) for s in seeds}}
+    for a, d in dose.items():
+        # deficit = 10 x dose, a little seed noise: 0.2 at the highest dose
+        runs[a] = {
+            s: _stats(a, s, dose=d, final_reward=0.40 + 0.01 * s - 10 * d - 0.002 * (s % 2)) for s in seeds
+        }
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, runs))["C2"]
+    assert v.effect == pytest.approx(0.2, abs=0.01) and v.verdict == "reproduced"
+    assert "highest arm-mean dose 0.02" in v.detail
+    flat = {**runs, **{a: {s: _stats(a, s, dose=d, final_reward=0.40 + 0.01 * s + 0.001 * (s % 2 - 0.5))
+                              for s in seeds} for a, d in dose.items()}}  # fmt: skip
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, flat))["C2"]
+    assert v.verdict == "not reproduced" and v.ci_high < 0.05  # no deficit, tightly: ruled out
+
+
+def test_lab_surge_detector_is_the_runs_own_recipe(tmp_path):
+    from tim_megatron.lab.runstats import surge_detector
+    from tim_megatron.recipe import load_recipe, recipe_to_yaml
+    from tim_megatron.run_dir import RECIPE_FILE
+
+    loaded = load_recipe(
+        ROOT / "recipes/tiny-moe/lab.yaml",
+        ["remedies.lr_schedule.surge.factor=3", "remedies.lr_schedule.surge.within=4"],
+    )
+    (tmp_path / RECIPE_FILE).write_text(recipe_to_yaml(loaded.recipe))
+    det = surge_detector(tmp_path)
+    assert (det.factor, det.within) == (3.0, 4)
+    assert (surge_detector(tmp_path / "missing").factor, surge_detector(tmp_path / "missing").within) == (
+        2.0,
+        10,
+    )
+
+
+def test_false_alarms_count_only_runs_that_can_fire():
+    from tim_megatron.lab.detectors import Trace, evaluate
+    from tim_megatron.lab.runstats import TREND_RULE
+
+    noisy = [0.03 * (1.0 + 0.01 * ((7 * t) % 5)) for t in range(40)]
+    grows = noisy[:15] + [0.03 * 1.3**k for k in range(1, 26)]
+    traces = [
+        Trace("exact", 1, list(range(1, 41)), [0.0] * 40, None, can_warn=False),
+        Trace("exact", 2, list(range(1, 41)), [0.0] * 40, 30, can_warn=False),
+        Trace("baseline", 1, list(range(1, 41)), noisy, None),
+        Trace("lr-high", 1, list(range(1, 41)), grows, 38),
+    ]
+    e = evaluate(TREND_RULE, traces, seeds="all")
+    assert (e.runs, e.excluded, e.stable, e.collapsing) == (4, 2, 1, 1)
+    assert e.warned == 1 and e.false_alarms == 0

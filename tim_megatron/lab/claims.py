@@ -2,16 +2,21 @@
 
 Every claim names the arms it reads (by the arm names of ``lab/*.yaml``) and an effect oriented so that a
 positive value supports it, computed per seed and summarized by a 95% t interval across seeds (paired by
-seed when two arms are compared: the same seed means the same prompts and the same sampling seeds). The
-common rule (:func:`decide`), unless a claim states its own:
+seed when two arms are compared: the same seed means the same initial weights, prompts and sampling seeds).
+Each claim that can be tested gets a one-sided p-value (its test is named in its rule), and the p-values of the
+claims tested in one report are adjusted together with Holm's method (:func:`verdicts`). The common rule
+(:func:`decide`), unless a claim states its own:
 
-* **reproduced**: the interval lies above 0;
+* **reproduced**: the Holm-adjusted one-sided p is at most ``ALPHA`` = 0.025 (with a single claim tested: the
+  95% CI lies above 0);
 * **not reproduced**: the interval lies below the smallest effect that would matter (``min_effect``), i.e.
   the data rule out an effect of that size in the claim's direction;
 * **inconclusive**: anything else, fewer than 2 seeds, or an arm that did not run (named in the row).
 
-Growth is the change of log(rho_std) over the run (:mod:`.runstats`); its ``min_effect`` is log(1.25), 25%
-more growth over the run. Nothing here is tuned to the results: the thresholds are the papers' (30%
+Growth is the change of log(rho_std) over the run (:mod:`.runstats`), or of log(log_ppl_abs_diff) for TIM-LR's
+claims C8 and C9 (its Eq. 8); its ``min_effect`` is log(1.25), 25% more growth over the run. C1 and C2
+(VeXact) compare outcomes against the matched zero-mismatch control (the ``exact`` arm): persistent collapses
+and the final-window reward. Nothing here is tuned to the results: the thresholds are the papers' (30%
 collapse) or round numbers stated with the rule.
 """
 
@@ -19,23 +24,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from tim_megatron.lab.grid import ArmPlan, Grid
 from tim_megatron.lab.runstats import RunStats
-from tim_megatron.lab.stats import NAN, Interval, mean_ci, paired_ci, wilson
+from tim_megatron.lab.stats import (
+    NAN,
+    Interval,
+    fisher_fewer,
+    holm,
+    mean_ci,
+    paired_ci,
+    rate_difference,
+    t_test_greater,
+)
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 GROWTH_MIN = math.log(1.25)
-"""Smallest growth difference that matters: 25% more growth of rho_std over the run."""
+"""Smallest growth difference that matters: 25% more growth of the mismatch over the run."""
 PCC_MIN = 0.3
 """Smallest correlation of J with step that counts as 'rises'."""
 DRIFT_MIN = 0.01
 """Smallest relative drift of the low-probability buckets' rho_mean over the run (1%)."""
+DEFICIT_MIN = 0.05
+"""Smallest final-window reward deficit at the highest dose that counts (C2): 5 points of reward."""
+ALPHA = 0.025
+"""Family-wise level of the one-sided tests, after Holm's adjustment across the claims tested in one report."""
+CONTROL = "exact"
+"""The zero-mismatch control of C1 and C2: the arm that samples from the trainer's own forward."""
 
 COMMON_RULE = (
-    "reproduced if the 95% CI of the effect lies above 0; not reproduced if it lies below {min} (the smallest "
-    "effect that would count); otherwise inconclusive"
+    "one-sided t test of effect > 0 across seeds: reproduced if its Holm-adjusted p <= 0.025; not reproduced if "
+    "the 95% CI lies below {min} (the smallest effect that would count); otherwise inconclusive"
 )
 
 
@@ -53,9 +73,17 @@ class Verdict:
     arms: str
     rule: str
     detail: str
+    p_value: float = float("nan")
+    """One-sided p of the claim's test (NaN: no test: an arm did not run, too few seeds, or no contrast)."""
+    p_holm: float = float("nan")
+    """``p_value`` after Holm's adjustment across the claims tested in the same report."""
+    can_reproduce: bool = field(default=True, repr=False)
+    """False when a condition of the rule other than the test fails (C3: the unbiased arm grows as well)."""
 
     def row(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("can_reproduce")
+        return d
 
 
 @dataclass
@@ -83,17 +111,26 @@ class LabData:
 
 
 def decide(iv: Interval, *, min_effect: float) -> tuple[str, str]:
-    """The common rule; returns (verdict, why)."""
+    """The common rule before the test: (not reproduced or inconclusive, why). :func:`verdicts` makes it
+    reproduced when the claim's Holm-adjusted p is at most ``ALPHA``."""
     if iv.n < 2:
         return INCONCLUSIVE, f"{iv.n} seed(s) with a value: no interval"
-    if iv.low > 0:
-        return REPRODUCED, "CI above 0"
     if iv.high < min_effect:
         return NOT_REPRODUCED, f"CI below {min_effect:.3g}"
-    return INCONCLUSIVE, f"CI spans 0 and {min_effect:.3g}"
+    return INCONCLUSIVE, f"CI reaches {min_effect:.3g}"
 
 
-def _verdict(claim: str, spec: dict, iv: Interval, verdict: str, detail: str, arms: list[str]) -> Verdict:
+def _verdict(
+    claim: str,
+    spec: dict,
+    iv: Interval,
+    verdict: str,
+    detail: str,
+    arms: list[str],
+    *,
+    p: float = float("nan"),
+    can_reproduce: bool = True,
+) -> Verdict:
     return Verdict(
         claim=claim,
         statement=spec["statement"],
@@ -107,6 +144,8 @@ def _verdict(claim: str, spec: dict, iv: Interval, verdict: str, detail: str, ar
         arms=", ".join(arms),
         rule=spec["rule"],
         detail=detail,
+        p_value=p,
+        can_reproduce=can_reproduce,
     )
 
 
@@ -117,23 +156,30 @@ def _not_run(claim: str, spec: dict, lab: LabData, arms: list[str]) -> Verdict |
     return _verdict(claim, spec, NAN, INCONCLUSIVE, "; ".join(miss), arms)
 
 
-def _growth_gap(claim: str, spec: dict, lab: LabData, more: str, less: str, extra: str = "") -> Verdict:
+def _diffs(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    return {s: a[s] - b[s] for s in set(a) & set(b) if math.isfinite(a[s]) and math.isfinite(b[s])}
+
+
+def _growth_gap(
+    claim: str, spec: dict, lab: LabData, more: str, less: str, extra: str = "", *, key: str = "growth"
+) -> Verdict:
     """Effect = growth(more) - growth(less), paired by seed, common rule with GROWTH_MIN."""
     arms = [more, less]
     nr = _not_run(claim, spec, lab, arms)
     if nr:
         return nr
-    iv = paired_ci(lab.values(more, "growth"), lab.values(less, "growth"))
+    a, b = lab.values(more, key), lab.values(less, key)
+    iv = paired_ci(a, b)
     verdict, why = decide(iv, min_effect=GROWTH_MIN)
-    g = {a: mean_ci(list(lab.values(a, "growth").values())) for a in arms}
+    g = {x: mean_ci(list(lab.values(x, key).values())) for x in arms}
     detail = f"{why}; growth {more} {g[more].as_text()}, {less} {g[less].as_text()}" + extra
-    return _verdict(claim, spec, iv, verdict, detail, arms)
+    return _verdict(claim, spec, iv, verdict, detail, arms, p=t_test_greater(list(_diffs(a, b).values())))
 
 
-def _growth_of(lab: LabData, arm: str) -> str:
+def _growth_of(lab: LabData, arm: str, key: str = "growth") -> str:
     if not lab.runs.get(arm):
         return f"{arm}: " + ("; ".join(lab.missing([arm])) or "no runs")
-    return f"{arm}: growth {mean_ci(list(lab.values(arm, 'growth').values())).as_text()}"
+    return f"{arm}: growth {mean_ci(list(lab.values(arm, key).values())).as_text()}"
 
 
 def _collapses(lab: LabData, arm: str) -> tuple[int, int]:
@@ -141,40 +187,8 @@ def _collapses(lab: LabData, arm: str) -> tuple[int, int]:
     return sum(r.collapse_step is not None for r in runs.values()), len(runs)
 
 
-# ------------------------------------------------------------------------------------------- the claims
-
-
-def c1(lab: LabData) -> Verdict:
-    spec = CLAIMS["C1"]
-    arms = ["exact"]
-    nr = _not_run("C1", spec, lab, arms)
-    if nr:
-        return nr
-    runs = lab.runs["exact"]
-    nonzero = [s for s, r in runs.items() if not r.zero_mismatch]
-    k, n = _collapses(lab, "exact")
-    iv = wilson(k, n)
-    kb, nb = _collapses(lab, "baseline")
-    context = f"; baseline (real TIM) collapsed in {kb} of {nb} seed(s)" if nb else ""
-    if nonzero:
-        return _verdict(
-            "C1",
-            spec,
-            iv,
-            INCONCLUSIVE,
-            f"rho_std > 0 logged in seed(s) {nonzero}: not zero mismatch" + context,
-            arms,
-        )
-    if n < 2:
-        return _verdict("C1", spec, iv, INCONCLUSIVE, f"{n} completed seed(s)" + context, arms)
-    verdict = REPRODUCED if k == 0 else NOT_REPRODUCED
-    return _verdict(
-        "C1", spec, iv, verdict, f"{k} of {n} seed(s) collapsed with rho = 1 exactly" + context, arms
-    )
-
-
 def dose_groups(lab: LabData) -> dict[str, list[str]]:
-    """Arms with a group and a dose, by group, lowest dose first (claim C2)."""
+    """Arms with a group and a dose, by group, lowest dose first (the injected arms of C1 and C2)."""
     groups: dict[str, list[tuple[float, str]]] = {}
     for name, p in lab.plans.items():
         if p.arm.group and p.arm.dose is not None:
@@ -182,71 +196,129 @@ def dose_groups(lab: LabData) -> dict[str, list[str]]:
     return {g: [n for _, n in sorted(v)] for g, v in sorted(groups.items())}
 
 
+def injected_arms(lab: LabData) -> list[str]:
+    """The arms with a controlled mismatch put back in: every arm of a dose series."""
+    return [a for names in dose_groups(lab).values() for a in names]
+
+
+# ------------------------------------------------------------------------------------------- the claims
+
+
+def c1(lab: LabData) -> Verdict:
+    spec = CLAIMS["C1"]
+    injected = injected_arms(lab)
+    arms = [CONTROL, *injected]
+    nr = _not_run("C1", spec, lab, [CONTROL])
+    if nr:
+        return nr
+    if not injected:
+        return _verdict(
+            "C1", spec, NAN, INCONCLUSIVE, "no injected arm in this grid: nothing to contrast", arms
+        )
+    ran = [a for a in injected if lab.runs.get(a)]
+    k_e, n_e = _collapses(lab, CONTROL)
+    k_m = sum(_collapses(lab, a)[0] for a in ran)
+    n_m = sum(_collapses(lab, a)[1] for a in ran)
+    iv = rate_difference(k_m, n_m, k_e, n_e)
+    per_seed: dict[int, list[float]] = {}
+    for a in ran:
+        for seed, v in lab.values(a, "final_reward").items():
+            per_seed.setdefault(seed, []).append(v)
+    reward = paired_ci(lab.values(CONTROL, "final_reward"), {s: sum(v) / len(v) for s, v in per_seed.items()})
+    context = (
+        f"{k_e} of {n_e} exact run(s) and {k_m} of {n_m} injected run(s) collapsed persistently; final-window "
+        f"reward, exact minus injected: {reward.as_text()}"
+    )
+    context += "".join(f"; {m}" for m in lab.missing(injected))
+    nonzero = [s for s, r in lab.runs[CONTROL].items() if not r.zero_mismatch]
+    if nonzero:
+        why = f"rho_std > 0 logged in exact seed(s) {sorted(nonzero)}: not zero mismatch"
+        return _verdict("C1", spec, iv, INCONCLUSIVE, f"{why}; {context}", arms)
+    if n_e < 2 or n_m < 1:
+        return _verdict("C1", spec, iv, INCONCLUSIVE, f"too few completed runs; {context}", arms)
+    if k_m == 0:
+        why = "no contrast: no run with mismatch collapsed either, so stability without it shows nothing"
+        return _verdict("C1", spec, iv, INCONCLUSIVE, f"{why}; {context}", arms)
+    worse = k_e >= 1 and k_e / n_e >= k_m / n_m
+    return _verdict(
+        "C1",
+        spec,
+        iv,
+        NOT_REPRODUCED if worse else INCONCLUSIVE,
+        context,
+        arms,
+        p=fisher_fewer(k_e, n_e, k_m, n_m),
+    )
+
+
 def c2(lab: LabData) -> Verdict:
     spec = CLAIMS["C2"]
-    groups = dose_groups(lab)
-    arms = [a for g in groups.values() for a in g]
-    if not groups:
+    injected = injected_arms(lab)
+    arms = [CONTROL, *injected]
+    if not injected:
         return _verdict(
             "C2", spec, NAN, INCONCLUSIVE, "no dose series (arms with group and dose) in this grid", []
         )
-    per_seed: dict[int, list[float]] = {}
-    notes = []
-    for g, names in groups.items():
-        ran = [
-            a
-            for a in names
-            if lab.runs.get(a) and any(math.isfinite(v) for v in lab.values(a, "growth").values())
-        ]
-        miss = lab.missing(names)
-        if miss:
-            notes.append(f"{g}: " + "; ".join(miss))
-        if len(ran) < 2:
-            continue
-        lo, hi = ran[0], ran[-1]
-        for s, d in _diffs(lab.values(hi, "growth"), lab.values(lo, "growth")).items():
-            per_seed.setdefault(s, []).append(d)
-        cols = ", ".join(
-            f"{a} {_collapses(lab, a)[0]}/{_collapses(lab, a)[1]}" for a in names if lab.runs.get(a)
+    nr = _not_run("C2", spec, lab, [CONTROL])
+    if nr:
+        return nr
+    ran = [a for a in injected if lab.runs.get(a)]
+    control = lab.values(CONTROL, "final_reward")
+    mean_dose = {a: mean_ci(list(lab.values(a, "dose").values())).mean for a in ran}
+    notes = [f"{CONTROL}: final reward {mean_ci(list(control.values())).as_text('{:.3f}')}"]
+    for a in ran:
+        k, n = _collapses(lab, a)
+        reward = mean_ci(list(lab.values(a, "final_reward").values())).as_text("{:.3f}")
+        notes.append(f"{a}: dose {mean_dose[a]:.3g}, final reward {reward}, collapsed {k}/{n}")
+    notes += lab.missing(injected)
+    doses = [d for d in mean_dose.values() if math.isfinite(d) and d > 0]
+    if not doses:
+        return _verdict(
+            "C2", spec, NAN, INCONCLUSIVE, "no injected run with a dose; " + "; ".join(notes), arms
         )
-        notes.append(f"{g}: growth {hi} - {lo}, collapses {cols}")
-    iv = mean_ci([sum(v) / len(v) for v in per_seed.values()])
-    verdict, why = decide(iv, min_effect=GROWTH_MIN)
-    return _verdict("C2", spec, iv, verdict, f"{why}; " + "; ".join(notes), arms)
-
-
-def _diffs(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
-    return {s: a[s] - b[s] for s in set(a) & set(b) if math.isfinite(a[s]) and math.isfinite(b[s])}
+    d_max = max(doses)
+    effects = []
+    for seed, base in control.items():
+        pts = []
+        for a in ran:
+            r = lab.runs[a].get(seed)
+            if r is not None and math.isfinite(r.dose) and r.dose > 0 and math.isfinite(r.final_reward):
+                pts.append((r.dose, base - r.final_reward))
+        if pts and math.isfinite(base):
+            effects.append(d_max * sum(d * y for d, y in pts) / sum(d * d for d, _ in pts))
+    iv = mean_ci(effects)
+    verdict, why = decide(iv, min_effect=DEFICIT_MIN)
+    detail = f"{why}; highest arm-mean dose {d_max:.3g} nats per token; " + "; ".join(notes)
+    return _verdict("C2", spec, iv, verdict, detail, arms, p=t_test_greater(effects))
 
 
 def c3(lab: LabData) -> Verdict:
     spec = CLAIMS["C3"]
     arms = ["objective-delta", "objective-sigma", "gspo"]
-    sampling = [
-        a for g, names in dose_groups(lab).items() if g in ("inject-bias", "inject-noise") for a in names
-    ]
-    samp_note = "; sampling-distribution part (inject-bias vs inject-noise): " + (
-        "; ".join(lab.missing(sampling)) or "ran, see C2" if sampling else "not in this grid"
-    )
     nr = _not_run("C3", spec, lab, arms)
     if nr:
-        nr.detail += samp_note
         return nr
-    e1 = paired_ci(lab.values("objective-delta", "growth"), lab.values("gspo", "growth"))
-    e2 = paired_ci(lab.values("objective-sigma", "growth"), lab.values("gspo", "growth"))
+    d1 = _diffs(lab.values("objective-delta", "growth"), lab.values("gspo", "growth"))
+    d2 = _diffs(lab.values("objective-sigma", "growth"), lab.values("gspo", "growth"))
+    e1, e2 = mean_ci(list(d1.values())), mean_ci(list(d2.values()))
+    sigma_grows = e2.n >= 2 and e2.low > 0
     if min(e1.n, e2.n) < 2:
         verdict = INCONCLUSIVE
-    elif e1.low > 0 and e2.low <= 0:
-        verdict = REPRODUCED
-    elif e1.high < GROWTH_MIN or (e2.low > 0 and e2.mean >= e1.mean):
+    elif e1.high < GROWTH_MIN or (sigma_grows and e2.mean >= e1.mean):
         verdict = NOT_REPRODUCED
     else:
         verdict = INCONCLUSIVE
-    detail = (
-        f"delta - gspo {e1.as_text()}; sigma - gspo {e2.as_text()} (growth of log rho_std over the run)"
-        + samp_note
+    detail = f"delta - gspo {e1.as_text()}; sigma - gspo {e2.as_text()} (growth of log rho_std over the run)"
+    return _verdict(
+        "C3",
+        spec,
+        e1,
+        verdict,
+        detail,
+        arms,
+        p=t_test_greater(list(d1.values())),
+        can_reproduce=not sigma_grows,
     )
-    return _verdict("C3", spec, e1, verdict, detail, arms)
 
 
 def c4(lab: LabData) -> Verdict:
@@ -255,10 +327,12 @@ def c4(lab: LabData) -> Verdict:
     nr = _not_run("C4", spec, lab, arms)
     if nr:
         return nr
-    iv = mean_ci(list(lab.values("objective-delta", "j_step_pcc").values()))
+    values = list(lab.values("objective-delta", "j_step_pcc").values())
+    iv = mean_ci(values)
     verdict, why = decide(iv, min_effect=PCC_MIN)
     base = mean_ci(list(lab.values("gspo", "j_step_pcc").values()))
-    return _verdict("C4", spec, iv, verdict, f"{why}; gspo (no distortion): PCC {base.as_text()}", arms)
+    detail = f"{why}; gspo (no distortion): PCC {base.as_text()}"
+    return _verdict("C4", spec, iv, verdict, detail, arms, p=t_test_greater(values))
 
 
 def c5(lab: LabData) -> Verdict:
@@ -267,14 +341,14 @@ def c5(lab: LabData) -> Verdict:
     nr = _not_run("C5", spec, lab, arms)
     if nr:
         return nr
-    iv = mean_ci([-v for v in lab.values("baseline", "bucket_drift").values()])
+    values = [-v for v in lab.values("baseline", "bucket_drift").values()]
+    iv = mean_ci(values)
     verdict, why = decide(iv, min_effect=DRIFT_MIN)
-    return _verdict("C5", spec, iv, verdict, why, arms)
+    return _verdict("C5", spec, iv, verdict, why, arms, p=t_test_greater(values))
 
 
 def c6(lab: LabData) -> Verdict:
-    extra = "; " + "; ".join(_growth_of(lab, a) for a in ("clip-0.24", "gspo") if a in lab.plans)
-    return _growth_gap("C6", CLAIMS["C6"], lab, "baseline", "clip-0.28", extra if extra != "; " else "")
+    return _growth_gap("C6", CLAIMS["C6"], lab, "clip-0.2", "clip-0.28")
 
 
 def c7(lab: LabData) -> Verdict:
@@ -284,56 +358,65 @@ def c7(lab: LabData) -> Verdict:
 def c8(lab: LabData) -> Verdict:
     spec = CLAIMS["C8"]
     arms = ["baseline", "length-decay"]
-    nr = _not_run("C8", spec, lab, arms)
+    nr = _not_run("C8", spec, lab, ["baseline"])
     if nr:
         return nr
     leads, no_surge, no_onset = [], 0, 0
     for r in lab.runs["baseline"].values():
-        onset = r.warnings.get("trend")
         if r.surge_step is None:
             no_surge += 1
-        elif onset is None:
+        elif r.ppl_onset is None:
             no_onset += 1
         else:
-            leads.append(float(onset - r.surge_step))
+            leads.append(float(r.ppl_onset - r.surge_step))
     a = mean_ci(leads)
-    b = paired_ci(lab.values("baseline", "growth"), lab.values("length-decay", "growth"))
-    if a.n < 2 or b.n < 2:
-        verdict = INCONCLUSIVE
-    elif a.low > 0 and b.low > 0:
-        verdict = REPRODUCED
-    elif a.high < 0 or b.high < GROWTH_MIN:
-        verdict = NOT_REPRODUCED
-    else:
-        verdict = INCONCLUSIVE
+    surges = sorted(r.surge_step for r in lab.runs["baseline"].values() if r.surge_step is not None)
     detail = (
-        f"(a) mismatch-growth onset minus length-surge step, baseline: {a.as_text('{:+.1f}')} steps over seeds "
-        f"with both ({no_surge} seed(s) without a surge, {no_onset} with a surge but no growth onset); "
-        f"(b) growth baseline - length-decay: {b.as_text()}"
+        f"(a) onset of log_ppl_abs_diff growth minus length-surge step, baseline: {a.as_text('{:+.1f}')} steps "
+        f"over runs with both ({no_surge} run(s) without a surge, {no_onset} with a surge but no onset; surge "
+        f"steps {surges or 'none'})"
     )
-    return _verdict("C8", spec, b, verdict, detail, arms)
+    missing = lab.missing(["length-decay"])
+    if missing:
+        return _verdict("C8", spec, NAN, INCONCLUSIVE, f"{detail}; (b) " + "; ".join(missing), arms)
+    db = _diffs(lab.values("baseline", "ppl_growth"), lab.values("length-decay", "ppl_growth"))
+    b = mean_ci(list(db.values()))
+    detail += f"; (b) growth of log_ppl_abs_diff, baseline - length-decay: {b.as_text()}"
+    if a.n < 2 or b.n < 2:
+        return _verdict(
+            "C8", spec, b, INCONCLUSIVE, f"too few runs with both a surge and an onset; {detail}", arms
+        )
+    verdict = NOT_REPRODUCED if a.high < 0 or b.high < GROWTH_MIN else INCONCLUSIVE
+    p = max(t_test_greater(leads), t_test_greater(list(db.values())))  # both parts must hold
+    return _verdict("C8", spec, b, verdict, detail, arms, p=p)
 
 
 def c9(lab: LabData) -> Verdict:
-    extra = "; " + _growth_of(lab, "lr-high") if "lr-high" in lab.plans else ""
-    return _growth_gap("C9", CLAIMS["C9"], lab, "baseline", "lr-low", extra)
+    extra = "; " + _growth_of(lab, "lr-high", "ppl_growth") if "lr-high" in lab.plans else ""
+    return _growth_gap("C9", CLAIMS["C9"], lab, "baseline", "lr-low", extra, key="ppl_growth")
 
 
 _G = "growth of log rho_std over the run"
+_P = "growth of log(log_ppl_abs_diff_token_mean) over the run (TIM-LR Eq. 8, per token)"
 CLAIMS: dict[str, dict] = {
     "C1": {
-        "statement": "Zero mismatch stays stable: with rho = 1 exactly, training does not collapse.",
+        "statement": "Zero mismatch stays stable: with rho = 1 exactly, training does not collapse where the same "
+        "runs with mismatch do.",
         "source": "VeXact (arXiv 2605.14220), abstract",
-        "unit": "fraction of seeds that collapse (Wilson CI)",
-        "rule": "inconclusive if any seed logs rho_std > 0 or fewer than 2 seeds completed; reproduced if no seed "
-        "collapses (trailing 5-step mean reward 30% below its best); not reproduced if any does",
+        "unit": "persistent-collapse rate, injected arms pooled minus exact (Newcombe 95% CI)",
+        "rule": "against the matched zero-mismatch control: Fisher's exact test, one-sided (more collapses with "
+        "mismatch); inconclusive if an exact seed logs rho_std > 0 or no injected run collapsed (no contrast); "
+        "reproduced if the Holm-adjusted p <= 0.025; not reproduced if an exact run collapses and exact's collapse "
+        "rate is at least the injected one; otherwise inconclusive. Collapse: the trailing 10-step mean reward at "
+        "or below 70% of its best so far, there to the end of the run",
         "fn": c1,
     },
     "C2": {
-        "statement": "Injected TIM grows or collapses with the dose.",
+        "statement": "Injected TIM degrades or collapses training, more so at a larger dose.",
         "source": "VeXact (arXiv 2605.14220), abstract; issue 13 item 2",
-        "unit": f"{_G}, highest minus lowest dose, averaged over perturbation kinds",
-        "rule": COMMON_RULE.format(min="log 1.25"),
+        "unit": "final-window reward deficit against exact, fitted through the origin against the dose (KL(pi || "
+        "mu) per token) and read at the highest arm-mean dose",
+        "rule": COMMON_RULE.format(min=DEFICIT_MIN) + " (a persistent collapse lasts to the final window)",
         "fn": c2,
     },
     "C3": {
@@ -341,9 +424,9 @@ CLAIMS: dict[str, dict] = {
         "weight noise (sigma = 0.2) does not.",
         "source": "objective-level hacking (arXiv 2602.01103), Sec. 4.4 and 5.1, Fig. 5 vs Fig. 12, Eq. 17-22",
         "unit": f"{_G}, delta arm minus GSPO",
-        "rule": "reproduced if CI(delta - gspo) lies above 0 and CI(sigma - gspo) does not; not reproduced if "
-        "CI(delta - gspo) lies below log 1.25, or sigma grows significantly and at least as much as delta; "
-        "otherwise inconclusive",
+        "rule": "one-sided t test of delta - gspo > 0: reproduced if its Holm-adjusted p <= 0.025 and CI(sigma - "
+        "gspo) does not lie above 0; not reproduced if CI(delta - gspo) lies below log 1.25, or sigma grows "
+        "significantly and at least as much as delta; otherwise inconclusive",
         "fn": c3,
     },
     "C4": {
@@ -364,7 +447,8 @@ CLAIMS: dict[str, dict] = {
         "statement": "Stronger token clipping (eps_high 0.2) grows the mismatch faster than weaker (0.28). (The "
         "paper's direction; issue 13's one-line summary 'stronger clipping, less growth' says the opposite.)",
         "source": "objective-level hacking, Sec. 4.3, Fig. 4, Table 1",
-        "unit": f"{_G}, clip 0.2 minus clip 0.28",
+        "unit": f"{_G}, clip 0.2 minus clip 0.28 (arms clip-0.2 and clip-0.28, off-policy minibatches so that "
+        "the clip acts)",
         "rule": COMMON_RULE.format(min="log 1.25"),
         "fn": c6,
     },
@@ -379,16 +463,17 @@ CLAIMS: dict[str, dict] = {
         "statement": "(a) A response-length surge precedes the mismatch growth, and (b) Algorithm 1's decay keeps the "
         "mismatch bounded.",
         "source": "TIM-LR (arXiv 2602.01826), Sec. 3.3-4.1, Fig. 1, 6, 7",
-        "unit": f"(b): {_G}, constant LR minus Algorithm 1",
-        "rule": "reproduced if (a) the onset - surge CI lies above 0 and (b) the CI lies above 0; not reproduced if "
-        "(a) lies below 0 or (b) below log 1.25; otherwise inconclusive (also with fewer than 2 seeds having both "
-        "a surge and an onset)",
+        "unit": f"(b): {_P}, constant LR minus Algorithm 1",
+        "rule": "surge: the mean length doubles within 10 steps (the run's own surge settings); onset: the trend "
+        "rule on log_ppl_abs_diff_token_mean. One-sided t tests of (a) onset - surge > 0 and (b) > 0, p = the "
+        "larger: reproduced if its Holm-adjusted value <= 0.025; not reproduced if (a)'s CI lies below 0 or (b)'s "
+        "below log 1.25; otherwise inconclusive (also with fewer than 2 runs having both a surge and an onset)",
         "fn": c8,
     },
     "C9": {
         "statement": "A lower learning rate gives less mismatch growth.",
         "source": "TIM-LR, Sec. 3.1, Fig. 4",
-        "unit": f"{_G}, base LR minus LR / 10",
+        "unit": f"{_P}, base LR minus the lower LR",
         "rule": COMMON_RULE.format(min="log 1.25"),
         "fn": c9,
     },
@@ -396,5 +481,18 @@ CLAIMS: dict[str, dict] = {
 
 
 def verdicts(lab: LabData) -> list[Verdict]:
+    """Every claim's verdict; the claims with a test are adjusted together (Holm) and reproduced when the
+    adjusted p is at most ALPHA and nothing else in their rule fails."""
     fns: dict[str, Callable[[LabData], Verdict]] = {k: v["fn"] for k, v in CLAIMS.items()}
-    return [fns[k](lab) for k in CLAIMS]
+    out = [fns[k](lab) for k in CLAIMS]
+    tested = sum(math.isfinite(v.p_value) for v in out)
+    for v, adjusted in zip(out, holm([v.p_value for v in out]), strict=True):
+        v.p_holm = adjusted
+        if not math.isfinite(adjusted):
+            continue
+        if adjusted <= ALPHA and v.can_reproduce:
+            v.verdict = REPRODUCED
+        v.detail = (
+            f"p = {v.p_value:.3g}, Holm-adjusted over {tested} tested claim(s) {adjusted:.3g}; {v.detail}"
+        )
+    return out

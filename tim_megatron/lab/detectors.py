@@ -3,7 +3,8 @@
 A rule is replayed over each run's logged rho_std (old vs rollout). A run that collapses (:mod:`.runstats`)
 is *warned* when the rule fires at or before the collapse step (lead = collapse step - firing step), *late*
 when it fires after, *missed* when it never fires. A run that never collapses counts a *false alarm* when the
-rule fires at all.
+rule fires at all. Only runs that can fire count: a run whose rho_std is 0 at every step (exact zero mismatch)
+can neither warn nor false-alarm, so it is left out of both denominators (and counted as ``excluded``).
 
 The trend rule's parameters are tuned on the grid's ``tune_seeds`` only (every arm), by a fixed objective:
 warned fraction minus false-alarm fraction, ties broken by the longer median lead, then by the more
@@ -39,6 +40,8 @@ class Trace:
     steps: list[int]
     values: list[float]
     collapse_step: int | None
+    can_warn: bool = True
+    """Some logged rho_std is positive (zero-mismatch runs cannot fire a rule on it)."""
 
 
 @dataclass
@@ -47,6 +50,8 @@ class Evaluation:
     params: str
     seeds: str
     runs: int
+    excluded: int
+    """Runs left out: rho_std never positive, so no rule can fire on them."""
     collapsing: int
     warned: int
     late: int
@@ -68,15 +73,18 @@ def load_traces(runs) -> list[Trace]:
     for r in runs:
         rows = run_rows(Path(r.path))
         x, y = series(rows, MISMATCH)
-        out.append(Trace(r.arm, r.seed, [int(s) for s in x], [float(v) for v in y], r.collapse_step))
+        out.append(
+            Trace(r.arm, r.seed, [int(s) for s in x], [float(v) for v in y], r.collapse_step, r.can_warn)
+        )
     return out
 
 
 def evaluate(rule: Rule, traces: list[Trace], *, seeds: str) -> Evaluation:
     warned = late = missed = fa = 0
     leads = []
-    collapsing = [t for t in traces if t.collapse_step is not None]
-    stable = [t for t in traces if t.collapse_step is None]
+    able = [t for t in traces if t.can_warn]
+    collapsing = [t for t in able if t.collapse_step is not None]
+    stable = [t for t in able if t.collapse_step is None]
     for t in collapsing:
         f = first_fire(rule.make(), t.steps, t.values)
         if f is None:
@@ -94,6 +102,7 @@ def evaluate(rule: Rule, traces: list[Trace], *, seeds: str) -> Evaluation:
         params=rule.describe(),
         seeds=seeds,
         runs=len(traces),
+        excluded=len(traces) - len(able),
         collapsing=len(collapsing),
         warned=warned,
         late=late,

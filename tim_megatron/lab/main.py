@@ -37,7 +37,8 @@ def collect(grid: Grid, plans, root: Path) -> LabData:
         for seed in grid.seeds:
             d = run_dir(root, p.arm.name, seed)
             if is_complete(d, run_spec(grid, p, seed)):
-                runs.setdefault(p.arm.name, {})[seed] = run_stats(d, arm=p.arm.name, seed=seed)
+                stats = run_stats(d, arm=p.arm.name, seed=seed, window=grid.collapse_window)
+                runs.setdefault(p.arm.name, {})[seed] = stats
     return LabData(grid=grid, plans={p.arm.name: p for p in plans}, runs=runs)
 
 

@@ -7,13 +7,19 @@ Every number comes from the run's ``metrics.jsonl`` (read with :func:`tim_megatr
 * J trend: Pearson correlation of the surrogate J (objective-level-hacking Eq. 23) with step (its Fig. 6);
 * bucket drift: over the run (Theil-Sen x (steps - 1)), the change of rho_mean of tokens with pi_train < 0.1
   minus that of tokens with pi_train >= 0.9 (Fig. 7b: the low-probability buckets drift down);
-* collapse: the first step where the score falls to 70% of its best so far or lower (issue 13's "30% below its
-  best"). The score is the training reward's trailing 5-step mean (5 x 64 to 5 x 128 samples; defined from the
-  5th step on, so no 'best' rests on fewer steps), not validation
-  accuracy: greedy accuracy on the 31 validation prompts has a sampling SD of about 0.07 at 20% accuracy, so a
-  30% drop from a low best is within its noise. Validation accuracy is still drawn and tabled;
-* length surge: :class:`~tim_megatron.algo.early_warning.SurgeDetector` on the mean response length, with the
-  recipe defaults the run itself used;
+* collapse (persistent): the score is the training reward's trailing mean over ``window`` steps (10 unless the
+  grid says otherwise; defined from the window-th step on, so no 'best' rests on fewer steps), not validation
+  accuracy (greedy accuracy on the 31 validation prompts has a sampling SD of about 0.07 at 20% accuracy). The
+  run collapses at the first step whose score is at most 70% of the best score so far (issue 13's "30% below
+  its best") and stays there, every later score included, to the end of the run: a dip that climbs back above
+  70% of that best is not a collapse;
+* final-window reward: the mean training reward over the last 10% of the steps (at least ``window`` steps);
+* dose: the run's mean KL(pi || mu) per token (``kl_old_rollout_k3``: pi the trainer, mu the sampling
+  distribution), the common scale on which injected mismatches of different kinds are compared;
+* mismatch growth in TIM-LR's measure: as growth, on ``log_ppl_abs_diff_token_mean`` (its Eq. 8, per token),
+  and its onset: the first step the trend rule (recipe defaults) fires on it;
+* length surge: :class:`~tim_megatron.algo.early_warning.SurgeDetector` on the mean response length, built from
+  the run's own recipe (``remedies.lr_schedule.surge``, read from the run folder's recipe.yaml);
 * warnings: the first step each early-warning rule fires on rho_std, replayed over the logged values.
 """
 
@@ -29,7 +35,9 @@ from tim_megatron.algo.early_warning import GrowthDetector, SurgeDetector, Trend
 from tim_megatron.lab.stats import pearson, theil_sen
 from tim_megatron.logging.tracker import read_metrics
 from tim_megatron.logging.untrusted import UnreadableFile
+from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.report.runs import read_meta
+from tim_megatron.run_dir import RECIPE_FILE
 
 
 def run_rows(path: Path) -> list[dict]:
@@ -48,10 +56,18 @@ def run_meta(path: Path) -> dict:
 
 P = "mismatch/old_vs_rollout/"
 MISMATCH = P + "rho_std"
+"""The mismatch the growth claims and the early-warning rules read (the objective-level-hacking paper's)."""
+PPL_DIFF = P + "log_ppl_abs_diff_token_mean"
+"""TIM-LR's mismatch (Eq. 8, per token), read by its claims C8 and C9."""
+DOSE = P + "kl_old_rollout_k3"
+"""KL(pi || mu) per token: the dose of an injected mismatch on a scale common to every kind."""
 LOW_BUCKETS = ("0-0.01", "0.01-0.1")
 HIGH_BUCKET = "0.9-1"
 COLLAPSE_DROP = 0.3
-REWARD_SMOOTHING = 5
+COLLAPSE_WINDOW = 10
+"""Steps in the reward mean the persistent-collapse rule reads (a grid may set its own: ``collapse_window``)."""
+FINAL_FRACTION = 0.1
+"""The final window: this share of the run's steps (at least the collapse window)."""
 
 
 @dataclass
@@ -80,6 +96,16 @@ class RunStats:
     length_start: float
     length_end: float
     surge_step: int | None
+    final_reward: float = float("nan")
+    """Mean training reward over the last 10% of the steps."""
+    dose: float = float("nan")
+    """Mean KL(pi || mu) per token over the run (0 with zero mismatch)."""
+    ppl_growth: float = float("nan")
+    """Change of log(log_ppl_abs_diff_token_mean) over the run (TIM-LR's measure)."""
+    ppl_onset: int | None = None
+    """First step the trend rule fires on log_ppl_abs_diff_token_mean (None: never)."""
+    can_warn: bool = True
+    """The run logs a positive rho_std (a zero-mismatch run cannot fire a rule on it)."""
     warnings: dict[str, int | None] = field(default_factory=dict)
     """Rule name -> first step it fires on rho_std (None: never)."""
 
@@ -129,22 +155,48 @@ def pooled_bucket(rows: list[dict], names: tuple[str, ...]) -> tuple[np.ndarray,
     return np.array(xs, dtype=float), np.array(ys, dtype=float)
 
 
-def score_series(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, str]:
+def score_series(rows: list[dict], window: int = COLLAPSE_WINDOW) -> tuple[np.ndarray, np.ndarray, str]:
     """The trailing mean from the first full window on: a shorter window (one step's reward at step 1) would
     set a 'best' from a single noisy batch, and the next full means would read as a 30% collapse."""
     x, y = series(rows, "reward/mean")
-    w = REWARD_SMOOTHING
+    w = window
     smooth = np.array([y[i - w + 1 : i + 1].mean() for i in range(w - 1, len(y))])
     return x[w - 1 :], smooth, f"reward/mean (trailing {w}-step mean, from step {w})"
 
 
 def collapse_step(x: np.ndarray, y: np.ndarray, drop: float = COLLAPSE_DROP) -> int | None:
-    best = -math.inf
-    for step, v in zip(x, y, strict=True):
-        if best > 0 and v <= best * (1 - drop):
-            return int(step)
-        best = max(best, v)
+    """The first step whose score is at most (1 - drop) x the best score so far and stays so to the end of the
+    run; None when every drop recovers (or there is none)."""
+    y = np.asarray(y, dtype=float)
+    if not len(y):
+        return None
+    best = np.maximum.accumulate(y)
+    # the largest score from each step to the end: a drop persists when that stays below the threshold
+    tail_max = np.maximum.accumulate(y[::-1])[::-1]
+    for i in range(len(y)):
+        limit = best[i] * (1 - drop)
+        if best[i] > 0 and tail_max[i] <= limit:
+            return int(x[i])
     return None
+
+
+def final_window(rows: list[dict], window: int = COLLAPSE_WINDOW) -> float:
+    """Mean training reward over the last 10% of the logged steps (at least ``window`` steps)."""
+    _, y = series(rows, "reward/mean")
+    if not len(y):
+        return float("nan")
+    k = min(len(y), max(window, round(FINAL_FRACTION * len(y))))
+    return float(y[-k:].mean())
+
+
+def surge_detector(path: Path) -> SurgeDetector:
+    """The length-surge detector of the run's own recipe (its recipe.yaml); the defaults if that cannot be read."""
+    try:
+        return SurgeDetector.from_config(
+            load_recipe(path / RECIPE_FILE, []).recipe.remedies.lr_schedule.surge
+        )
+    except (OSError, RecipeError):
+        return SurgeDetector()
 
 
 def first_fire(detector, x: np.ndarray, y: np.ndarray) -> int | None:
@@ -183,15 +235,30 @@ TREND_RULE = Rule("trend", "trend", (("baseline_steps", 10), ("k", 1.0), ("h", 8
 """The noise-aware rule with the recipe defaults."""
 
 
+def log_growth(x: np.ndarray, v: np.ndarray) -> tuple[float, float]:
+    """(Theil-Sen slope of log v per step, its change over the run) over the positive values; NaN with < 3."""
+    pos = v > 0
+    if pos.sum() < 3:
+        return float("nan"), float("nan")
+    slope = theil_sen(x[pos], np.log(v[pos]))
+    return slope, slope * float(x[pos].max() - x[pos].min())
+
+
 def run_stats(
-    path: Path, *, arm: str, seed: int, rules: tuple[Rule, ...] = (OLD_RULE, TREND_RULE)
+    path: Path,
+    *,
+    arm: str,
+    seed: int,
+    rules: tuple[Rule, ...] = (OLD_RULE, TREND_RULE),
+    window: int = COLLAPSE_WINDOW,
 ) -> RunStats:
     rows, meta = run_rows(path), run_meta(path)
     x, rho = series(rows, MISMATCH)
-    pos = rho > 0
     zero = bool(len(rho)) and bool((rho == 0).all())
-    slope = theil_sen(x[pos], np.log(rho[pos])) if pos.sum() >= 3 else float("nan")
-    growth = slope * float(x[pos].max() - x[pos].min()) if pos.sum() >= 3 else float("nan")
+    slope, growth = log_growth(x, rho)
+    px, ppl = series(rows, PPL_DIFF)
+    _, ppl_growth = log_growth(px, ppl)
+    _, dose = series(rows, DOSE)
     xj, j = series(rows, "objective/J")
     lx, low = pooled_bucket(rows, LOW_BUCKETS)
     hx, high = pooled_bucket(rows, (HIGH_BUCKET,))
@@ -205,7 +272,7 @@ def run_stats(
         if common
         else float("nan")
     )
-    sx, score, metric = score_series(rows)
+    sx, score, metric = score_series(rows, window)
     _, reward = series(rows, "reward/mean")
     lx2, length = series(rows, "response/length_mean")
     r0, r1 = _ends(reward)
@@ -233,6 +300,11 @@ def run_stats(
         reward_end=r1,
         length_start=n0,
         length_end=n1,
-        surge_step=first_fire(SurgeDetector(), lx2, length),
+        surge_step=first_fire(surge_detector(path), lx2, length),
+        final_reward=final_window(rows, window),
+        dose=float(dose.mean()) if len(dose) else float("nan"),
+        ppl_growth=ppl_growth,
+        ppl_onset=first_fire(TREND_RULE.make(PPL_DIFF), px, ppl),
+        can_warn=bool((rho > 0).any()),
         warnings={rule.name: first_fire(rule.make(), x, rho) for rule in rules},
     )

@@ -1053,7 +1053,10 @@ def _check(r: Recipe) -> None:
     if dg.vexact != "off" and r.rl.correction.bypass:
         raise RecipeValueError(
             ["diagnostics.vexact", "rl.correction.bypass"],
-            "rl.correction.bypass has no effect in VeXact mode (rollout and old logprobs are the same forward)",
+            f"rl.correction.bypass = true is refused with diagnostics.vexact = {dg.vexact}: without an injection the "
+            "rollout and old logprobs are the same forward, so it would change nothing; with "
+            "diagnostics.sampling_injection it would make the ratio pi / mu (mu the injected sampling distribution) "
+            "and change what the arm measures. Allowed: rl.correction.bypass = false",
         )
     if dg.vexact == "exact":
         if r.remedies.router_replay == "r3":

@@ -94,7 +94,10 @@ def first_warning(run: RunData, s: WarningSettings, key: str = MISMATCH) -> int 
 
 def length_surge(run: RunData, s: WarningSettings) -> int | None:
     det = SurgeDetector(
-        window=s.surge_window, baseline_steps=s.surge_baseline_steps, factor=s.surge_factor, within=s.surge_within
+        window=s.surge_window,
+        baseline_steps=s.surge_baseline_steps,
+        factor=s.surge_factor,
+        within=s.surge_within,
     )
     for step, v in zip(*run.series("response/length_mean"), strict=True):
         if det.update(int(step), v):
