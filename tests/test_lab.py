@@ -173,8 +173,25 @@ def test_shipped_grids_plan_and_hold_the_claims_arms():
         g = load_grid(ROOT / "lab" / f"{name}.yaml")
         plans = plan(g)
         names = {p.arm.name for p in plans}
-        assert {"baseline", "clip-0.28", "gspo", "objective-delta", "tis", "length-decay", "lr-low"} <= names
-        assert {"exact", "inject-noise-0.03", "inject-noise-0.3"} <= names
+        assert {
+            "baseline",
+            "clip-0.2",
+            "clip-0.28",
+            "gspo",
+            "objective-delta",
+            "tis",
+            "length-decay",
+            "lr-low",
+        } <= names
+        assert "exact" in names and g.weights == "seed"
+        kinds = {p.loaded.recipe.diagnostics.sampling_injection.type for p in plans if p.arm.group}
+        assert {"bias", "noise"} <= kinds  # C1-C2: a biased and an unbiased kind against the exact control
+        # the lab base is on-policy; the clip arms take two minibatches so that the clip acts (C6)
+        rl = {p.arm.name: p.loaded.recipe.rl for p in plans}
+        assert rl["baseline"].minibatches == 1 and rl["baseline"].clip.high == 0.28
+        assert rl["clip-0.2"].minibatches == rl["clip-0.28"].minibatches == 2
+        assert (rl["clip-0.2"].clip.high, rl["clip-0.28"].clip.high) == (0.2, 0.28)
+        assert all(p.loaded.recipe.rollout.max_tokens >= 256 for p in plans)
         assert (
             name == "quick" or "objective-sigma" in names
         )  # quick leaves C3's unbiased half out (its budget)
@@ -193,6 +210,40 @@ def test_shipped_grids_plan_and_hold_the_claims_arms():
             steps.setdefault(exact, set()).add(p.loaded.recipe.run.steps)
         assert all(len(v) == 1 for v in steps.values()), (name, steps)
     assert list(CLAIMS) == [f"C{i}" for i in range(1, 10)]
+
+
+def test_preregistered_grids_match_their_preregistration():
+    """lab/A.yaml and lab/B.yaml are what docs/prereg/A.md and B.md say: arms, seeds, steps, LRs, base."""
+    from tim_megatron.lab.grid import load_grid, plan
+
+    a = load_grid(ROOT / "lab" / "A.yaml")
+    pa = {p.arm.name: p.loaded.recipe for p in plan(a)}
+    assert a.seeds == [1, 2, 3, 4] and a.weights == "seed" and a.collapse_window == 10
+    assert set(pa) == {"exact", "inject-bias-3", "inject-noise-0.3"}
+    assert {
+        (r.run.steps, r.optim.lr, r.diagnostics.vexact, r.remedies.fp32_lm_head) for r in pa.values()
+    } == {(200, 5.0e-4, "exact", True)}
+    inj = {n: r.diagnostics.sampling_injection for n, r in pa.items()}
+    assert inj["exact"].type == "off"
+    assert (inj["inject-bias-3"].type, inj["inject-bias-3"].delta, inj["inject-bias-3"].pi_low) == (
+        "bias",
+        3.0,
+        0.1,
+    )
+    assert (inj["inject-noise-0.3"].type, inj["inject-noise-0.3"].std) == ("noise", 0.3)
+    b = load_grid(ROOT / "lab" / "B.yaml")
+    pb = {p.arm.name: p.loaded.recipe for p in plan(b)}
+    assert b.seeds == [1, 2] and b.weights == "seed"
+    assert {n: (r.run.steps, r.optim.lr, r.diagnostics.vexact) for n, r in pb.items()} == {
+        "baseline": (300, 6.0e-4, "off"),
+        "lr-low": (300, 3.0e-4, "off"),
+    }
+    for r in [*pa.values(), *pb.values()]:
+        assert (r.rl.minibatches, r.rl.clip.low, r.rl.clip.high, r.rollout.max_tokens) == (1, 0.2, 0.28, 256)
+        assert r.remedies.lr_schedule.type == "constant" and r.data.prompts_per_step == 8
+    for name in ("A", "B"):
+        text = (ROOT / "docs" / "prereg" / f"{name}.md").read_text()
+        assert f"lab/{name}.yaml" in text and "Holm" in text
 
 
 def test_long_grid_is_the_full_grid_at_200_steps():
@@ -388,6 +439,26 @@ def test_lab_aggregates_runs_into_verdicts_and_a_report(tmp_path):
     assert "| lr-high | 3 |" in md and "| median_ratio |" in md
     assert all(r["collapsing"] == "1" and r["runs"] == "4" for r in held)  # seed 3: lr-high collapses at 20
     assert (tmp_path / "report" / "curve_mismatch-old_vs_rollout-rho_std.png").exists()
+    assert "Holm" in md and "Seeds vary the initial weights" in md and "| p_holm |" in md
+    # --docs: the tables go between the grid's markers in a Markdown file, and nothing else there changes
+    from tim_megatron.lab.docs import include_tables
+
+    doc = tmp_path / "results.md"
+    doc.write_text(
+        "# Results\nkept\n<!-- tables:fake -->\nold, typed by hand\n<!-- /tables:fake -->\nalso kept\n"
+    )
+    include_tables(doc, "fake", md)
+    text = doc.read_text()
+    assert text.startswith("# Results\nkept\n<!-- tables:fake -->") and text.endswith(
+        "<!-- /tables:fake -->\nalso kept\n"
+    )
+    assert (
+        "typed by hand" not in text and c7 in text and "#### Verdicts" in text and "### fake: tables" in text
+    )
+    from tim_megatron.lab.grid import GridError
+
+    with pytest.raises(GridError, match="<!-- tables:other -->"):
+        include_tables(doc, "other", md)
 
 
 def test_core_slots_split_the_cores_without_overlap():

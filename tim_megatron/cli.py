@@ -694,6 +694,12 @@ def lab_cmd(
         "--jobs",
         help="runs at a time, each pinned to its own share of the cores (default 1: one at a time)",
     ),
+    docs: Path = typer.Option(
+        None,
+        "--docs",
+        help="also put the generated tables into this Markdown file, between <!-- tables:NAME --> and "
+        "<!-- /tables:NAME --> (NAME: the grid's name)",
+    ),
 ) -> None:
     """Run a TIM lab grid (arms x seeds, `--jobs` `tim train` at a time), then write verdicts.csv and index.html."""
     from tim_megatron.lab.grid import GridError
@@ -721,6 +727,10 @@ def lab_cmd(
             command=argv,
             log=lambda m: console.print(m, highlight=False, markup=False),
         )
+        if docs is not None:
+            from tim_megatron.lab.docs import include_tables
+
+            include_tables(docs, res["grid"].name, (res["page"].parent / "tables.md").read_text())
     except (GridError, RecipeError) as e:
         _fail(str(e))
     except LabStopped as e:

@@ -138,6 +138,9 @@ def arm_rows(lab: LabData) -> list[dict]:
                 "collapse_steps": " ".join(str(r.collapse_step) for r in runs if r.collapse_step is not None),
                 "reward_start": avg("reward_start"),
                 "reward_end": avg("reward_end"),
+                "final_reward": ci("final_reward", "{:.3f}"),
+                "dose_kl_per_token": avg("dose"),
+                "ppl_growth": ci("ppl_growth"),
                 "length_start": avg("length_start"),
                 "length_end": avg("length_end"),
                 "surge_steps": " ".join(str(r.surge_step) for r in runs if r.surge_step is not None),
@@ -181,10 +184,22 @@ def _table(rows: list[dict], cols: list[str] | None = None) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-MD_VERDICT = ("claim", "verdict", "effect", "ci_low", "ci_high", "n_seeds", "unit", "detail")
+MD_VERDICT = (
+    "claim",
+    "verdict",
+    "effect",
+    "ci_low",
+    "ci_high",
+    "n_seeds",
+    "p_value",
+    "p_holm",
+    "unit",
+    "detail",
+)
 MD_ARM = (
-    "arm", "seeds", "growth", "rho_std_start", "rho_std_end", "j_step_pcc", "bucket_drift", "collapsed",
-    "collapse_steps", "reward_start", "reward_end", "length_start", "length_end", "surge_steps", "wall_seconds",
+    "arm", "seeds", "growth", "ppl_growth", "rho_std_start", "rho_std_end", "dose_kl_per_token", "j_step_pcc",
+    "bucket_drift", "collapsed", "collapse_steps", "reward_start", "final_reward", "length_start", "length_end",
+    "surge_steps", "wall_seconds",
 )  # fmt: skip
 
 
@@ -200,11 +215,18 @@ def markdown_table(rows: list[dict], cols: tuple[str, ...]) -> str:
 
 
 def write_tables_md(
-    path: Path, *, title: str, verdicts: list[Verdict], arms: list[dict], detectors: list[Evaluation]
+    path: Path,
+    *,
+    title: str,
+    verdicts: list[Verdict],
+    arms: list[dict],
+    detectors: list[Evaluation],
+    method: str = "",
 ) -> None:
     det = [d.row() for d in detectors]
     parts = [
         f"# {title}: tables",
+        method,
         "## Verdicts",
         markdown_table([v.row() for v in verdicts], MD_VERDICT),
         "## Arms (mean over seeds, 95% CI in brackets)",
@@ -234,7 +256,12 @@ def write_report(
     write_csv(inside(out, "runs.csv"), [r.row() for r in sorted(runs, key=lambda r: (r.arm, r.seed))])
     write_csv(inside(out, "detectors.csv"), [d.row() for d in detectors])
     write_tables_md(
-        inside(out, "tables.md"), title=lab.grid.name, verdicts=verdicts, arms=arms, detectors=detectors
+        inside(out, "tables.md"),
+        title=lab.grid.name,
+        verdicts=verdicts,
+        arms=arms,
+        detectors=detectors,
+        method=method_text(lab.grid),
     )
     figs = curve_panels(lab, out)
     e = html.escape
@@ -258,15 +285,7 @@ def write_report(
             "rebuilds this report (completed runs are reused).</div>"
         )
     parts.append("<h2>Verdicts</h2>")
-    parts.append(
-        "<p class='muted'>Each claim is decided by the rule in its row, fixed in "
-        "<code>tim_megatron/lab/claims.py</code> before any run. Effects are oriented so that a positive value "
-        "supports the claim; the interval is a 95% Student t interval across seeds (paired by seed between "
-        f"arms). Growth = change of log(rho_std) over the run (Theil-Sen slope x steps); log 1.25 = "
-        f"{GROWTH_MIN:.3f} is the smallest growth difference that counts. Collapse: the training reward's "
-        "trailing 5-step mean at 70% of its best so far or lower (greedy validation on 31 prompts is too coarse "
-        "for a 30% rule at this scale; it is drawn below).</p>"
-    )
+    parts.append(f"<p class='muted'>{e(method_text(g))}</p>")
     parts.append(
         _table(
             [
@@ -276,6 +295,8 @@ def write_report(
                     "effect": v.effect,
                     "95% CI": f"[{_fmt(v.ci_low)}, {_fmt(v.ci_high)}]",
                     "seeds": v.n_seeds,
+                    "p (one-sided)": v.p_value,
+                    "p (Holm)": v.p_holm,
                     "statement": v.statement,
                     "unit": v.unit,
                     "rule": v.rule,
@@ -325,6 +346,28 @@ def write_report(
     page = inside(out, "index.html")
     page.write_text("\n".join(parts))
     return page
+
+
+def method_text(grid) -> str:
+    """How the verdicts were reached, for the report and tables.md: the rules, the correction, the seeds."""
+    weights = (
+        "Seeds vary the initial weights (the tiny model's seed follows the run seed), the sampling and the "
+        "run; the data seed is fixed."
+        if grid.weights == "seed"
+        else "Seeds vary only the sampling and the run: every run starts from the same initial weights "
+        "(weights: fixed), so the intervals leave out initialization variance."
+    )
+    return (
+        "Each claim is decided by the rule in its row, fixed in tim_megatron/lab/claims.py before any run. Effects "
+        "are oriented so that a positive value supports the claim; the interval is a 95% Student t interval "
+        "across seeds (paired by seed between arms). Tests are one-sided, and their p-values are adjusted with "
+        "Holm's method across the claims tested in this report (family-wise 0.025). Growth = change of "
+        f"log(mismatch) over the run (Theil-Sen slope x steps); log 1.25 = {GROWTH_MIN:.3f} is the smallest growth "
+        "difference that counts. Collapse: the training reward's trailing "
+        f"{grid.collapse_window}-step mean at 70% of its best so far or lower, and still there at the end of the "
+        "run (a dip that recovers is not a collapse). Final-window reward: the mean over the last 10% of the "
+        "steps. Dose: the run's mean KL(pi || mu) per token. " + weights
+    )
 
 
 def _grid_text() -> str:
