@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tim_megatron.algo import SurgeDetector, build_schedule
+from tim_megatron.algo.early_warning import surge_from_config
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.recipe.schema import CorrectionConfig, Recipe
 
@@ -108,12 +109,12 @@ def test_surge_fires_on_a_tripling_within_5_steps_and_not_on_a_slow_drift():
 
 def test_surge_detector_state_round_trips_and_reads_the_recipe():
     r = load_recipe(None, ["remedies.lr_schedule.surge.within=4", "remedies.lr_schedule.surge.factor=3"])
-    det = SurgeDetector.from_config(r.recipe.remedies.lr_schedule.surge)
+    det = surge_from_config(r.recipe.remedies.lr_schedule.surge)
     assert (det.within, det.factor, det.window) == (4, 3.0, 3)
     lengths = [10.0] * 8 + [40.0] * 6
     for t, x in enumerate(lengths[:9], start=1):
         det.update(t, x)
-    twin = SurgeDetector.from_config(r.recipe.remedies.lr_schedule.surge)
+    twin = surge_from_config(r.recipe.remedies.lr_schedule.surge)
     twin.load_state_dict(json.loads(json.dumps(det.state_dict())))
     a = [det.update(t, x) for t, x in enumerate(lengths[9:], start=10)]
     b = [twin.update(t, x) for t, x in enumerate(lengths[9:], start=10)]

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tim_megatron.algo import EarlyWarning, SurgeDetector, build_schedule
+from tim_megatron.algo import EarlyWarning, build_schedule
+from tim_megatron.algo.early_warning import surge_from_config
 from tim_megatron.recipe import LoadedRecipe
 from tim_megatron.stop import StopRequest
 
@@ -58,7 +59,7 @@ def new_warnings(recipe) -> EarlyWarning:
         z_cap=ew.z_cap,
         window=ew.window,
         threshold=ew.threshold,
-        surge=SurgeDetector.from_config(recipe.remedies.lr_schedule.surge),
+        surge=surge_from_config(recipe.remedies.lr_schedule.surge),
     )
 
 

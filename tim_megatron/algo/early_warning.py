@@ -175,11 +175,6 @@ class SurgeDetector:
     fired_at: int | None = None
     metric: str = "response/length_mean"
 
-    @classmethod
-    def from_config(cls, cfg) -> SurgeDetector:
-        """From a recipe's ``remedies.lr_schedule.surge`` section."""
-        return cls(window=cfg.window, baseline_steps=cfg.baseline_steps, factor=cfg.factor, within=cfg.within)
-
     def update(self, step: int, mean_length: float) -> Event | None:
         if mean_length is None or not math.isfinite(mean_length):
             return None
@@ -207,6 +202,13 @@ class SurgeDetector:
         for k, v in state.items():
             if k in names:
                 setattr(self, k, v)
+
+
+def surge_from_config(surge) -> SurgeDetector:
+    """The detector of a recipe's ``remedies.lr_schedule.surge`` section."""
+    return SurgeDetector(
+        window=surge.window, baseline_steps=surge.baseline_steps, factor=surge.factor, within=surge.within
+    )
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from tim_megatron.algo.early_warning import SurgeDetector
+from tim_megatron.algo.early_warning import SurgeDetector, surge_from_config
 
 
 @dataclass
@@ -156,6 +156,6 @@ def build_schedule(cfg, *, base_lr: float, total_steps: int):
             trigger_step=cfg.trigger_step,
             decay_period=cfg.decay_period,
             period_factor=cfg.period_factor,
-            surge=SurgeDetector.from_config(cfg.surge),
+            surge=surge_from_config(cfg.surge),
         )
     raise ValueError(f"remedies.lr_schedule.type = {cfg.type!r}: allowed constant, cosine, length_decay")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tim_megatron.algo.early_warning import GrowthDetector, SurgeDetector, TrendDetector
+from tim_megatron.algo.early_warning import GrowthDetector, SurgeDetector, TrendDetector, surge_from_config
 from tim_megatron.lab.stats import pearson, theil_sen
 from tim_megatron.logging.tracker import read_metrics
 from tim_megatron.logging.untrusted import UnreadableFile
@@ -192,9 +192,7 @@ def final_window(rows: list[dict], window: int = COLLAPSE_WINDOW) -> float:
 def surge_detector(path: Path) -> SurgeDetector:
     """The length-surge detector of the run's own recipe (its recipe.yaml); the defaults if that cannot be read."""
     try:
-        return SurgeDetector.from_config(
-            load_recipe(path / RECIPE_FILE, []).recipe.remedies.lr_schedule.surge
-        )
+        return surge_from_config(load_recipe(path / RECIPE_FILE, []).recipe.remedies.lr_schedule.surge)
     except (OSError, RecipeError):
         return SurgeDetector()
 
