@@ -230,10 +230,12 @@ REAL = {
 
 
 def test_registry_finds_every_family_module_by_architecture():
+    from tim_megatron.recipe.schema import FAMILIES
     from tim_megatron.trainer.families import families, family_for_hf, family_names
 
     fams = families()
     assert family_names() == sorted(fams) and set(RECIPES) | {"qwen3"} <= set(fams)
+    assert list(FAMILIES) == family_names()  # the schema's list of allowed families is the registry
     for name, fam in fams.items():
         assert fam.name == name
         for arch in fam.architectures:

@@ -339,8 +339,8 @@ def test_resume_with_a_changed_recipe_is_refused_or_recorded(trained, tmp_path):
 
 def test_submit_resume_with_a_changed_recipe_renders_the_job_again(tmp_path):
     from tim_megatron.recipe import load_recipe
-    from tim_megatron.run_dir import RecipeChangeError, adopt_recipe_for_job
-    from tim_megatron.slurm.submit import prepare
+    from tim_megatron.run_dir import RecipeChangeError
+    from tim_megatron.slurm.submit import adopt_recipe_for_job, prepare
 
     d, _ = prepare(load_recipe(ROOT / GRPO, ["cluster.time=01:00:00"]), output_dir=tmp_path)
     assert "#SBATCH --time=01:00:00" in (d / "job.sbatch").read_text()

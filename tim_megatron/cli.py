@@ -388,10 +388,10 @@ def submit_cmd(
     ),
 ) -> None:
     """Validate a recipe, write its Slurm job into a new run folder and sbatch it."""
-    from tim_megatron.run_dir import RunDirError, adopt_recipe_for_job
+    from tim_megatron.run_dir import RunDirError
     from tim_megatron.run_lock import RunFolderBusy
     from tim_megatron.slurm.render import RenderError
-    from tim_megatron.slurm.submit import SlurmError, resubmit, submit
+    from tim_megatron.slurm.submit import SlurmError, adopt_recipe_for_job, resubmit, submit
     from tim_megatron.slurm.submit import dry_run as render_only
 
     try:

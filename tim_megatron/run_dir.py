@@ -249,27 +249,6 @@ def adopt_recipe(
     return changes
 
 
-def adopt_recipe_for_job(d: Path, loaded: LoadedRecipe, *, allow_change: bool = False) -> dict[str, tuple]:
-    """:func:`adopt_recipe` for ``tim submit --resume``: under the folder's lock (no job may be running
-    in it), and with the job script rendered again from the new recipe when it changed."""
-    from tim_megatron.run_lock import hold
-    from tim_megatron.slurm.render import render
-    from tim_megatron.slurm.submit import JOB_FILE
-
-    d = Path(d).resolve()
-    if not (d / RECIPE_FILE).exists():
-        raise RunDirError(f"{d} is not a run folder (no {RECIPE_FILE})")
-    lock = hold(d)
-    try:
-        changes = adopt_recipe(d, loaded, allow_change=allow_change)
-        if changes:
-            name = read_meta(d).get("name", loaded.name)
-            (d / JOB_FILE).write_text(render(loaded.recipe, run_dir=d, job_name=name))
-    finally:
-        lock.release()
-    return changes
-
-
 def _never_stepped(d: Path) -> bool:
     """No step ever ran in ``d`` (no checkpoint, no metrics row) and no Slurm job waits to run in it."""
     metrics = d / "metrics.jsonl"

@@ -61,6 +61,11 @@ _MAX_EXPERTS = 4096
 _MAX_POSITIONS = 1 << 24
 
 
+FAMILIES = ("glm4_moe", "mixtral", "olmoe", "qwen3", "qwen3_moe")
+"""The model families the trainer implements: the registry names of tim_megatron/trainer/families (one module
+each; a test checks that the two agree). The schema names them itself so that it imports nothing above it."""
+
+
 class ModelDims(Section):
     """Architecture numbers of the policy model, as in its HF ``config.json``.
 
@@ -106,8 +111,7 @@ class ModelDims(Section):
     tie_word_embeddings: bool = False
     """Share the input embedding with the LM head (``tie_word_embeddings``)."""
     family: str | None = None
-    """Model family, by registry name: a module of tim_megatron/trainer/families (qwen3, qwen3_moe, glm4_moe, mixtral,
-    olmoe).
+    """Model family, by registry name: one of ``FAMILIES``, each a module of tim_megatron/trainer/families.
     Unset: qwen3_moe when ``num_experts`` > 0, else qwen3."""
     qk_norm: Literal["per_head", "whole", "none"] = "per_head"
     """RMSNorm on queries and keys before RoPE: ``per_head`` (Qwen3: one head_dim-wide weight for every head),
@@ -163,14 +167,10 @@ class ModelDims(Section):
 
 def _check_dims(d: ModelDims) -> None:
     """Cross-field rules of the architecture features. Each failure names the keys involved."""
-    if d.family is not None:
-        from tim_megatron.trainer.families import family_names
-
-        names = family_names()
-    if d.family is not None and d.family not in names:
+    if d.family is not None and d.family not in FAMILIES:
         raise RecipeValueError(
             ["model.dims.family"],
-            f"model.dims.family = {d.family!r} is not a known model family; allowed: {', '.join(names)} "
+            f"model.dims.family = {d.family!r} is not a known model family; allowed: {', '.join(FAMILIES)} "
             "(or leave it unset for Qwen3)",
         )
     rot = d.head_dim * d.partial_rotary_factor

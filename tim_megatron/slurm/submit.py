@@ -18,7 +18,15 @@ from pathlib import Path
 
 from tim_megatron.recipe import LoadedRecipe, RecipeError, load_recipe
 from tim_megatron.recipe.sweep import load_sweep
-from tim_megatron.run_dir import META_FILE, new_run_dir, set_status
+from tim_megatron.run_dir import (
+    META_FILE,
+    RECIPE_FILE,
+    RunDirError,
+    adopt_recipe,
+    new_run_dir,
+    read_meta,
+    set_status,
+)
 from tim_megatron.slurm.render import RenderError, render
 
 JOB_FILE = "job.sbatch"
@@ -217,3 +225,22 @@ def cancel(job: str) -> None:
         raise SlurmError("scancel not found: is Slurm installed, and SLURM_CONF set?") from None
     if res.returncode != 0:
         raise SlurmError(f"scancel {job} failed: {res.stderr.strip()}")
+
+
+def adopt_recipe_for_job(d: Path, loaded: LoadedRecipe, *, allow_change: bool = False) -> dict[str, tuple]:
+    """:func:`tim_megatron.run_dir.adopt_recipe` for ``tim submit --resume``: under the folder's lock (no job may be running
+    in it), and with the job script rendered again from the new recipe when it changed."""
+    from tim_megatron.run_lock import hold
+
+    d = Path(d).resolve()
+    if not (d / RECIPE_FILE).exists():
+        raise RunDirError(f"{d} is not a run folder (no {RECIPE_FILE})")
+    lock = hold(d)
+    try:
+        changes = adopt_recipe(d, loaded, allow_change=allow_change)
+        if changes:
+            name = read_meta(d).get("name", loaded.name)
+            (d / JOB_FILE).write_text(render(loaded.recipe, run_dir=d, job_name=name))
+    finally:
+        lock.release()
+    return changes

@@ -1,0 +1,100 @@
+"""The package's import graph has no cycles: every import statement counts, deferred ones (inside functions)
+and ``TYPE_CHECKING`` ones included, over ``tim_megatron/`` and ``patches/``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(roots: tuple[str, ...] = ("tim_megatron", "patches")) -> dict[str, set[str]]:
+    """Module -> the package modules it imports. ``from pkg import sub`` depends on ``pkg.sub`` when that is a
+    module, on ``pkg`` (its ``__init__``) otherwise; an import of a name deeper than a module resolves to the
+    module that holds it."""
+    files = {_name(p): p for r in roots for p in (ROOT / r).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        wanted: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                wanted.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    module = node.module or ""
+                for a in node.names:
+                    wanted.add(f"{module}.{a.name}" if f"{module}.{a.name}" in files else module)
+        deps = set()
+        for w in wanted:
+            while w and w not in files:
+                w = w.rpartition(".")[0]
+            if w and w != name:
+                deps.add(w)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+    return found
+
+
+def test_the_checker_finds_a_cycle_and_reads_from_imports_right():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    graph = import_graph()
+    assert "tim_megatron.gpu_check.compare" in graph["tim_megatron.gpu_check.sections"]  # from pkg import sub
+    assert "tim_megatron.recipe.schema" in graph["tim_megatron.trainer.families.base"]  # module level
+    assert "tim_megatron.slurm.render" in graph["tim_megatron.slurm.submit"]
+    assert len(graph) > 100
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
