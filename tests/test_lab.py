@@ -628,7 +628,7 @@ def test_c1_needs_a_contrast_against_the_matched_control(tmp_path):
     # an exact run with rho_std > 0 is no zero-mismatch control
     leaky = {**fell, "exact": {**fell["exact"], 3: _stats("exact", 3, zero_mismatch=False)}}
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, leaky))["C1"]
-    assert v.verdict == "inconclusive" and "not zero mismatch" in v.detail
+    assert v.verdict == "inconclusive" and "not a zero-mismatch control" in v.detail
 
 
 def test_c2_reads_the_reward_deficit_against_the_dose(tmp_path):

@@ -232,7 +232,7 @@ def c1(lab: LabData) -> Verdict:
     context += "".join(f"; {m}" for m in lab.missing(injected))
     nonzero = [s for s, r in lab.runs[CONTROL].items() if not r.zero_mismatch]
     if nonzero:
-        why = f"rho_std > 0 logged in exact seed(s) {sorted(nonzero)}: not zero mismatch"
+        why = f"exact seed(s) {sorted(nonzero)} logged a rho_std > 0 or none at all: not a zero-mismatch control"
         return _verdict("C1", spec, iv, INCONCLUSIVE, f"{why}; {context}", arms)
     if n_e < 2 or n_m < 1:
         return _verdict("C1", spec, iv, INCONCLUSIVE, f"too few completed runs; {context}", arms)
