@@ -26,7 +26,7 @@ help:
 	@echo "make lint    ruff"
 	@echo "make demo    GRPO on the tiny built-in MoE with real vLLM + megatron-core (RECIPE=..., OVERRIDES=...)"
 	@echo "make bench   benchmarks, printed as ratios against the raw libraries"
-	@echo "make lab [PRESET=quick|full|long] [ONLY=arm,arm] [JOBS=n]                  the TIM lab: lab/<preset>.yaml -> report/lab-<preset>/ (index.html, verdicts.csv)"
+	@echo "make lab [PRESET=quick|full|long] [ONLY=arm,arm] [JOBS=n, default 2]      the TIM lab: lab/<preset>.yaml -> report/lab-<preset>/ (index.html, verdicts.csv)"
 	@echo "make submit RECIPE=... [NODES=n] [OVERRIDES=\"k=v ...\"] [DRY_RUN=1]   Slurm job in a new run folder"
 	@echo "make sweep [SWEEP=recipes/sweeps/<name>.yaml]                          one job per variant, one sweep id (default: the 30B clipping sweep)"
 	@echo "make status | make logs JOB=id | make cancel JOB=id                    the project's Slurm jobs"
@@ -68,9 +68,12 @@ demo: setup
 	$(TIM) train $(call q,$(RECIPE)) $(call qw,$(OVERRIDES)); rc=$$?; \
 	echo "make demo: "$(call q,$(RECIPE))" finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
+# make lab runs two one-core runs at a time where there are 2+ cores (JOBS=n overrides)
+LAB_JOBS := $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -ge 2 ] && echo 2 || echo 1)
+
 lab: setup
 	@start=$$(date +%s); \
-	$(TIM) lab $(call q,$(or $(PRESET),quick)) $(if $(ONLY),--only $(call q,$(ONLY))) $(if $(JOBS),--jobs $(call q,$(JOBS))); rc=$$?; \
+	$(TIM) lab $(call q,$(or $(PRESET),quick)) $(if $(ONLY),--only $(call q,$(ONLY))) --jobs $(if $(JOBS),$(call q,$(JOBS)),$(LAB_JOBS)); rc=$$?; \
 	echo "make lab: preset "$(call q,$(or $(PRESET),quick))" finished in $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 submit: setup
