@@ -33,7 +33,6 @@ class Run:
     stop: StopRequest
     capture_agreement: bool
     start_step: int = 1
-    sample_texts: list = field(default_factory=list)
     probe: list = field(default_factory=list)
     """Fallback probe prompts for the eager sync check (a step's own samples are used when present)."""
     info: dict = field(default_factory=dict)

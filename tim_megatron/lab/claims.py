@@ -60,7 +60,7 @@ COMMON_RULE = (
 
 
 @dataclass
-class Verdict:
+class ClaimVerdict:
     claim: str
     statement: str
     source: str
@@ -130,8 +130,8 @@ def _verdict(
     *,
     p: float = float("nan"),
     can_reproduce: bool = True,
-) -> Verdict:
-    return Verdict(
+) -> ClaimVerdict:
+    return ClaimVerdict(
         claim=claim,
         statement=spec["statement"],
         source=spec["source"],
@@ -149,7 +149,7 @@ def _verdict(
     )
 
 
-def _not_run(claim: str, spec: dict, lab: LabData, arms: list[str]) -> Verdict | None:
+def _not_run(claim: str, spec: dict, lab: LabData, arms: list[str]) -> ClaimVerdict | None:
     miss = lab.missing(arms)
     if not miss:
         return None
@@ -162,7 +162,7 @@ def _diffs(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
 
 def _growth_gap(
     claim: str, spec: dict, lab: LabData, more: str, less: str, extra: str = "", *, key: str = "growth"
-) -> Verdict:
+) -> ClaimVerdict:
     """Effect = growth(more) - growth(less), paired by seed, common rule with GROWTH_MIN."""
     arms = [more, less]
     nr = _not_run(claim, spec, lab, arms)
@@ -204,7 +204,7 @@ def injected_arms(lab: LabData) -> list[str]:
 # ------------------------------------------------------------------------------------------- the claims
 
 
-def c1(lab: LabData) -> Verdict:
+def c1(lab: LabData) -> ClaimVerdict:
     spec = CLAIMS["C1"]
     injected = injected_arms(lab)
     arms = [CONTROL, *injected]
@@ -251,7 +251,7 @@ def c1(lab: LabData) -> Verdict:
     )
 
 
-def c2(lab: LabData) -> Verdict:
+def c2(lab: LabData) -> ClaimVerdict:
     spec = CLAIMS["C2"]
     injected = injected_arms(lab)
     arms = [CONTROL, *injected]
@@ -292,7 +292,7 @@ def c2(lab: LabData) -> Verdict:
     return _verdict("C2", spec, iv, verdict, detail, arms, p=t_test_greater(effects))
 
 
-def c3(lab: LabData) -> Verdict:
+def c3(lab: LabData) -> ClaimVerdict:
     spec = CLAIMS["C3"]
     arms = ["objective-delta", "objective-sigma", "gspo"]
     nr = _not_run("C3", spec, lab, arms)
@@ -321,7 +321,7 @@ def c3(lab: LabData) -> Verdict:
     )
 
 
-def c4(lab: LabData) -> Verdict:
+def c4(lab: LabData) -> ClaimVerdict:
     spec = CLAIMS["C4"]
     arms = ["objective-delta"]
     nr = _not_run("C4", spec, lab, arms)
@@ -335,7 +335,7 @@ def c4(lab: LabData) -> Verdict:
     return _verdict("C4", spec, iv, verdict, detail, arms, p=t_test_greater(values))
 
 
-def c5(lab: LabData) -> Verdict:
+def c5(lab: LabData) -> ClaimVerdict:
     spec = CLAIMS["C5"]
     arms = ["baseline"]
     nr = _not_run("C5", spec, lab, arms)
@@ -347,15 +347,15 @@ def c5(lab: LabData) -> Verdict:
     return _verdict("C5", spec, iv, verdict, why, arms, p=t_test_greater(values))
 
 
-def c6(lab: LabData) -> Verdict:
+def c6(lab: LabData) -> ClaimVerdict:
     return _growth_gap("C6", CLAIMS["C6"], lab, "clip-0.2", "clip-0.28")
 
 
-def c7(lab: LabData) -> Verdict:
+def c7(lab: LabData) -> ClaimVerdict:
     return _growth_gap("C7", CLAIMS["C7"], lab, "baseline", "tis")
 
 
-def c8(lab: LabData) -> Verdict:
+def c8(lab: LabData) -> ClaimVerdict:
     spec = CLAIMS["C8"]
     arms = ["baseline", "length-decay"]
     nr = _not_run("C8", spec, lab, ["baseline"])
@@ -391,7 +391,7 @@ def c8(lab: LabData) -> Verdict:
     return _verdict("C8", spec, b, verdict, detail, arms, p=p)
 
 
-def c9(lab: LabData) -> Verdict:
+def c9(lab: LabData) -> ClaimVerdict:
     extra = "; " + _growth_of(lab, "lr-high", "ppl_growth") if "lr-high" in lab.plans else ""
     return _growth_gap("C9", CLAIMS["C9"], lab, "baseline", "lr-low", extra, key="ppl_growth")
 
@@ -480,10 +480,10 @@ CLAIMS: dict[str, dict] = {
 }
 
 
-def verdicts(lab: LabData) -> list[Verdict]:
+def verdicts(lab: LabData) -> list[ClaimVerdict]:
     """Every claim's verdict; the claims with a test are adjusted together (Holm) and reproduced when the
     adjusted p is at most ALPHA and nothing else in their rule fails."""
-    fns: dict[str, Callable[[LabData], Verdict]] = {k: v["fn"] for k, v in CLAIMS.items()}
+    fns: dict[str, Callable[[LabData], ClaimVerdict]] = {k: v["fn"] for k, v in CLAIMS.items()}
     out = [fns[k](lab) for k in CLAIMS]
     tested = sum(math.isfinite(v.p_value) for v in out)
     for v, adjusted in zip(out, holm([v.p_value for v in out]), strict=True):

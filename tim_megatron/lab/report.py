@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tim_megatron.lab.claims import GROWTH_MIN, LabData, Verdict
+from tim_megatron.lab.claims import GROWTH_MIN, ClaimVerdict, LabData
 from tim_megatron.lab.detectors import TUNE_GRID, Evaluation
 from tim_megatron.lab.runstats import HIGH_BUCKET, LOW_BUCKETS, P, RunStats, pooled_bucket, run_rows, series
 from tim_megatron.lab.stats import mean_ci
@@ -218,7 +218,7 @@ def write_tables_md(
     path: Path,
     *,
     title: str,
-    verdicts: list[Verdict],
+    verdicts: list[ClaimVerdict],
     arms: list[dict],
     detectors: list[Evaluation],
     method: str = "",
@@ -241,7 +241,7 @@ def write_report(
     lab: LabData,
     out: Path,
     *,
-    verdicts: list[Verdict],
+    verdicts: list[ClaimVerdict],
     detectors: list[Evaluation],
     tuned,
     command: str,

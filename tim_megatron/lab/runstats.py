@@ -36,7 +36,7 @@ from tim_megatron.lab.stats import pearson, theil_sen
 from tim_megatron.logging.tracker import read_metrics
 from tim_megatron.logging.untrusted import UnreadableFile
 from tim_megatron.recipe import RecipeError, load_recipe
-from tim_megatron.report.runs import read_meta
+from tim_megatron.report.runs import MISMATCH, read_meta  # rho_std: what growth and the warnings read
 from tim_megatron.run_dir import RECIPE_FILE
 
 
@@ -55,8 +55,6 @@ def run_meta(path: Path) -> dict:
 
 
 P = "mismatch/old_vs_rollout/"
-MISMATCH = P + "rho_std"
-"""The mismatch the growth claims and the early-warning rules read (the objective-level-hacking paper's)."""
 PPL_DIFF = P + "log_ppl_abs_diff_token_mean"
 """TIM-LR's mismatch (Eq. 8, per token), read by its claims C8 and C9."""
 DOSE = P + "kl_old_rollout_k3"

@@ -121,8 +121,6 @@ def rollouts(run, step: int) -> tuple[StepBatch, dict, list[list[int]]]:
         num_moe_layers=tr.num_moe_layers(),
         top_k=tr.dims.num_experts_per_tok,
     )
-    if groups and _rank() == 0:
-        run.sample_texts = [(mine[0].prompt, _text(run, groups[0][0]), mine[0].answer)]
     batch = trainer_shard(blk, layout=ro.layout, rank=_rank(), dp_rank=tr.dp_rank, dp_size=tr.dp_size)
     tokens, prompt_tokens = _sum_over_engines(ro, [gen.response_tokens, gen.prompt_tokens])
     (slowest,) = _max_over_world([gen.seconds])
