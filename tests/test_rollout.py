@@ -63,7 +63,8 @@ def test_sync_after_a_step_is_verified_and_exact(fp32):
 def test_corrupted_syncs_raise(fp32):
     assert "never sent" in fp32["dropped_caught"] and "experts.3.down_proj" in fp32["dropped_caught"]
     assert "does not hold the trainer's weights" in fp32["transposed_caught"]
-    assert fp32["repaired"]
+    # after the bad loads, one verified push repairs the engine: measured, not assumed
+    assert fp32["repaired_probe_max_abs_prob_diff"] < 1e-4 and fp32["repaired_vllm_vs_megatron"] < 1e-4
 
 
 def test_trainer_logprobs_are_bitwise_repeatable(fp32):

@@ -155,8 +155,13 @@ def scenario_fp32(out: dict, overrides) -> None:
         out["transposed_caught"] = None
     except WeightSyncError as e:
         out["transposed_caught"] = str(e)
-    ws.push(eng, tr, probe=lambda: seqs[:4])  # repaired
-    out["repaired"] = True
+    # Repaired by a full push: the probe agrees again, and so does every scored sequence.
+    fixed = ws.push(eng, tr, probe=lambda: seqs[:4])
+    out["repaired_probe_max_abs_prob_diff"] = fixed["sync/probe_max_abs_prob_diff"]
+    worst = 0.0
+    for i, row in enumerate(eng.score(seqs)):
+        worst = max(worst, float((torch.tensor(row[1:]) - new_lp.logprobs[i, 1 : len(row)]).abs().max()))
+    out["repaired_vllm_vs_megatron"] = worst
     # The trainer's logprob pass is bitwise repeatable (what exact mode builds on): rho == 1 between two passes.
     ids2, len2 = padded(seqs)
     mask = torch.zeros_like(ids2, dtype=torch.bool)
