@@ -66,6 +66,29 @@ def train_recipe(name: str, tmp: Path, *extra: str, steps: int = 2) -> tuple[Pat
 # ------------------------------------------------------------------------------------- every recipe
 
 
+def _mis_consistent(r: dict, p: str, *, c: float) -> bool:
+    dt, ds, wm, ess = (
+        r[p + k] for k in ("dropped_token_frac", "dropped_seq_frac", "weight_mean", "ess_frac")
+    )
+    return (
+        0.0 <= dt <= 1.0
+        and 0.0 <= ds <= 1.0
+        and (dt > 0) == (ds > 0)  # sequence level: a token is dropped only with its whole sequence
+        and 0.0 <= wm <= c * (1.0 - dt) + 1e-9
+        and (wm == 0.0 or 0.0 < ess <= 1.0 + 1e-9)
+    )
+
+
+def _icepop_consistent(r: dict, p: str, low: float, high: float) -> bool:
+    dt, wm, ess = (r[p + k] for k in ("dropped_token_frac", "weight_mean", "ess_frac"))
+    kept = 1.0 - dt
+    return (
+        0.0 <= dt <= 1.0
+        and low * kept - 1e-9 <= wm <= high * kept + 1e-9
+        and (kept == 0 or 0.0 < ess <= 1.0 + 1e-9)
+    )
+
+
 CHECKS = {
     "grpo": lambda rows: all(r["mismatch/old_vs_rollout/rho_std"] > 0 for r in rows),
     # Tokens are clipped on the high side only above 1 + 0.28, for any sample: a step that clipped some must have
@@ -108,8 +131,10 @@ CHECKS = {
         "correction/tis_token/truncated_token_frac" in r and r["correction/tis_token/weight_mean"] > 0
         for r in rows
     ),
-    "mis": lambda rows: all("correction/mis_sequence/dropped_seq_frac" in r for r in rows),
-    "icepop": lambda rows: all("correction/icepop_token/dropped_token_frac" in r for r in rows),
+    # Properties of the weights that hold for any sample: MIS keeps or drops whole sequences with weights <= C
+    # = 2, IcePop keeps tokens with weights in [0.5, 2]; so the logged mean weight is bounded by the kept share.
+    "mis": lambda rows: all(_mis_consistent(r, "correction/mis_sequence/", c=2.0) for r in rows),
+    "icepop": lambda rows: all(_icepop_consistent(r, "correction/icepop_token/", 0.5, 2.0) for r in rows),
     # phi = delta on the tokens below pi_low: the mean weight is 1 + (delta - 1) x their share, for any sample.
     "inject-delta": lambda rows: all(
         r["objective/low_prob_token_frac"] > 0
