@@ -902,7 +902,19 @@ class Recipe(Section):
 
 
 def _check(r: Recipe) -> None:
-    """Cross-field rules. Each failure names every key involved."""
+    """Cross-field rules, by section, in this order (the first failure is reported). Each failure names every
+    key involved."""
+    _check_model_and_parallel(r)
+    _check_rl(r)
+    _check_precision_and_lengths(r)
+    _check_fleet(r)
+    _check_diagnostics(r)
+    _check_injection(r)
+    _check_task_and_schedule(r)
+
+
+def _check_model_and_parallel(r: Recipe) -> None:
+    """Attention heads, experts and vocabulary against the tensor-, expert- and pipeline-parallel sizes."""
     d, p = r.model.dims, r.parallel
     if p.pp != 1:
         raise RecipeValueError(["parallel.pp"], f"parallel.pp = {p.pp}: only pp = 1 is implemented")
@@ -961,6 +973,10 @@ def _check(r: Recipe) -> None:
             f"parallel.tp = {p.tp} must divide model.dims.vocab_size = {d.vocab_size}",
         )
 
+
+def _check_rl(r: Recipe) -> None:
+    """The RL algorithm: loss and aggregation, minibatches, the rollout correction."""
+    p = r.parallel
     # GSPO is defined on a sequence ratio averaged per sequence: token-mean would reweight by length.
     if r.rl.loss == "gspo" and r.rl.aggregation != "seq-mean-token-mean":
         raise RecipeValueError(
@@ -998,6 +1014,10 @@ def _check(r: Recipe) -> None:
             f"rl.correction.c = {c.c}: TIS/MIS thresholds below 1 reject on-policy tokens",
         )
 
+
+def _check_precision_and_lengths(r: Recipe) -> None:
+    """Precision on both sides, and the sequence lengths against the model's positions."""
+    d = r.model.dims
     # Precision: one remedy switch drives both sides; a deliberate difference must be declared.
     if r.remedies.fp16:
         for key, val in (("trainer.dtype", r.trainer.dtype), ("rollout.dtype", r.rollout.dtype)):
@@ -1024,6 +1044,10 @@ def _check(r: Recipe) -> None:
             f"rollout.max_model_len = {r.rollout.max_model_len} exceeds model.dims.max_position_embeddings = {d.max_position_embeddings}",
         )
 
+
+def _check_fleet(r: Recipe) -> None:
+    """The rollout fleet: engines against nodes, prompts against engines and data-parallel ranks."""
+    p = r.parallel
     # The rollout fleet.
     R = r.rollout.tensor_parallel_size
     gpn = r.cluster.gpus_per_node
@@ -1048,6 +1072,10 @@ def _check(r: Recipe) -> None:
                 f"(world {p.world_size} / rollout.tensor_parallel_size {R}) without a prompt",
             )
 
+
+def _check_diagnostics(r: Recipe) -> None:
+    """VeXact: bypass, and what exact mode needs of the rollout, the parallel layout and the router."""
+    p = r.parallel
     # Diagnostics.
     dg = r.diagnostics
     if dg.vexact != "off" and r.rl.correction.bypass:
@@ -1100,6 +1128,11 @@ def _check(r: Recipe) -> None:
                 "vexact = exact runs the experts on row-invariant kernels over the allgather dispatcher; "
                 "set trainer.moe_dispatcher = allgather or auto",
             )
+
+
+def _check_injection(r: Recipe) -> None:
+    """The sampling-distribution injection: which side it acts on, and what that side must allow."""
+    dg = r.diagnostics
     inj = dg.sampling_injection
     if inj.type != "off" and inj.engine == "trainer" and dg.vexact != "exact":
         raise RecipeValueError(
@@ -1137,6 +1170,11 @@ def _check(r: Recipe) -> None:
                 "with engine = vllm the logged logprobs must be the perturbed distribution's, which vLLM reports "
                 "only after its logits processors (rollout.logprobs_after_temperature = true)",
             )
+
+
+def _check_task_and_schedule(r: Recipe) -> None:
+    """The task's ranges, the probability buckets and the LR schedule."""
+    dg = r.diagnostics
     t = r.data.task
     if t.kind == "countdown" and not t.min_target <= t.max_target <= 9 * t.max_terms:
         raise RecipeValueError(
