@@ -168,12 +168,12 @@ def _growth_gap(
     nr = _not_run(claim, spec, lab, arms)
     if nr:
         return nr
-    a, b = lab.values(more, key), lab.values(less, key)
-    iv = paired_ci(a, b)
+    diffs = list(_diffs(lab.values(more, key), lab.values(less, key)).values())
+    iv = mean_ci(diffs)
     verdict, why = decide(iv, min_effect=GROWTH_MIN)
     g = {x: mean_ci(list(lab.values(x, key).values())) for x in arms}
     detail = f"{why}; growth {more} {g[more].as_text()}, {less} {g[less].as_text()}" + extra
-    return _verdict(claim, spec, iv, verdict, detail, arms, p=t_test_greater(list(_diffs(a, b).values())))
+    return _verdict(claim, spec, iv, verdict, detail, arms, p=t_test_greater(diffs))
 
 
 def _growth_of(lab: LabData, arm: str, key: str = "growth") -> str:
