@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tim_megatron.data.countdown import all_problems, chain_reward, chain_value, random_chain, warmup_batch
 from tim_megatron.recipe import RecipeError, load_recipe
@@ -512,19 +513,20 @@ arms:
 
 @pytest.mark.slow
 def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
-    """`tim lab --jobs 2` on a 1-arm x 2-seed grid of 2-step countdown runs: real `tim train` subprocesses, two at
-    a time on disjoint cores, a verdict row per claim, the pending arm named with its rerun command; a second
-    invocation runs nothing."""
+    """`tim lab --jobs 2` on a 1-arm x 2-seed grid of 2-step countdown runs from the lab's base recipe: real
+    `tim train` subprocesses, two at a time on disjoint cores, a verdict row per claim, the pending arm named with
+    its rerun command; a second invocation runs nothing."""
     import csv
     import os
     import subprocess
     import sys
 
     from tests.conftest import importable, require
+    from tim_megatron.run_dir import RECIPE_FILE
 
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     grid = tmp_path / "g.yaml"
-    grid.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\n" + TINY_GRID)
+    grid.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/lab.yaml'}\n" + TINY_GRID)
     cmd = [sys.executable, "-m", "tim_megatron.cli", "lab", str(grid), "--root", str(tmp_path / "runs")]
     cmd += ["--out", str(tmp_path / "report"), "--jobs", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
@@ -541,6 +543,8 @@ def test_tim_lab_runs_real_training_then_reuses_the_runs(tmp_path):
             assert [r["step"] for r in rows] == [1, 2]
             assert all(r["mismatch/old_vs_rollout/rho_std"] > 0 for r in rows)  # bf16 vs bf16: a real TIM
             assert "val/accuracy" in rows[-1]
+            rl = yaml.safe_load((d / RECIPE_FILE).read_text())["rl"]  # the lab's base: on-policy, clip-higher
+            assert (rl["minibatches"], rl["clip"]["low"], rl["clip"]["high"]) == (1, 0.2, 0.28)
     slots = [
         json.loads((tmp_path / "runs" / "baseline" / f"seed{k}" / "slot.json").read_text()) for k in (1, 2)
     ]

@@ -196,9 +196,9 @@ def test_length_decay_halves_the_lr_at_the_right_steps(tmp_path):
 
 def test_every_tiny_recipe_is_covered():
     names = {p.stem for p in (ROOT / "recipes/tiny-moe").glob("*.yaml")} - {"base"}
-    # length-decay: test_length_decay_halves_the_lr_at_the_right_steps; countdown (the lab's task): trained by
-    # tests/test_lab.py::test_tim_lab_runs_real_training_then_reuses_the_runs.
-    assert names == set(CHECKS) | {"length-decay", "countdown"}
+    # length-decay: test_length_decay_halves_the_lr_at_the_right_steps; lab (the lab's base) and countdown (its
+    # task, lab's base): trained by tests/test_lab.py::test_tim_lab_runs_real_training_then_reuses_the_runs.
+    assert names == set(CHECKS) | {"length-decay", "countdown", "lab"}
 
 
 # ---------------------------------------------------------------------- logging and run folder contents
