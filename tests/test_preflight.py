@@ -400,6 +400,41 @@ def test_an_error_in_a_phase_is_recorded_and_raised(tmp_path):
     assert p["state"] == "failed" and p["error"] == "RuntimeError: boom"
 
 
+def test_the_recorder_watches_the_loop_through_its_hook():
+    """Preflight's records come from the loop's observer: each generation, each update's seconds summed per step,
+    a sync with its load and agreements, and a failed check with the engines its error names (as data)."""
+    from tim_megatron.preflight.steps import Records
+    from tim_megatron.rl.observer import StepObserver
+    from tim_megatron.rollout.base import GenerationStats
+    from tim_megatron.rollout.sync import Agreement, SyncReport, WeightSyncError
+
+    rec = Records()
+    assert isinstance(rec, StepObserver)
+    rec.generated(step=1, engine=1, prompts=4, sequences=32, stats=GenerationStats(2.5, 40, 96))
+    for _ in range(2):
+        rec.trained(step=1, times={"fwd_bwd": 0.5, "optimizer": 0.25})
+    rec.synced(sync=1, check="samples", metrics={})  # nothing was checked: nothing to record
+    ag = Agreement(p80_abs_prob_diff=1e-5, mean_abs_prob_diff=5e-6, max_abs_prob_diff=3e-5,
+                   max_abs_logprob_diff=2e-5, frac_above=0.0, tokens=10)  # fmt: skip
+    rec.synced(
+        sync=1, check="probe", metrics={"sync/seconds": 0.1}, load=SyncReport(7, 1024, 0.1), agreements=[ag]
+    )
+    err = WeightSyncError("rollout engine 1 does not hold the trainer's weights", engines=[1])
+    rec.synced(sync=2, check="samples", error=err)
+    out = rec.as_dict()
+    assert out["generations"] == [
+        {"step": 1, "engine": 1, "prompts": 4, "sequences": 32, "response_tokens": 96, "prompt_tokens": 40,
+         "seconds": 2.5}
+    ]  # fmt: skip
+    assert out["train"] == {"1": {"fwd_bwd": 1.0, "optimizer": 0.5, "updates": 2}}
+    probe, failed = out["syncs"]
+    assert (
+        probe["load"] == {"tensors": 7, "bytes": 1024, "seconds": 0.1}
+        and probe["agreements"][0]["tokens"] == 10
+    )
+    assert failed == {"sync": 2, "check": "samples", "error": str(err), "engines_failed": [1]}
+
+
 def test_where_start_up_failed_is_classified():
     from tim_megatron.preflight.steps import classify_setup_error
 
@@ -416,7 +451,10 @@ def test_where_start_up_failed_is_classified():
     )
     assert fit == {"where": "engine", "kind": "fit", "error": "ValueError: less than requested memory for kv"}
     assert classify_setup_error(raised("/x/vllm/engine.py", "RuntimeError('bad weights')"))["kind"] == "load"
-    assert classify_setup_error(raised("/x/trainer/engine.py", "RuntimeError('x')"))["where"] == "setup"
+    assert (
+        classify_setup_error(raised("/x/trainer/megatron_trainer.py", "RuntimeError('x')"))["where"]
+        == "setup"
+    )
 
 
 # ----------------------------------------------------------------------------------- on a real Slurm

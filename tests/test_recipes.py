@@ -389,7 +389,7 @@ def test_resolved_recipes_round_trip_through_the_strict_loader(tmp_path):
 
 
 def test_cpu_kvcache_is_whole_gib_and_the_recipe_wins_over_the_environment(tmp_path):
-    from tim_megatron.rollout.engine import set_cpu_kvcache_env
+    from tim_megatron.rollout.vllm_engine import set_cpu_kvcache_env
 
     p = write(tmp_path, "r.yaml", "{}\n")
     with pytest.raises(RecipeError, match=r"rollout.cpu_kvcache_gib = 1.5.*whole GiB"):

@@ -101,7 +101,7 @@ def test_unsupported_head_dim_and_missing_checkpoint_fail_before_start(tmp_path)
     require(importable("vllm"), "vLLM")
     from tim_megatron.models.tiny import ensure_tiny_checkpoint
     from tim_megatron.recipe.schema import ModelDims
-    from tim_megatron.rollout.engine import RolloutInputError, check_model_for_engine
+    from tim_megatron.rollout.vllm_engine import RolloutInputError, check_model_for_engine
 
     small = ensure_tiny_checkpoint(ModelDims(head_dim=16), warmup_steps=0, root=tmp_path)
     with pytest.raises(
@@ -126,3 +126,47 @@ def test_vllm_patches_refuse_unknown_versions(monkeypatch):
             guard.UnverifiedVersionError, match=r"==0\.32\.0 but vllm(-cpu)? 0\.99\.0 is installed"
         ):
             guard.check_version(mod.SPEC)
+
+
+def test_the_backend_follows_the_recipe_and_a_contradiction_is_refused():
+    """``rollout.backend`` unset follows ``diagnostics.vexact``; set against it, the error names both keys, the
+    value and what is allowed; the registry and the schema list the same backends."""
+    import typing
+
+    from tim_megatron.recipe import RecipeError, load_recipe
+    from tim_megatron.recipe.schema import RolloutConfig
+    from tim_megatron.rollout.backends import BACKENDS, backend_for
+
+    grpo = ROOT / "recipes/tiny-moe/grpo.yaml"
+    assert backend_for(load_recipe(grpo).recipe).name == "vllm"
+    assert backend_for(load_recipe(grpo, ["diagnostics.vexact=exact"]).recipe).name == "trainer"
+    assert backend_for(
+        load_recipe(grpo, ["diagnostics.vexact=exact", "rollout.backend=trainer"]).recipe
+    ).name == ("trainer")
+    with pytest.raises(RecipeError, match=r"rollout.backend = trainer with diagnostics.vexact = off.*Allowed here: "
+                       r"rollout.backend = vllm"):  # fmt: skip
+        load_recipe(grpo, ["rollout.backend=trainer"])
+    with pytest.raises(RecipeError, match=r"rollout.backend = vllm with diagnostics.vexact = exact"):
+        load_recipe(grpo, ["diagnostics.vexact=exact", "rollout.backend=vllm"])
+    literal = typing.get_args(RolloutConfig.model_fields["backend"].annotation)[0]
+    assert set(typing.get_args(literal)) == set(BACKENDS)
+
+
+def test_each_backend_checks_the_model_it_serves(tmp_path):
+    """vLLM's check adds its CPU attention head sizes; the trainer backend serves any head size, but both refuse a
+    folder without weights."""
+    require(importable("vllm"), "vLLM")
+    from tim_megatron.models.tiny import ensure_tiny_checkpoint
+    from tim_megatron.recipe.schema import ModelDims
+    from tim_megatron.rollout.backends import BACKENDS
+    from tim_megatron.rollout.base import RolloutInputError
+
+    small = ensure_tiny_checkpoint(ModelDims(head_dim=16), warmup_steps=0, root=tmp_path)
+    BACKENDS["trainer"].check_model(small, on_gpu=False)
+    with pytest.raises(RolloutInputError, match=r"head_dim = 16 is not supported by vLLM's CPU attention"):
+        BACKENDS["vllm"].check_model(small, on_gpu=False)
+    for f in small.glob("*.safetensors"):
+        f.unlink()
+    for name in BACKENDS:
+        with pytest.raises(RolloutInputError, match=r"has no \*.safetensors weights"):
+            BACKENDS[name].check_model(small, on_gpu=False)

@@ -308,12 +308,12 @@ def _check_world(p, world: int, *, nproc: int, under_launcher: bool) -> None:
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors caused by the inputs (named in their messages), shown without a traceback."""
     from tim_megatron.data.sources import DataError
-    from tim_megatron.rollout.engine import RolloutInputError
     from tim_megatron.rollout.sync import WeightSyncError
+    from tim_megatron.rollout.vllm_engine import RolloutInputError
     from tim_megatron.run_dir import RunDirError
     from tim_megatron.trainer.checkpoint import CheckpointError
-    from tim_megatron.trainer.engine import NonFiniteAbort
     from tim_megatron.trainer.hf_config import CheckpointMismatchError, UnsupportedModelError
+    from tim_megatron.trainer.megatron_trainer import NonFiniteAbort
     from tim_megatron.trainer.weights import WeightLoadError
 
     return (

@@ -65,7 +65,7 @@ def export_run(
     from tim_megatron.run_dir import load_run
     from tim_megatron.run_setup import model_path_for
     from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint
-    from tim_megatron.trainer.engine import MegatronTrainer
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     target = check_out(run_dir, out, overwrite=overwrite)
     loaded = load_run(run_dir)

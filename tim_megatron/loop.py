@@ -9,16 +9,21 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from tim_megatron.recipe import LoadedRecipe
+from tim_megatron.recipe import LoadedRecipe, Recipe
 from tim_megatron.rl import phases
 from tim_megatron.rl.batch import broadcast_object
+from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
 from tim_megatron.run_dir import RunDirNotWritable, record_step
-from tim_megatron.run_state import Run
 from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
+
+if TYPE_CHECKING:
+    from tim_megatron.run_setup import Prepared
 
 
 def train(
@@ -40,113 +45,121 @@ def train(
 
     # the libraries' own output (start-up included) goes to logs/engine.log, the console keeps the step lines
     with routed(run_dir, level=loaded.recipe.logging.engine_level, console=console):
-        run = setup(
+        parts = setup(
             loaded, run_dir, resume=resume, console=console, trust_unverified=trust_unverified, stop=stop
         )
-        return run_steps(run)
+        return run_steps(parts, loaded=loaded, run_dir=run_dir)
 
 
-def run_steps(run: Run) -> int:
-    """The steps of a prepared run, from ``run.start_step``: generate, score, recompute, update, sync, log."""
-    r = run.recipe
-    run.stop.steps_begin()  # from here a SIGTERM ends the step and checkpoints
+def run_steps(
+    parts: Prepared, *, loaded: LoadedRecipe, run_dir: Path, observer: StepObserver = NO_OBSERVER
+) -> int:
+    """The steps of a prepared run, from its start step; each logged, recorded, checkpointed when due.
+    ``observer`` is told what the metrics do not keep apart (``tim preflight`` watches through it)."""
+    r, state, trainer = loaded.recipe, parts.state, parts.trainer
+    parts.sync.observer = observer
+    folder = RunFolder(run_dir=run_dir, loaded=loaded, is_rank0=trainer.is_rank0)
+    parts.stop.steps_begin()  # from here a SIGTERM ends the step and checkpoints
     t_start = time.perf_counter()
-    step = run.start_step - 1
+    step = state.start_step - 1
     try:
-        for step in range(run.start_step, r.run.steps + 1):
-            t = phases.Timer()
-            with t("step"):
-                with t("rollout"):
-                    batch, metrics, probe = phases.rollouts(run, step)
-                    metrics.update(run.colocation.to_trainer())
-                with t("old_logprobs"):
-                    old = phases.old_logprobs(run, batch, step)
-                    metrics.update(old.sync)
-                    adv = phases.advantages(run, batch)
-                with t("metrics"):
-                    tim, weights, _ = phases.tim_metrics(run, batch, old, adv, step)
-                    metrics.update(tim)
-                run.schedule.observe(step, metrics)
-                lr = run.schedule.lr(step)
-                with t("update"):
-                    metrics.update(phases.update(run, batch, old, adv, weights, lr, step))
-                with t("sync"):
-                    metrics.update(sync_weights(run, probe, last=step == r.run.steps))
-                if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
-                    with t("validation"):
-                        metrics.update(validate(run, step))
-                with t("logging"):
-                    events = [e.as_dict() for e in run.warnings.update(step, metrics)]
-                    dump_tokens(run, step, batch, old, adv)
-            metrics.update(t.times)
-            if step == run.start_step:
-                metrics.update(run.info)
-            log_step(run, step, metrics, events)
-            unwritable = record_progress(run, step)  # rank 0: a folder that refuses writes stops the run now
-            stop, write_error = broadcast_object((run.stop.requested, unwritable and str(unwritable)))
+        for step in range(state.start_step, r.run.steps + 1):
+            metrics, events = one_step(parts, recipe=r, run_dir=run_dir, step=step, observer=observer)
+            if step == state.start_step:
+                metrics.update(parts.first_step_info)
+            log_step(
+                parts.tracker, recipe=r, step=step, metrics=metrics, events=events, is_rank0=trainer.is_rank0
+            )
+            # rank 0: a folder that refuses writes stops the run now
+            unwritable = folder.record_progress(step)
+            stop, write_error = broadcast_object((parts.stop.requested, unwritable and str(unwritable)))
             if write_error:
-                raise unwritable or RunDirNotWritable(
-                    f"rank 0 could not write in {run.run_dir}: {write_error}"
-                )
-            if stop or should_checkpoint(run, step):  # one write when both fall on the same step
-                save(run, step)
+                raise unwritable or RunDirNotWritable(f"rank 0 could not write in {run_dir}: {write_error}")
+            if stop or should_checkpoint(r, step):  # one write when both fall on the same step
+                save(parts, run_dir=run_dir, recipe=r, step=step)
             if stop:
-                finish(run, step, time.perf_counter() - t_start, status="preempted")
+                folder.finish(parts, step, time.perf_counter() - t_start, status="preempted")
                 return EXIT_PREEMPTED
     except BaseException as e:
         from tim_megatron.run_dir import mark_failed
-        from tim_megatron.trainer.engine import NonFiniteAbort
+        from tim_megatron.trainer.megatron_trainer import NonFiniteAbort
 
         if isinstance(e, NonFiniteAbort):  # its updates were skipped: the weights are the last good ones
-            e.args = (f"{e}; last good state checkpointed: {save(run, step - 1, overwrite=False)}",)
-        if run.is_rank0:
+            kept = save(parts, run_dir=run_dir, recipe=r, step=step - 1, overwrite=False)
+            e.args = (f"{e}; last good state checkpointed: {kept}",)
+        if trainer.is_rank0:
             with contextlib.suppress(OSError):  # an unwritable run.json: the caller's attempt() says so
-                mark_failed(run.run_dir, e, step=step)
-        run.tracker.close()
+                mark_failed(run_dir, e, step=step)
+        parts.tracker.close()
         raise
-    if r.run.steps >= run.start_step:
-        save(run, r.run.steps)
-    finish(run, r.run.steps, time.perf_counter() - t_start, status="completed")
+    if r.run.steps >= state.start_step:
+        save(parts, run_dir=run_dir, recipe=r, step=r.run.steps)
+    folder.finish(parts, r.run.steps, time.perf_counter() - t_start, status="completed")
     return 0
+
+
+def one_step(
+    parts: Prepared, *, recipe: Recipe, run_dir: Path, step: int, observer: StepObserver = NO_OBSERVER
+) -> tuple[dict, list[dict]]:
+    """One RL step, every rank: prompts -> samples -> rewards -> advantages -> old logprobs -> loss inputs ->
+    update -> sync -> validation and dumps. Returns the step's metrics and early-warning events."""
+    r, tr, ro, prompts, memory = recipe, parts.trainer, parts.rollout, parts.prompts, parts.colocation
+    t = phases.Timer()
+    with t("step"):
+        with t("rollout"):  # each engine samples its block of the prompts and scores its samples
+            batch, metrics, probe = phases.rollouts(
+                recipe=r, trainer=tr, rollout=ro, prompts=prompts, step=step, observer=observer
+            )
+            metrics.update(memory.to_trainer())
+        with t("old_logprobs"):  # the trainer at the sampling weights; checks the last sync on these samples
+            old = phases.old_logprobs(
+                recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=batch, step=step
+            )
+            metrics.update(old.sync)
+        with t("advantages"):
+            adv = phases.advantages(recipe=r, batch=batch)
+        with t("metrics"):
+            weights, correction = phases.loss_weights(recipe=r, batch=batch, old=old, step=step)
+            metrics.update(
+                phases.step_metrics(recipe=r, batch=batch, old=old, adv=adv, correction=correction)
+            )
+        parts.state.schedule.observe(step, metrics)
+        lr = parts.state.schedule.lr(step)
+        with t("update"):
+            metrics.update(
+                phases.update(
+                    recipe=r,
+                    trainer=tr,
+                    batch=batch,
+                    old=old,
+                    adv=adv,
+                    weights=weights,
+                    lr=lr,
+                    step=step,
+                    observer=observer,
+                )
+            )
+        with t("sync"):  # the new weights into every engine, verified
+            metrics.update(memory.to_rollout(probe=lambda: probe or parts.probe, last=step == r.run.steps))
+        if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
+            with t("validation"):
+                metrics.update(phases.validate(recipe=r, rollout=ro, prompts=prompts, step=step))
+        with t("logging"):
+            events = [e.as_dict() for e in parts.state.warnings.update(step, metrics)]
+            dump_tokens(recipe=r, trainer=tr, run_dir=run_dir, step=step, batch=batch, old=old, adv=adv)
+    metrics.update(t.times)
+    return metrics, events
 
 
 # ------------------------------------------------------------------------------------ step helpers
 
 
-def sync_weights(run: Run, probe: list[list[int]] | None = None, *, last: bool = False) -> dict:
-    """Push the updated weights into every engine and verify them (now on a probe, or on the next step's data).
-
-    ``probe``: this engine's own sequences from the step (likely tokens give the check its power); distinct
-    prompts, because a router near-tie on one prompt moves all of its samples together."""
-    return run.colocation.to_rollout(probe=lambda: probe or run.probe, last=last)
-
-
-def validate(run: Run, step: int) -> dict:
-    """Greedy accuracy on the validation prompts, each engine taking its block of them."""
-    from tim_megatron.data.rewards import reward
-    from tim_megatron.data.sources import encode_prompt
-    from tim_megatron.rl.phases import _sum_over_engines
-
-    items = run.source.validation_items(run.recipe.data.val_prompts)
-    if not items:
-        return {}
-    ro = run.rollout
-    block = ro.layout.block(len(items), ro.engine_index)
-    mine = [items[i] for i in block]
-    prompts = [encode_prompt(run.tokenizer, it.prompt) for it in mine]
-    groups, _ = ro.generate(prompts, step=step, first_index=block.start, n=1, greedy=True)
-    correct = sum(
-        reward(it.reward, run.tokenizer.decode(g[0].response_ids, skip_special_tokens=True), it.answer)
-        for it, g in zip(mine, groups, strict=True)
-    )
-    (total,) = _sum_over_engines(ro, [float(correct)])
-    return {"val/accuracy": total / len(items)}
-
-
-def dump_tokens(run: Run, step: int, batch, old, adv) -> None:
+def dump_tokens(*, recipe, trainer, run_dir: Path, step: int, batch, old, adv) -> None:
+    """Every token of the step, with its logprobs, to ``dumps/step_N.parquet`` (every ``diagnostics.dumps.every``
+    steps, and the first)."""
     from tim_megatron.logging.dumps import write_dump
 
-    d = run.recipe.diagnostics.dumps
+    d = recipe.diagnostics.dumps
     if not d.every or (
         step % d.every and step != 1
     ):  # the first step too: the report compares early and late
@@ -164,10 +177,10 @@ def dump_tokens(run: Run, step: int, batch, old, adv) -> None:
         "rewards": batch.rewards,
         "routed": batch.routed_experts if d.routed_experts else None,
     }
-    rows = _gather_rows(run.trainer, local)
-    if run.is_rank0:
+    rows = _gather_rows(trainer, local)
+    if trainer.is_rank0:
         write_dump(
-            run.run_dir / "dumps" / f"step_{step:08d}.parquet",
+            run_dir / "dumps" / f"step_{step:08d}.parquet",
             step=step,
             mask=rows["mask"],
             input_ids=rows["input_ids"],
@@ -182,7 +195,7 @@ def dump_tokens(run: Run, step: int, batch, old, adv) -> None:
             finish=rows["finish"],
             routed=rows["routed"],
             max_tokens=d.max_tokens,
-            seed=run.recipe.run.seed,
+            seed=recipe.run.seed,
         )
 
 
@@ -220,70 +233,81 @@ def _gather_rows(tr, local: dict) -> dict:
     return out
 
 
-def log_step(run: Run, step: int, metrics: dict, events: list) -> None:
-    if not run.is_rank0:
+def log_step(tracker, *, recipe, step: int, metrics: dict, events: list, is_rank0: bool) -> None:
+    if not is_rank0:
         return
-    run.tracker.log(step, metrics, events=events)
-    if run.recipe.logging.console and run.tracker.console is not None:
-        run.tracker.console.print(
-            run.tracker.summary_line(step, run.recipe.run.steps, metrics), highlight=False, soft_wrap=True
+    tracker.log(step, metrics, events=events)
+    if recipe.logging.console and tracker.console is not None:
+        tracker.console.print(
+            tracker.summary_line(step, recipe.run.steps, metrics), highlight=False, soft_wrap=True
         )
         for e in events:
-            run.tracker.console.print(
+            tracker.console.print(
                 f"[bold yellow]early warning[/]: {e['kind']} of {e['metric']} at step {e['step']} "
                 f"({e['value']:.3g} vs baseline {e['baseline']:.3g})",
                 highlight=False,
             )
 
 
-def record_progress(run: Run, step: int) -> OSError | None:
-    """Rank 0 records the step reached in ``run.json``; the error when the folder refused it (None elsewhere)."""
-    if not run.is_rank0:
-        return None
-    try:
-        record_step(run.run_dir, step)
-    except OSError as e:
-        return e
-    return None
+def should_checkpoint(recipe, step: int) -> bool:
+    every = recipe.checkpoint.every
+    return bool(every) and step % every == 0 and step != recipe.run.steps
 
 
-def should_checkpoint(run: Run, step: int) -> bool:
-    every = run.recipe.checkpoint.every
-    return bool(every) and step % every == 0 and step != run.recipe.run.steps
-
-
-def save(run: Run, step: int, *, overwrite: bool = True) -> Path:
+def save(parts: Prepared, *, run_dir: Path, recipe, step: int, overwrite: bool = True) -> Path:
+    """Checkpoint the trainer and the loop's state after ``step``."""
     from tim_megatron.trainer.checkpoint import save_checkpoint, step_dir
 
-    if not overwrite and (step_dir(run.run_dir / "checkpoints", step) / "state.json").exists():
-        return step_dir(run.run_dir / "checkpoints", step)
-    state = {"schedule": run.schedule.state_dict(), "warnings": run.warnings.state_dict()}
-    with run.colocation.resident():  # between steps the optimizer state may be in host memory
+    if not overwrite and (step_dir(run_dir / "checkpoints", step) / "state.json").exists():
+        return step_dir(run_dir / "checkpoints", step)
+    with parts.colocation.resident():  # between steps the optimizer state may be in host memory
         return save_checkpoint(
-            run.trainer, run.run_dir / "checkpoints", step=step, state=state, keep=run.recipe.checkpoint.keep
+            parts.trainer,
+            run_dir / "checkpoints",
+            step=step,
+            state=parts.state.state_dict(),
+            keep=recipe.checkpoint.keep,
         )
 
 
-def finish(run: Run, step: int, seconds: float, *, status: str) -> None:
-    from tim_megatron.logging.summary import write_summary
-    from tim_megatron.logging.tracker import read_metrics
-    from tim_megatron.run_dir import mark_finished
+@dataclass
+class RunFolder:
+    """What rank 0 writes in the run folder besides metrics and checkpoints: progress in ``run.json``, and at the
+    end the summary and the early-warning events."""
 
-    if run.is_rank0:
-        rows = read_metrics(run.run_dir / "metrics.jsonl")
-        text = write_summary(
-            run.run_dir,
-            rows,
-            name=run.loaded.name,
-            wall_seconds=seconds,
-            events=[e.as_dict() for e in run.warnings.events],
-        )
-        (run.run_dir / "events.json").write_text(
-            json.dumps([e.as_dict() for e in run.warnings.events], indent=1)
-        )
-        mark_finished(
-            run.run_dir, status, step=step, wall_seconds=seconds, max_requeues=run.recipe.cluster.max_requeues
-        )
-        if run.tracker.console is not None:
-            run.tracker.console.print(text, highlight=False)
-    run.tracker.close()
+    run_dir: Path
+    loaded: LoadedRecipe
+    is_rank0: bool
+
+    def record_progress(self, step: int) -> OSError | None:
+        """Rank 0 records the step reached in ``run.json``; the error when the folder refused it (None elsewhere)."""
+        if not self.is_rank0:
+            return None
+        try:
+            record_step(self.run_dir, step)
+        except OSError as e:
+            return e
+        return None
+
+    def finish(self, parts: Prepared, step: int, seconds: float, *, status: str) -> None:
+        from tim_megatron.logging.summary import write_summary
+        from tim_megatron.logging.tracker import read_metrics
+        from tim_megatron.run_dir import mark_finished
+
+        tracker, events = parts.tracker, [e.as_dict() for e in parts.state.warnings.events]
+        if self.is_rank0:
+            rows = read_metrics(self.run_dir / "metrics.jsonl")
+            text = write_summary(
+                self.run_dir, rows, name=self.loaded.name, wall_seconds=seconds, events=events
+            )
+            (self.run_dir / "events.json").write_text(json.dumps(events, indent=1))
+            mark_finished(
+                self.run_dir,
+                status,
+                step=step,
+                wall_seconds=seconds,
+                max_requeues=self.loaded.recipe.cluster.max_requeues,
+            )
+            if tracker.console is not None:
+                tracker.console.print(text, highlight=False)
+        tracker.close()

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tim_megatron.recipe import LoadedRecipe
+
+if TYPE_CHECKING:  # the parts' types; importing them starts megatron-core and vLLM
+    from tim_megatron.data.sources import PromptSource
+    from tim_megatron.logging.tracker import Tracker
+    from tim_megatron.rl.colocation import Colocation
+    from tim_megatron.rollout.base import RolloutEngine
+    from tim_megatron.rollout.sync import WeightSync
+    from tim_megatron.run_state import LoopState
+    from tim_megatron.stop import StopRequest
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
 
 def model_path_for(recipe) -> Path:
@@ -39,21 +51,37 @@ def model_path_for(recipe) -> Path:
 
 
 def build_rollout(recipe, trainer, *, model_path: Path, tokenizer):
-    """This rank's rollout engine: its share of the vLLM fleet, or of the exact sampler (``vexact: exact``)."""
-    from tim_megatron.rollout.base import FleetLayout
-    from tim_megatron.rollout.engine import VLLMEngine
-    from tim_megatron.rollout.exact_sampler import ExactSampler
+    """This rank's rollout engine, from the recipe's backend (:mod:`tim_megatron.rollout.backends`)."""
+    from tim_megatron.rollout.backends import backend_for
 
-    if recipe.diagnostics.vexact == "exact":
-        return ExactSampler(trainer, eos_id=tokenizer.eos_token_id)
-    layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=recipe.rollout.tensor_parallel_size)
-    return VLLMEngine(
-        recipe,
-        model_path=model_path,
-        layout=layout,
-        rank=trainer.rank,
-        num_moe_layers=trainer.num_moe_layers(),
-    )
+    return backend_for(recipe).build(recipe, trainer, model_path=model_path, tokenizer=tokenizer)
+
+
+@dataclass
+class Prepared:
+    """What :func:`setup` builds for the loop, each part its own object: the loop hands every phase the parts it
+    needs, by name."""
+
+    trainer: MegatronTrainer
+    """This rank's Megatron model, optimizer and logprob passes."""
+    rollout: RolloutEngine
+    """This rank's rollout engine (its share of the vLLM fleet, or the exact sampler)."""
+    sync: WeightSync
+    """The weight sync from the trainer into the engines and its verification."""
+    colocation: Colocation
+    """Who holds the accelerator memory when: the one place that sleeps, wakes and moves state."""
+    prompts: PromptSource
+    """The step's and validation's prompts, with the tokenizer that encodes them and decodes the responses."""
+    tracker: Tracker
+    """metrics.jsonl, wandb and the console (enabled on rank 0)."""
+    state: LoopState
+    """The schedule, the early warnings and the first step: what a checkpoint restores besides the model."""
+    stop: StopRequest
+    """The installed stop request: a signal ends the step and checkpoints."""
+    probe: list[list[int]]
+    """Fallback probe sequences for the eager sync check (a step's own samples are used when present)."""
+    first_step_info: dict[str, float]
+    """Remedy flags and the fleet size, logged with the first step."""
 
 
 def setup(
@@ -64,33 +92,33 @@ def setup(
     console=None,
     trust_unverified: bool = False,
     stop=None,
-):
+) -> Prepared:
     """``stop``: the installed :class:`tim_megatron.stop.StopRequest` of ``tim train`` (a signal during
     start-up stops it at once); without one, a signal waits for the end of the first step."""
     import torch
     from transformers import AutoTokenizer
 
     from patches.megatron import checkpoint_writer_signals
-    from tim_megatron.data.sources import PromptSource, encode_prompt
+    from tim_megatron.data.sources import PromptSource
     from tim_megatron.logging.tracker import Tracker, truncate_jsonl
     from tim_megatron.rl.colocation import Colocation
-    from tim_megatron.rollout.engine import check_model_for_engine
+    from tim_megatron.rl.phases import probe_sequences
+    from tim_megatron.rollout.backends import backend_for
     from tim_megatron.rollout.sync import WeightSync, manifest
     from tim_megatron.run_dir import mark_running
-    from tim_megatron.run_state import Run, new_schedule, new_warnings
+    from tim_megatron.run_state import LoopState
     from tim_megatron.stop import StopRequest
     from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint, refuse_unsafe
-    from tim_megatron.trainer.engine import MegatronTrainer
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     r = loaded.recipe
     if stop is None:
         stop = StopRequest()
         stop.install()
     path = model_path_for(r)
-    check_model_for_engine(path, on_gpu=torch.cuda.is_available())  # weights present, head size servable
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    backend_for(r).check_model(path, on_gpu=torch.cuda.is_available())  # weights present, servable
     # bad data (and a prompt too long in this tokenizer) fails here, before any engine starts
-    source = PromptSource(r.data, seed=r.run.seed, tokenizer=tokenizer)
+    prompts = PromptSource(r.data, seed=r.run.seed, tokenizer=AutoTokenizer.from_pretrained(path))
     trainer = MegatronTrainer(r, model_path=path)
     ckpt = (  # corrupt ones skipped (the ranks share the hashing); checked, with its safety, before vLLM starts
         latest_good_checkpoint(run_dir / "checkpoints", trust_unverified=trust_unverified) if resume else None
@@ -98,7 +126,7 @@ def setup(
     if ckpt is not None:
         refuse_unsafe(ckpt)
     checkpoint_writer_signals.shield()  # a job's SIGTERM must not kill megatron's writer helper
-    rollout = build_rollout(r, trainer, model_path=path, tokenizer=tokenizer)
+    rollout = build_rollout(r, trainer, model_path=path, tokenizer=prompts.tokenizer)
     fault = r.diagnostics.sync_fault
     if fault.kind != "off" and fault.engine >= rollout.layout.engines:
         raise ValueError(
@@ -106,42 +134,24 @@ def setup(
             f"0..{rollout.layout.engines - 1}"
         )
     sync = WeightSync(r, expected=manifest(path), rank=trainer.rank)
-    schedule, warnings = new_schedule(r), new_warnings(r)
-    start = 1
+    state = LoopState.create(r)
     if ckpt is not None:
         meta = load_checkpoint(trainer, ckpt)
-        schedule.load_state_dict(meta["state"]["schedule"])
-        warnings.load_state_dict(meta["state"]["warnings"])
-        start = meta["step"] + 1
+        state.load_state_dict(meta["state"], step=meta["step"])
         if trainer.is_rank0:
             truncate_jsonl(run_dir / "metrics.jsonl", after_step=meta["step"])
-    items = source.step_items(1, r.data.prompts_per_step)
-    block = rollout.layout.block(len(items), rollout.engine_index)
-    probe = [encode_prompt(tokenizer, items[i].prompt) for i in block][:8]
-    run = Run(
-        loaded=loaded,
-        run_dir=run_dir,
-        trainer=trainer,
-        rollout=rollout,
-        sync=sync,
-        colocation=Colocation(
-            rollout=rollout, trainer=trainer, sync=sync, offload=r.trainer.offload_during_rollout
-        ),
-        source=source,
-        tokenizer=tokenizer,
-        schedule=schedule,
-        warnings=warnings,
-        tracker=None,
-        stop=stop,
-        capture_agreement=r.capture_routed_experts and trainer.dims.is_moe,
-        start_step=start,
+    probe = probe_sequences(prompts=prompts, rollout=rollout, step=1)
+    colocation = Colocation(
+        rollout=rollout, trainer=trainer, sync=sync, offload=r.trainer.offload_during_rollout
     )
-    run.probe = probe
     layout = fleet_description(rollout)
-    run.info = {**remedy_info(run), "rollout/engines": float(rollout.layout.engines)}
+    info = {
+        **remedy_info(recipe=r, trainer=trainer, rollout=rollout),
+        "rollout/engines": float(rollout.layout.engines),
+    }
     # a resumed run's engines start from the checkpoint on disk: they get the resumed weights
-    run.colocation.start(probe=lambda: probe, resumed=ckpt is not None)
-    run.tracker = Tracker(
+    colocation.start(probe=lambda: probe, resumed=ckpt is not None)
+    tracker = Tracker(
         r,
         run_dir=run_dir,
         name=f"{loaded.name}/{run_dir.name}",
@@ -149,6 +159,7 @@ def setup(
         enabled=trainer.is_rank0,
         console=console if trainer.is_rank0 else None,
     )
+    start = state.start_step
     if trainer.is_rank0:
         mark_running(run_dir, start_step=start, resumed_from=str(ckpt) if ckpt else None)
         if console is not None:
@@ -159,7 +170,18 @@ def setup(
             )
             for line in layout:
                 console.print(line, highlight=False)
-    return run
+    return Prepared(
+        trainer=trainer,
+        rollout=rollout,
+        sync=sync,
+        colocation=colocation,
+        prompts=prompts,
+        tracker=tracker,
+        state=state,
+        stop=stop,
+        probe=probe,
+        first_step_info=info,
+    )
 
 
 def fleet_description(rollout) -> list[str]:
@@ -185,27 +207,23 @@ def _run_id(run_dir: Path) -> str:
     return hashlib.blake2b(str(run_dir.resolve()).encode(), digest_size=6).hexdigest()
 
 
-def remedy_info(run) -> dict:
+def remedy_info(*, recipe, trainer, rollout) -> dict:
     """Numbers that show, in the first logged step, which precision remedies are really in force."""
     import torch
 
-    from tim_megatron.trainer.logprobs import head_weight
+    from tim_megatron.trainer.logprobs import _logits, head_weight
 
-    tr = run.trainer
-    w = head_weight(tr.model)
+    w = head_weight(trainer.model)
     with torch.no_grad():  # the dtype the trainer's head really produces logits in
-        from tim_megatron.trainer.logprobs import _logits
-
         head_fp32 = (
-            _logits(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w, tr.head).dtype
+            _logits(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w, trainer.head).dtype
             == torch.float32
-            and tr.head.fp32
+            and trainer.head.fp32
         )
-    info = {
-        "remedy/trainer_fp16": float(tr.dtype == "float16"),
+    return {
+        "remedy/trainer_fp16": float(trainer.dtype == "float16"),
         "remedy/trainer_head_fp32": float(head_fp32),
-        "remedy/router_replay_hooks": float(tr.replay_enabled),
+        "remedy/router_replay_hooks": float(trainer.replay_enabled),
+        "remedy/rollout_head_fp32": float(rollout.head_dtype() == "torch.float32"),
+        "remedy/rollout_fp16": float(recipe.rollout_dtype == "float16"),
     }
-    info["remedy/rollout_head_fp32"] = float(run.rollout.head_dtype() == "torch.float32")
-    info["remedy/rollout_fp16"] = float(run.recipe.rollout_dtype == "float16")
-    return info

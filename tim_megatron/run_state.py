@@ -1,50 +1,15 @@
-"""What the steps of a run share (:class:`Run`), and the per-run objects built from the recipe: the learning-rate
-schedule and the early-warning detectors. Built by :mod:`tim_megatron.run_setup`, read by :mod:`tim_megatron.loop`."""
+"""The loop's own state: the learning-rate schedule, the early-warning detectors and the step to start from.
+
+:class:`LoopState` saves and loads itself (``state_dict`` / ``load_state_dict``, as torchtitan's components do);
+a checkpoint's ``state.json`` holds what it returns, under the same keys as before it had a class of its own.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from tim_megatron.algo import EarlyWarning, build_schedule
 from tim_megatron.algo.early_warning import surge_from_config
-from tim_megatron.recipe import LoadedRecipe
-from tim_megatron.stop import StopRequest
-
-
-@dataclass
-class Run:
-    """What the steps share: the recipe, the trainer, the rollout side (engine and weight sync), data, logging."""
-
-    loaded: LoadedRecipe
-    run_dir: Path
-    trainer: object
-    rollout: object
-    """This rank's rollout engine (tim_megatron.rollout.base.RolloutEngine): every rank has one."""
-    sync: object
-    """The weight-sync state machine (tim_megatron.rollout.sync.WeightSync)."""
-    colocation: object
-    """Who holds the accelerator memory when (tim_megatron.rl.colocation.Colocation): sleeps, wakes, offload."""
-    source: object
-    tokenizer: object
-    schedule: object
-    warnings: EarlyWarning
-    tracker: object
-    stop: StopRequest
-    capture_agreement: bool
-    start_step: int = 1
-    probe: list = field(default_factory=list)
-    """Fallback probe prompts for the eager sync check (a step's own samples are used when present)."""
-    info: dict = field(default_factory=dict)
-    """Remedy flags and the fleet layout, logged with the first step."""
-
-    @property
-    def recipe(self):
-        return self.loaded.recipe
-
-    @property
-    def is_rank0(self) -> bool:
-        return self.trainer.is_rank0
 
 
 def new_warnings(recipe) -> EarlyWarning:
@@ -64,3 +29,29 @@ def new_warnings(recipe) -> EarlyWarning:
 
 def new_schedule(recipe):
     return build_schedule(recipe.remedies.lr_schedule, base_lr=recipe.optim.lr, total_steps=recipe.run.steps)
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from step to step besides the model: the LR schedule (it watches the metrics, for the
+    length-surge decay), the early-warning detectors, and the first step of this process."""
+
+    schedule: object
+    """The learning-rate schedule (:func:`tim_megatron.algo.build_schedule`)."""
+    warnings: EarlyWarning
+    """The early-warning detectors and the events they raised."""
+    start_step: int = 1
+    """The first step this process runs: 1, or the step after the checkpoint it resumed from."""
+
+    @classmethod
+    def create(cls, recipe) -> LoopState:
+        return cls(schedule=new_schedule(recipe), warnings=new_warnings(recipe))
+
+    def state_dict(self) -> dict:
+        return {"schedule": self.schedule.state_dict(), "warnings": self.warnings.state_dict()}
+
+    def load_state_dict(self, state: dict, *, step: int) -> None:
+        """Restore from a checkpoint written after ``step``: the next step run is ``step + 1``."""
+        self.schedule.load_state_dict(state["schedule"])
+        self.warnings.load_state_dict(state["warnings"])
+        self.start_step = step + 1

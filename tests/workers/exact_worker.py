@@ -43,7 +43,7 @@ def scenario_doses(out: dict, overrides: list[str]) -> None:
     from tim_megatron.rl.batch import from_samples
     from tim_megatron.rollout.exact_sampler import ExactSampler, check_exact
     from tim_megatron.run_setup import model_path_for
-    from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 
     recipe = load_recipe(RECIPE, overrides).recipe
     path = model_path_for(recipe)
@@ -133,8 +133,8 @@ def scenario_nudge(out: dict, overrides: list[str]) -> None:
     real = phases.rollouts
     nudged: dict = {}
 
-    def rollouts(run, step):
-        batch, metrics, probe = real(run, step)
+    def rollouts(*, step, **kw):
+        batch, metrics, probe = real(step=step, **kw)
         if step == 2 and dist.get_rank() == 1:
             i = 0
             t = int(batch.prompt_lens[i])  # the first response token of this rank's first row
@@ -176,7 +176,7 @@ def scenario_forced(out: dict, overrides: list[str]) -> None:
     (the training forward at the exact width), for random sequences of random prompt and total lengths."""
     from tim_megatron.exact.kv_cache import KVCache
     from tim_megatron.run_setup import model_path_for
-    from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 
     recipe = load_recipe(RECIPE, ["rollout.max_tokens=40", *overrides]).recipe
     tr = MegatronTrainer(recipe, model_path=model_path_for(recipe))
@@ -288,7 +288,7 @@ def scenario_vllm(out: dict, overrides: list[str]) -> None:
     from tim_megatron.algo.injection import perturbed_logprobs, sampling_noise
     from tim_megatron.models.tiny import ensure_tiny_checkpoint
     from tim_megatron.rollout.base import FleetLayout, sample_seed
-    from tim_megatron.rollout.engine import VLLMEngine
+    from tim_megatron.rollout.vllm_engine import VLLMEngine
 
     grpo = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
     std = 1.0

@@ -33,7 +33,7 @@ from megatron_worker import N, fixed_batch, gather_rows, loss_fn_for  # noqa: E4
 from tim_megatron.algo.aggregation import local_denominator  # noqa: E402
 from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
-from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch  # noqa: E402
+from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch  # noqa: E402
 
 BASE = [
     "trainer.micro_batch_size=2",
@@ -155,7 +155,7 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     from tim_megatron.rollout.base import FleetLayout
-    from tim_megatron.rollout.engine import VLLMEngine
+    from tim_megatron.rollout.vllm_engine import VLLMEngine
 
     r = load_recipe(recipe_path, [*BASE, "remedies.router_replay=r3"]).recipe
     dims = r.model.dims

@@ -120,32 +120,32 @@ def scenario_sleep_wake(out_dir: Path, overrides: list[str]) -> dict:
     run_dir = out_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved(loaded, run_dir)
-    run = setup(loaded, run_dir, resume=False)
+    parts = setup(loaded, run_dir, resume=False)
     calls: list = []
-    run.rollout = Spy(run.rollout, calls)
-    run.colocation.rollout = run.rollout
-    touch = TouchSpy(run.trainer.host)
-    spy_trainer(run.trainer, calls, touch)
+    parts.rollout = Spy(parts.rollout, calls)
+    parts.colocation.rollout = parts.rollout
+    touch = TouchSpy(parts.trainer.host)
+    spy_trainer(parts.trainer, calls, touch)
     with touch:
-        rc = run_steps(run)
+        rc = run_steps(parts, loaded=loaded, run_dir=run_dir)
     calls = list(calls)  # the run's; the check below adds its own
     # Does the spy see a touch? Move the parameters out, read one, and expect the refusal.
     caught = False
-    run.trainer.offload(("params",))
+    parts.trainer.offload(("params",))
     with touch:
         try:
-            next(run.trainer.model.parameters()).sum()
+            next(parts.trainer.model.parameters()).sum()
         except RuntimeError:
             caught = touch.touches[-1:] == ["aten.sum.default"]
     touch.touches.pop()
-    run.trainer.onload()
+    parts.trainer.onload()
     return {
         "rc": rc,
         "calls": calls,
         "steps": loaded.recipe.run.steps,
         "touches": touch.touches,
         "spy_catches_a_touch": caught,
-        "params": param_digest(run.trainer),
+        "params": param_digest(parts.trainer),
         "metrics": [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()],
     }
 

@@ -23,7 +23,7 @@ from tim_megatron.algo import token_clip_loss  # noqa: E402
 from tim_megatron.algo.aggregation import local_denominator  # noqa: E402
 from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
-from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch  # noqa: E402
+from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
 N, L, PROMPT = 4, 14, 5
@@ -154,7 +154,7 @@ def scenario_single(tr: MegatronTrainer, out: dict) -> None:
     out["loss_before"], out["loss_after"], out["applied"] = loss0, loss1, res.applied
     out["grad_norm"] = res.grad_norm
     # NaN guard: a non-finite loss skips the update, and nan_guard_max + 1 in a row aborts.
-    from tim_megatron.trainer.engine import NonFiniteAbort
+    from tim_megatron.trainer.megatron_trainer import NonFiniteAbort
 
     before = {k: v.clone() for k, v in tr.export_hf()}
 

@@ -18,9 +18,9 @@ from tim_megatron.algo import compute_mismatch  # noqa: E402
 from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
 from tim_megatron.rollout.base import FleetLayout  # noqa: E402
-from tim_megatron.rollout.engine import VLLMEngine  # noqa: E402
 from tim_megatron.rollout.sync import WeightSync, WeightSyncError, manifest, verdict  # noqa: E402
-from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch  # noqa: E402
+from tim_megatron.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
 PROMPTS = ["3+4=", "1+1=", "2+0=", "4+4="]
@@ -186,7 +186,7 @@ def scenario_fp32(out: dict, overrides) -> None:
     )["mismatch/old_vs_rollout/rho_std"]
     out["gen_tokens_per_s"] = stats.tokens_per_s
     # Bad input is refused before anything is generated.
-    from tim_megatron.rollout.engine import RolloutInputError
+    from tim_megatron.rollout.vllm_engine import RolloutInputError
 
     # vLLM numbers every request it is given (LLM.request_counter): a refused prompt must not move it, and one
     # good prompt moves it by exactly one, so the count can tell the two apart.
@@ -249,7 +249,7 @@ def scenario_bench(out: dict, overrides) -> None:
     """Generation throughput of our wrapper vs a bare LLM.generate on the same engine and prompts, plus sync cost."""
     from vllm import SamplingParams
 
-    from tim_megatron.rollout.engine import sample_seed
+    from tim_megatron.rollout.vllm_engine import sample_seed
 
     recipe, ck, tr, eng = build(list(overrides))
     prompts = [eng.tokenizer.encode(p) for p in PROMPTS * 4]

@@ -312,7 +312,7 @@ def moe_forward(tr, *, rows: int, width: int, repeat: int, seed: int = 0) -> dic
     """Seconds (min over ``repeat`` interleaved runs) of the old-logprob forward over one batch, sparse
     experts vs dense, and the largest difference between their logprobs."""
     from patches.megatron import shape_invariant_moe
-    from tim_megatron.trainer.engine import SeqBatch
+    from tim_megatron.trainer.megatron_trainer import SeqBatch
 
     g = torch.Generator().manual_seed(seed)
     batch = SeqBatch(
@@ -381,7 +381,7 @@ def _trainer(overrides: list[str]):
 
     from tim_megatron.recipe import load_recipe
     from tim_megatron.run_setup import model_path_for
-    from tim_megatron.trainer.engine import MegatronTrainer
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     recipe = load_recipe(VEXACT, overrides).recipe
     path = model_path_for(recipe)

@@ -101,7 +101,7 @@ def _worker(out: str, rounds: int, measure_sync: bool, overrides: list[str]) -> 
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.recipe import load_recipe
     from tim_megatron.run_setup import build_rollout, model_path_for
-    from tim_megatron.trainer.engine import MegatronTrainer
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     world = int(os.environ["WORLD_SIZE"])
     recipe = load_recipe(

@@ -19,10 +19,10 @@ def run(*, rounds: int = 5, demo_step_s: float | None = None, overrides: list[st
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.recipe import load_recipe
     from tim_megatron.rollout.base import FleetLayout
-    from tim_megatron.rollout.engine import VLLMEngine, sample_seed
     from tim_megatron.rollout.sync import WeightSync, manifest
+    from tim_megatron.rollout.vllm_engine import VLLMEngine, sample_seed
     from tim_megatron.run_setup import model_path_for
-    from tim_megatron.trainer.engine import MegatronTrainer
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     recipe = load_recipe("recipes/tiny-moe/grpo.yaml", overrides or []).recipe
     path = model_path_for(recipe)

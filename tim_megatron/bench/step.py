@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PHASES = ("rollout", "old_logprobs", "metrics", "update", "sync", "validation", "logging")
+PHASES = ("rollout", "old_logprobs", "advantages", "metrics", "update", "sync", "validation", "logging")
 
 
 def run(

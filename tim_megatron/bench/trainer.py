@@ -30,7 +30,7 @@ def run(*, seqs: int = 32, length: int = 32, repeat: int = 10, overrides: list[s
     from tim_megatron.bench.bare import bare_megatron_step
     from tim_megatron.recipe import load_recipe
     from tim_megatron.run_setup import model_path_for
-    from tim_megatron.trainer.engine import MegatronTrainer, SeqBatch
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 
     recipe = load_recipe(
         "recipes/tiny-moe/grpo.yaml", [f"trainer.micro_batch_size={seqs}", *(overrides or [])]

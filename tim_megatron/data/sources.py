@@ -118,6 +118,8 @@ class PromptSource:
         template included) and one longer than ``data.max_prompt_tokens`` is an error here, naming its file and
         line, instead of at the step that draws it (and again at every resume)."""
         self.data = data
+        self.tokenizer = tokenizer
+        """The run's tokenizer (None: the source only draws items; :meth:`encode` and :meth:`decode` need one)."""
         self.seed = seed = data.seed if data.seed is not None else seed
         self.train, train_head = self._items(data.train, "data.train")
         val_head = "data.task"
@@ -180,6 +182,21 @@ class PromptSource:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
             out.append(self.train[perm[idx]])
         return out
+
+    def encode(self, items: list[Item]) -> list[list[int]]:
+        """The items' prompts as the rollout engines get them (:func:`encode_prompt`)."""
+        return [encode_prompt(self._tok(), it.prompt) for it in items]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """A response's text, as rewards read it."""
+        return self._tok().decode(token_ids, skip_special_tokens=True)
+
+    def _tok(self):
+        if self.tokenizer is None:
+            raise ValueError(
+                "this PromptSource was built without a tokenizer: pass tokenizer= to encode or decode"
+            )
+        return self.tokenizer
 
     def validation_items(self, n: int) -> list[Item]:
         return self.val[:n]

@@ -78,7 +78,7 @@ class Bench:
         )
 
     def trainer(self, model: Model, **recipe_kw):
-        from tim_megatron.trainer.engine import MegatronTrainer
+        from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
         return MegatronTrainer(self.recipe(model, **recipe_kw), model_path=model.path)
 
@@ -102,7 +102,7 @@ def model_finding(model: Model, section: str) -> Finding:
 
 def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> list[Finding]:
     """Megatron's per-token logprobs in fp32 and bf16 against HF transformers in fp32, same weights, same tokens."""
-    from tim_megatron.trainer.engine import SeqBatch
+    from tim_megatron.trainer.megatron_trainer import SeqBatch
 
     ids, lengths = probe_batch(vocab=model.dims.vocab_size, n=n, length=length)
     mask = next_token_mask(lengths, length)
@@ -158,7 +158,7 @@ def _loss_fn(recipe, old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor):
 def _random_batch(model: Model, *, seqs: int, length: int, seed: int, prompt: int):
     """Random full-length sequences: ids, the trainer's batch, the loss mask (the first ``prompt`` positions
     off) and one advantage per sequence."""
-    from tim_megatron.trainer.engine import SeqBatch
+    from tim_megatron.trainer.megatron_trainer import SeqBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, model.dims.vocab_size, (seqs, length), generator=g)
@@ -180,7 +180,7 @@ def train_step(
     if bench.on_gpu:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    from tim_megatron.trainer.engine import MegatronTrainer
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     tr = MegatronTrainer(recipe, model_path=model.path)
     out = [model_finding(model, section)]
@@ -377,7 +377,7 @@ def exact_kernels(bench: Bench, *, section: str) -> list[Finding]:
 def checkpoint_round_trip(bench: Bench, model: Model, *, section: str) -> list[Finding]:
     """Train a step, save, train another; a fresh trainer loads the save and must reproduce both exactly."""
     from tim_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
-    from tim_megatron.trainer.engine import SeqBatch
+    from tim_megatron.trainer.megatron_trainer import SeqBatch
 
     ids, lengths = probe_batch(vocab=model.dims.vocab_size, n=8, length=32, seed=1)
     batch = SeqBatch(ids, lengths)

@@ -64,7 +64,7 @@ class Job:
         self.node, self.host = node_of()
         self.console = console
         self.hb = Heartbeat(self.run_dir, rank=self.rank, host=self.host, timeouts=self.request["timeouts"])
-        self.run = None
+        self.parts = None
         self.memory = None
         self.ranks_info: list[dict] = []
 
@@ -184,31 +184,22 @@ class Job:
         self.memory = PeakMemory()
         self.memory.start()
         try:
-            self.run = setup(self.loaded, self.run_dir, resume=False, console=self.console)
+            self.parts = setup(self.loaded, self.run_dir, resume=False, console=self.console)
         except Exception as e:
             self._mark_failed(e)
             return classify_setup_error(e)
-        return {"engine": self.run.rollout.describe()}
+        return {"engine": self.parts.rollout.describe()}
 
     def steps(self) -> dict:
         from tim_megatron.loop import run_steps
-        from tim_megatron.preflight.steps import (
-            RecordedRollout,
-            RecordedSync,
-            Records,
-            record_train_steps,
-        )
+        from tim_megatron.preflight.steps import Records
 
-        run = self.run
         records = Records()
-        run.rollout = RecordedRollout(run.rollout, records)
-        run.sync = RecordedSync(run.sync, records, engines=run.rollout.layout.engines)
-        run.colocation.rollout, run.colocation.sync = run.rollout, run.sync  # the recorded ones
-        record_train_steps(run.trainer, records)
         t0 = time.perf_counter()
         out: dict = {}
         try:
-            run_steps(run)  # marks run.json itself (completed, or failed with the reason)
+            # marks run.json itself (completed, or failed with the reason)
+            run_steps(self.parts, loaded=self.loaded, run_dir=self.run_dir, observer=records)
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         wall = time.perf_counter() - t0

@@ -262,6 +262,10 @@ class ParallelismConfig(Section):
 
 
 class RolloutConfig(Section):
+    backend: Literal["vllm", "trainer"] | None = None
+    """What samples the responses (:mod:`tim_megatron.rollout.backends`): ``vllm``, the vLLM fleet; ``trainer``,
+    the Megatron model's own forward (exact mode). Unset: ``trainer`` with ``diagnostics.vexact: exact``, else
+    ``vllm``."""
     dtype: Dtype | None = None
     """vLLM weight/compute dtype. Unset: float16 with ``remedies.fp16``, else bfloat16."""
     n: int = Field(8, ge=1)
@@ -886,6 +890,13 @@ class Recipe(Section):
         return _dtype_default(self.rollout.dtype, self.remedies.fp16)
 
     @property
+    def rollout_backend(self) -> str:
+        """``rollout.backend``, or what ``diagnostics.vexact`` implies when it is unset."""
+        if self.rollout.backend is not None:
+            return self.rollout.backend
+        return "trainer" if self.diagnostics.vexact == "exact" else "vllm"
+
+    @property
     def capture_routed_experts(self) -> bool:
         return self.rollout.capture_routed_experts or self.remedies.router_replay == "r3"
 
@@ -1078,6 +1089,14 @@ def _check_diagnostics(r: Recipe) -> None:
     p = r.parallel
     # Diagnostics.
     dg = r.diagnostics
+    implied = "trainer" if dg.vexact == "exact" else "vllm"
+    if r.rollout.backend is not None and r.rollout.backend != implied:
+        raise RecipeValueError(
+            ["rollout.backend", "diagnostics.vexact"],
+            f"rollout.backend = {r.rollout.backend} with diagnostics.vexact = {dg.vexact}: the trainer backend is "
+            "exact mode's sampler (the trainer's own forward), and exact mode samples with nothing else. "
+            f"Allowed here: rollout.backend = {implied} (or unset)",
+        )
     if dg.vexact != "off" and r.rl.correction.bypass:
         raise RecipeValueError(
             ["diagnostics.vexact", "rl.correction.bypass"],

@@ -30,10 +30,12 @@ from tim_megatron.algo.aggregation import local_denominator
 from tim_megatron.algo.injection import step_seed
 from tim_megatron.algo.stats import Stats, safe_div, std_from_sums
 from tim_megatron.data.rewards import reward as score
-from tim_megatron.data.sources import encode_prompt
+from tim_megatron.data.sources import PromptSource
+from tim_megatron.recipe import Recipe
 from tim_megatron.rl.batch import StepBatch, from_samples, global_width, trainer_shard
 from tim_megatron.rl.objective import Shard, make_loss_fn, token_weights
-from tim_megatron.trainer.engine import SeqBatch
+from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
+from tim_megatron.trainer.megatron_trainer import SeqBatch
 
 
 @dataclass
@@ -97,22 +99,39 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def rollouts(run, step: int) -> tuple[StepBatch, dict, list[list[int]]]:
+def probe_sequences(*, prompts: PromptSource, rollout, step: int) -> list[list[int]]:
+    """Probe sequences for an eager sync check when a step has none of its own: up to 8 prompts of this engine's
+    block of step ``step`` (the same on all of the engine's ranks, which must submit identical requests)."""
+    items = prompts.step_items(step, prompts.data.prompts_per_step)
+    block = rollout.layout.block(len(items), rollout.engine_index)
+    return prompts.encode([items[i] for i in block][:8])
+
+
+def rollouts(
+    *,
+    recipe: Recipe,
+    trainer,
+    rollout,
+    prompts: PromptSource,
+    step: int,
+    observer: StepObserver = NO_OBSERVER,
+) -> tuple[StepBatch, dict, list[list[int]]]:
     """Every engine samples ``rollout.n`` responses for its block of the step's prompts and scores them where they
     are; this rank keeps the rows it trains. Also returns this engine's probe sequences for an eager sync check:
     one sample of each of up to 8 prompts of its own block (the same on all of the engine's ranks, which must
     submit identical requests; the rows this rank trains may come from another engine)."""
-    r = run.recipe
-    tr = run.trainer
-    ro = run.rollout
+    r, tr, ro = recipe, trainer, rollout
     total = r.data.prompts_per_step
-    items = run.source.step_items(step, total)
+    items = prompts.step_items(step, total)
     block = ro.layout.block(total, ro.engine_index)
     mine = [items[i] for i in block]
-    prompts = [encode_prompt(run.tokenizer, it.prompt) for it in mine]
-    groups, gen = ro.generate(prompts, step=step, first_index=block.start)
+    groups, gen = ro.generate(prompts.encode(mine), step=step, first_index=block.start)
+    observer.generated(
+        step=step, engine=ro.engine_index, prompts=len(mine), sequences=sum(len(g) for g in groups), stats=gen
+    )
     rewards = [
-        [score(it.reward, _text(run, s), it.answer) for s in g] for it, g in zip(mine, groups, strict=True)
+        [score(it.reward, prompts.decode(s.response_ids), it.answer) for s in g]
+        for it, g in zip(mine, groups, strict=True)
     ]
     blk = from_samples(
         groups,
@@ -158,8 +177,20 @@ def rollouts(run, step: int) -> tuple[StepBatch, dict, list[list[int]]]:
     return batch, metrics, probe
 
 
-def _text(run, s) -> str:
-    return run.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+def validate(*, recipe: Recipe, rollout, prompts: PromptSource, step: int) -> dict:
+    """Greedy accuracy on the validation prompts, each engine taking its block of them."""
+    items = prompts.validation_items(recipe.data.val_prompts)
+    if not items:
+        return {}
+    block = rollout.layout.block(len(items), rollout.engine_index)
+    mine = [items[i] for i in block]
+    groups, _ = rollout.generate(prompts.encode(mine), step=step, first_index=block.start, n=1, greedy=True)
+    correct = sum(
+        score(it.reward, prompts.decode(g[0].response_ids), it.answer)
+        for it, g in zip(mine, groups, strict=True)
+    )
+    (total,) = _sum_over_engines(rollout, [float(correct)])
+    return {"val/accuracy": total / len(items)}
 
 
 # --------------------------------------------------------------------------------- trainer-side logprobs
@@ -178,15 +209,15 @@ class OldPass:
     """Metrics of the previous sync's check on these samples (when one ran), and exact mode's check."""
 
 
-def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
+def old_logprobs(*, recipe: Recipe, trainer, rollout, sync, batch: StepBatch, step: int) -> OldPass:
     """Recompute the old policy's logprobs on this rank's rows; check the last sync, or in exact mode that every
     sampled token's logprob is the old pass's bit for bit (the run stops at the first that is not)."""
-    r = run.recipe
-    tr = run.trainer
+    r, tr = recipe, trainer
+    capture_agreement = r.capture_routed_experts and tr.dims.is_moe
     mask = batch.response_mask
     dg = r.diagnostics
     replay = r.remedies.router_replay
-    routing = {"r3": "replay", "r2": "record"}.get(replay, "record" if run.capture_agreement else "off")
+    routing = {"r3": "replay", "r2": "record"}.get(replay, "record" if capture_agreement else "off")
     seq = SeqBatch(batch.input_ids, batch.lengths, batch.routed_experts if replay == "r3" else None)
     exact = dg.vexact == "exact"
     recomputed = not r.rl.correction.bypass
@@ -211,12 +242,12 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
                 group=_dp_group(),
             )
         checks.update(
-            run.sync.check_samples(
+            sync.check_samples(
                 trainer_logprobs=old,
                 rollout_logprobs=batch.rollout_logprobs,
                 mask=mask,
                 engine=batch.engine,
-                engines=run.rollout.layout.engines,
+                engines=rollout.layout.engines,
             )
         )
     else:
@@ -225,7 +256,7 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
     if r.rl.correction.bypass:
         old = rollout.clone()
     trainer_routing = recorded
-    if replay == "r3" and run.capture_agreement and batch.routed_experts is not None:
+    if replay == "r3" and capture_agreement and batch.routed_experts is not None:
         _, trainer_routing = tr.logprobs(
             SeqBatch(batch.input_ids, batch.lengths), routing="record"
         )  # free routing, for the metric
@@ -239,21 +270,34 @@ def old_logprobs(run, batch: StepBatch, step: int) -> OldPass:
     )
 
 
-def advantages(run, batch: StepBatch) -> torch.Tensor:
-    return group_advantages(
-        rewards=batch.rewards, group_size=batch.group_size, estimator=run.recipe.rl.advantage
-    )
+def advantages(*, recipe: Recipe, batch: StepBatch) -> torch.Tensor:
+    return group_advantages(rewards=batch.rewards, group_size=batch.group_size, estimator=recipe.rl.advantage)
 
 
 # ------------------------------------------------------------------------------------------- metrics
 
 
-def tim_metrics(
-    run, batch: StepBatch, op: OldPass, adv: torch.Tensor, step: int
-) -> tuple[dict, torch.Tensor, Stats]:
-    """Mismatch, correction, surrogate, routing and response metrics; returns the per-token loss weights too."""
-    r, dg = run.recipe, run.recipe.diagnostics
-    local = batch
+def loss_weights(*, recipe: Recipe, batch: StepBatch, old: OldPass, step: int) -> tuple[torch.Tensor, Stats]:
+    """The per-token loss weights (the off-policy correction's, times an objective injection's), and their
+    statistics summed over the data-parallel group (for :func:`step_metrics`)."""
+    weights, stats = token_weights(
+        recipe,
+        old=old.old,
+        rollout=old.rollout,
+        mask=batch.response_mask,
+        step=step,
+        rows=batch.row,
+        total_rows=batch.total_rows,
+        global_width=global_width(batch),
+    )
+    return weights, _reduce(stats)
+
+
+def step_metrics(
+    *, recipe: Recipe, batch: StepBatch, old: OldPass, adv: torch.Tensor, correction: Stats
+) -> dict:
+    """Mismatch, correction, surrogate, routing and response metrics. ``correction``: from :func:`loss_weights`."""
+    r, dg, op, local, cstats = recipe, recipe.diagnostics, old, batch, correction
     mask = local.response_mask
     out: dict = {}
     if op.recomputed:
@@ -274,17 +318,6 @@ def tim_metrics(
                 rho_thresholds=dg.rho_thresholds,
             )
         )
-    weights, cstats = token_weights(
-        r,
-        old=op.old,
-        rollout=op.rollout,
-        mask=mask,
-        step=step,
-        rows=batch.row,
-        total_rows=batch.total_rows,
-        global_width=global_width(batch),
-    )
-    cstats = _reduce(cstats)
     out.update(correction_metrics(cstats, mode=r.rl.correction.mode, level=r.rl.correction.level))
     if "inj_w" in cstats:
         n = cstats.sum("tokens")
@@ -315,14 +348,23 @@ def tim_metrics(
             mask=pos_mask.flatten(),
         )
         out.update(routing_agreement_metrics(_reduce(rs)))
-    return out, weights, mask
+    return out
 
 
 # -------------------------------------------------------------------------------------------- update
 
 
 def update(
-    run, batch: StepBatch, op: OldPass, adv: torch.Tensor, weights: torch.Tensor, lr: float, step: int
+    *,
+    recipe: Recipe,
+    trainer,
+    batch: StepBatch,
+    old: OldPass,
+    adv: torch.Tensor,
+    weights: torch.Tensor,
+    lr: float,
+    step: int,
+    observer: StepObserver = NO_OBSERVER,
 ) -> dict:
     """``rl.ppo_epochs`` passes over the step, each split into ``rl.minibatches`` optimizer updates.
 
@@ -330,9 +372,7 @@ def update(
     same seed and minibatch m takes the m-th slice of each block, so all ranks run the same number of
     equal-sized micro-batches (expert-parallel dispatch exchanges equal blocks).
     """
-    r = run.recipe
-    tr = run.trainer
-    local = batch
+    r, tr, op, local = recipe, trainer, old, batch
     n_local = len(local)
     per = n_local // r.rl.minibatches
     shard = Shard(old=op.old, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights)
@@ -355,6 +395,7 @@ def update(
                 r, shard.rows(idx), denominator=den, current_stats=current if epoch == 0 else None
             )
             res = tr.train_step(seq, fn, lr=lr, routing=routing)
+            observer.trained(step=step, times=res.times)
             if routing == "replay":
                 replayed += int(seq.lengths.sum())
             loss_stats.merge(res.stats)

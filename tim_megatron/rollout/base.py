@@ -1,6 +1,6 @@
 """What the RL loop needs from a rollout engine, whichever implementation serves it.
 
-Two implementations: the vLLM fleet (:mod:`tim_megatron.rollout.engine`, one vLLM engine per group of
+Two implementations: the vLLM fleet (:mod:`tim_megatron.rollout.vllm_engine`, one vLLM engine per group of
 ``rollout.tensor_parallel_size`` ranks, in the trainer's own processes) and the exact sampler
 (:mod:`tim_megatron.rollout.exact_sampler`, the Megatron model samples from its own training forward, one engine
 per data-parallel rank). Every rank holds one and
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -24,6 +25,20 @@ import torch
 
 class RolloutInputError(ValueError):
     """Input the rollout engine refuses before generating (empty or too long prompts, a bad checkpoint)."""
+
+
+def check_model_files(model_path: str | Path) -> dict:
+    """Fail early for a checkpoint folder without its config.json or weights; return its config."""
+    from tim_megatron.trainer.hf_config import read_hf_config
+
+    path = Path(model_path)
+    if not (path / "config.json").exists():
+        raise RolloutInputError(
+            f"rollout: model checkpoint {path} not found (no config.json); build it or fix model.path"
+        )
+    if not any(path.glob("*.safetensors")):
+        raise RolloutInputError(f"rollout: model checkpoint {path} has no *.safetensors weights")
+    return read_hf_config(path)
 
 
 @dataclass

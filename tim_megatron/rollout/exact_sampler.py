@@ -238,7 +238,7 @@ class ExactSampler:
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The trainer's logprobs at T = 1 (position 0: 0.0)."""
-        from tim_megatron.trainer.engine import SeqBatch
+        from tim_megatron.trainer.megatron_trainer import SeqBatch
 
         width = max(len(s) for s in sequences)
         ids = torch.zeros(len(sequences), width, dtype=torch.long)

@@ -30,9 +30,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tim_megatron.rl.observer import NO_OBSERVER
+
 
 class WeightSyncError(RuntimeError):
     """A rollout engine does not hold the trainer's weights."""
+
+    def __init__(self, message: str, *, engines: list[int]):
+        super().__init__(message)
+        self.engines = list(engines)
+        """The engines that failed, by index."""
 
 
 def manifest(model_path: str | Path) -> dict[str, tuple[int, ...]]:
@@ -205,7 +212,8 @@ def verdict(agreements: list[Agreement], tolerance: float, *, where: str) -> Non
         names = ", ".join(str(k) for k, _ in bad)
         raise WeightSyncError(
             f"rollout engine {names} does not hold the trainer's weights ({where}; tolerance {tolerance:g} for 80% "
-            f"of each engine's tokens): {lines}"
+            f"of each engine's tokens): {lines}",
+            engines=[k for k, _ in bad],
         )
 
 
@@ -268,6 +276,8 @@ class WeightSync:
         self.syncs = 0
         self.pending = False
         """The last sync is to be checked on the next step's samples."""
+        self.observer = NO_OBSERVER
+        """Told of every sync and check (:class:`tim_megatron.rl.observer.StepObserver`)."""
 
     # ------------------------------------------------------------------------------------- push
 
@@ -290,19 +300,25 @@ class WeightSync:
         first = self.syncs == 0
         eager = self.check == "probe" or (self.check in ("every", "first") and first)
         eager = eager or (self.check == "every" and last)
-        rep = self.load(rollout, trainer.export_hf())
-        if after_load is not None:
-            after_load()
-        rollout.reset_prefix_cache()  # cached KV was computed with the old weights
-        self.syncs += 1
-        self.pending = self.check == "every" and not last
-        out = self._report_metrics(rollout, rep)
-        if eager and probe is not None:
-            t = time.perf_counter()
-            ags = self.probe_agreements(rollout, trainer, probe())
-            out.update(agreement_metrics("probe", ags))
-            out["sync/verify_seconds"] = time.perf_counter() - t
-            verdict(ags, self.tolerance, where="probe batch right after the sync")
+        number, seen = self.syncs + 1, {}
+        try:
+            rep = seen["load"] = self.load(rollout, trainer.export_hf())
+            if after_load is not None:
+                after_load()
+            rollout.reset_prefix_cache()  # cached KV was computed with the old weights
+            self.syncs += 1
+            self.pending = self.check == "every" and not last
+            out = self._report_metrics(rollout, rep)
+            if eager and probe is not None:
+                t = time.perf_counter()
+                ags = seen["agreements"] = self.probe_agreements(rollout, trainer, probe())
+                out.update(agreement_metrics("probe", ags))
+                out["sync/verify_seconds"] = time.perf_counter() - t
+                verdict(ags, self.tolerance, where="probe batch right after the sync")
+        except WeightSyncError as e:
+            self.observer.synced(sync=number, check="probe", error=e, **seen)
+            raise
+        self.observer.synced(sync=number, check="probe", metrics=out, **seen)
         return out
 
     def load(self, rollout, stream: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
@@ -326,7 +342,8 @@ class WeightSync:
             bad = [k for k in range(layout.engines) if flags[k] > 0]
             mine = f" here (rank {self.rank}): " + "; ".join(problems) if problems else ""
             raise WeightSyncError(
-                f"weight sync into rollout engine {', '.join(map(str, bad))} is partial or malformed{mine}"
+                f"weight sync into rollout engine {', '.join(map(str, bad))} is partial or malformed{mine}",
+                engines=bad,
             )
         return SyncReport(sum(checked.seen.values()), checked.bytes, time.perf_counter() - t)
 
@@ -347,7 +364,7 @@ class WeightSync:
 
     def probe_agreements(self, rollout, trainer, seqs: list[list[int]]) -> list[Agreement]:
         """Every engine scores its own probe rows; the trainer scores all of them; judged per engine."""
-        from tim_megatron.trainer.engine import SeqBatch
+        from tim_megatron.trainer.megatron_trainer import SeqBatch
 
         layout = rollout.layout
         scored = rollout.score(seqs) if seqs else []
@@ -413,10 +430,18 @@ class WeightSync:
             tolerance=self.tolerance,
             group=_dp_group(),
         )
-        verdict(
-            ags, self.tolerance, where="the weights synced after the previous step, on this step's samples"
-        )
-        return agreement_metrics("data", ags)
+        try:
+            verdict(
+                ags,
+                self.tolerance,
+                where="the weights synced after the previous step, on this step's samples",
+            )
+        except WeightSyncError as e:
+            self.observer.synced(sync=self.syncs, check="samples", error=e)
+            raise
+        out = agreement_metrics("data", ags)
+        self.observer.synced(sync=self.syncs, check="samples", metrics=out)
+        return out
 
 
 def _dp_group():

@@ -43,6 +43,7 @@ from tim_megatron.rollout.base import (
     GenerationStats,
     RolloutInputError,
     Sample,
+    check_model_files,
     sample_seed,
 )
 from tim_megatron.rollout.engine_log import configure_engine_log, engine_logging_config
@@ -52,6 +53,7 @@ __all__ = [
     "RolloutInputError",
     "Sample",
     "VLLMEngine",
+    "check_model_files",
     "check_model_for_engine",
     "check_vllm_build",
     "sample_seed",
@@ -108,16 +110,7 @@ def check_vllm_build(*, dist: str, version: str, on_gpu: bool, environ: Mapping[
 
 def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
     """Fail early, with the reason, for checkpoints vLLM cannot serve here."""
-    from tim_megatron.trainer.hf_config import read_hf_config
-
-    path = Path(model_path)
-    if not (path / "config.json").exists():
-        raise RolloutInputError(
-            f"rollout: model checkpoint {path} not found (no config.json); build it or fix model.path"
-        )
-    if not any(path.glob("*.safetensors")):
-        raise RolloutInputError(f"rollout: model checkpoint {path} has no *.safetensors weights")
-    cfg = read_hf_config(path)
+    cfg = check_model_files(model_path)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if not on_gpu:
         sizes = cpu_head_sizes()
