@@ -321,6 +321,44 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     assert _strip(drop) == _strip([{k: v for k, v in r.items() if k not in once} for r in base])
 
 
+OLD_LAYOUT = ROOT / "tests" / "data" / "resume-before-issue-22"
+"""A run folder written by the code before issue 22's restructuring (rollout/engine.py, trainer/engine.py, the
+``Run`` object): fp32, 3 steps, its step-1 checkpoint kept and marked preempted; its metrics.jsonl holds the three
+steps the old code logged (the README in that folder says how it was made)."""
+
+
+def test_a_checkpoint_of_the_old_layout_resumes_and_continues_identically(tmp_path):
+    """The old layout's checkpoint loads and the run continues: the step-1 row is kept as written, every metric the
+    old code logged is still logged, and a checkpoint the new code writes continues exactly as the old one did
+    (step 3 resumed from the new step-2 checkpoint equals step 3 of the run resumed from the old step 1). The old
+    code's own step-2 and step-3 values are compared only where sampling cannot differ between machines."""
+    import shutil
+
+    old = metrics(OLD_LAYOUT)
+    a = tmp_path / "a"
+    shutil.copytree(OLD_LAYOUT, a)
+    (a / "README.md").unlink()
+    tim_train(["--resume", str(a)], a)
+    meta = json.loads((a / "run.json").read_text())
+    assert (meta["status"], meta["start_step"]) == ("completed", 2)
+    assert meta["resumed_from"].endswith("step_00000001")
+    rows = metrics(a)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0] == old[0]
+    for was, now in zip(old[1:], rows[1:], strict=True):
+        assert set(was) <= set(now), sorted(set(was) - set(now))  # metrics stay compatible
+        assert now["actor/lr"] == was["actor/lr"] and now["rollout/response_tokens"] > 0
+    assert rows[1]["sync/engine0/p80_abs_prob_diff"] <= 1e-4  # the engine got the checkpoint's weights (fp32)
+    # The new layout continues the same way: resume a copy from the step-2 checkpoint the new code wrote.
+    c = tmp_path / "c"
+    shutil.copytree(a, c, ignore=shutil.ignore_patterns("step_00000003", "run.lock"))
+    (c / "checkpoints" / "latest").write_text("step_00000002")
+    tim_train(["--resume", str(c)], c)
+    again = metrics(c)
+    assert [r["step"] for r in again] == [1, 2, 3]
+    first = [{k: v for k, v in again[2].items() if k in rows[2]}]  # C's first step logs the remedies again
+    assert _strip(first) == _strip(rows[2:])
+
+
 def test_a_crash_mid_step_loses_no_earlier_checkpoint(tmp_path):
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     proc = subprocess.Popen(
