@@ -36,6 +36,7 @@ from tim_megatron.rl.batch import StepBatch, from_samples, global_width, trainer
 from tim_megatron.rl.objective import Shard, make_loss_fn, token_weights
 from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
 from tim_megatron.trainer.megatron_trainer import SeqBatch
+from tim_megatron.trainer.parallel import dp_group
 
 
 @dataclass
@@ -57,14 +58,8 @@ class Timer:
         return _T()
 
 
-def _dp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
-
-
 def _reduce(s: Stats) -> Stats:
-    return s.all_reduce(_dp_group())
+    return s.all_reduce(dp_group())
 
 
 # ------------------------------------------------------------------------------------------- rollouts
@@ -72,7 +67,7 @@ def _reduce(s: Stats) -> Stats:
 
 def _sum_over_dp(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
-    g = _dp_group()
+    g = dp_group()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, group=g)
     return t.tolist()
@@ -239,7 +234,7 @@ def old_logprobs(*, recipe: Recipe, trainer, rollout, sync, batch: StepBatch, st
                 old=old,
                 sampled=batch.policy_logprobs * mask,
                 mask=mask,
-                group=_dp_group(),
+                group=dp_group(),
             )
         checks.update(
             sync.check_samples(
@@ -418,7 +413,7 @@ def update(
     )
     total_loss = torch.tensor([sum(losses)], dtype=torch.float64)
     if dist.is_initialized() and tr.dp_size > 1:
-        dist.all_reduce(total_loss, group=_dp_group())
+        dist.all_reduce(total_loss, group=dp_group())
     out.update(
         {
             "actor/loss": float(total_loss) / max(updates, 1),

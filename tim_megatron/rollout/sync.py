@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.rl.observer import NO_OBSERVER
+from tim_megatron.trainer.parallel import dp_group
 
 
 class WeightSyncError(RuntimeError):
@@ -402,7 +403,7 @@ class WeightSync:
             engine=torch.tensor(engine)[mine],
             engines=layout.engines,
             tolerance=self.tolerance,
-            group=_dp_group(),
+            group=dp_group(),
         )
 
     # ----------------------------------------------------------------------------- next-step data
@@ -428,7 +429,7 @@ class WeightSync:
             engine=engine,
             engines=engines,
             tolerance=self.tolerance,
-            group=_dp_group(),
+            group=dp_group(),
         )
         try:
             verdict(
@@ -442,9 +443,3 @@ class WeightSync:
         out = agreement_metrics("data", ags)
         self.observer.synced(sync=self.syncs, check="samples", metrics=out)
         return out
-
-
-def _dp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None

@@ -123,3 +123,10 @@ def teardown_parallel() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def dp_group():
+    """The data-parallel process group once megatron-core's groups exist (None before: the default group)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
