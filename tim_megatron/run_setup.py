@@ -127,12 +127,7 @@ def setup(
         refuse_unsafe(ckpt)
     checkpoint_writer_signals.shield()  # a job's SIGTERM must not kill megatron's writer helper
     rollout = build_rollout(r, trainer, model_path=path, tokenizer=prompts.tokenizer)
-    fault = r.diagnostics.sync_fault
-    if fault.kind != "off" and fault.engine >= rollout.layout.engines:
-        raise ValueError(
-            f"diagnostics.sync_fault.engine = {fault.engine}: this job has rollout engines "
-            f"0..{rollout.layout.engines - 1}"
-        )
+    _check_sync_fault(r, rollout)
     sync = WeightSync(r, expected=manifest(path), rank=trainer.rank)
     state = LoopState.create(r)
     if ckpt is not None:
@@ -151,25 +146,14 @@ def setup(
     }
     # a resumed run's engines start from the checkpoint on disk: they get the resumed weights
     colocation.start(probe=lambda: probe, resumed=ckpt is not None)
-    tracker = Tracker(
-        r,
-        run_dir=run_dir,
-        name=f"{loaded.name}/{run_dir.name}",
-        run_id=_run_id(run_dir),
-        enabled=trainer.is_rank0,
+    tracker = Tracker(  # rank 0 logs
+        r, run_dir=run_dir, name=f"{loaded.name}/{run_dir.name}", run_id=_run_id(run_dir), enabled=trainer.is_rank0,
         console=console if trainer.is_rank0 else None,
-    )
-    start = state.start_step
+    )  # fmt: skip
     if trainer.is_rank0:
-        mark_running(run_dir, start_step=start, resumed_from=str(ckpt) if ckpt else None)
+        mark_running(run_dir, start_step=state.start_step, resumed_from=str(ckpt) if ckpt else None)
         if console is not None:
-            console.print(
-                f"[bold]tim train[/] {loaded.name}: steps {start}..{r.run.steps} in {run_dir}"
-                f" (trainer {trainer.dtype}, rollout {r.rollout_dtype}, world {trainer.env.world_size})",
-                highlight=False,
-            )
-            for line in layout:
-                console.print(line, highlight=False)
+            _announce(console, loaded, run_dir, trainer=trainer, start=state.start_step, layout=layout)
     return Prepared(
         trainer=trainer,
         rollout=rollout,
@@ -182,6 +166,29 @@ def setup(
         probe=probe,
         first_step_info=info,
     )
+
+
+def _check_sync_fault(recipe, rollout) -> None:
+    fault = recipe.diagnostics.sync_fault
+    if fault.kind != "off" and fault.engine >= rollout.layout.engines:
+        raise ValueError(
+            f"diagnostics.sync_fault.engine = {fault.engine}: this job has rollout engines "
+            f"0..{rollout.layout.engines - 1}"
+        )
+
+
+def _announce(
+    console, loaded: LoadedRecipe, run_dir: Path, *, trainer, start: int, layout: list[str]
+) -> None:
+    """The console's first lines: the steps ahead, the dtypes, the world, and one line per engine."""
+    r = loaded.recipe
+    console.print(
+        f"[bold]tim train[/] {loaded.name}: steps {start}..{r.run.steps} in {run_dir}"
+        f" (trainer {trainer.dtype}, rollout {r.rollout_dtype}, world {trainer.env.world_size})",
+        highlight=False,
+    )
+    for line in layout:
+        console.print(line, highlight=False)
 
 
 def fleet_description(rollout) -> list[str]:
