@@ -433,6 +433,10 @@ def test_the_recorder_watches_the_loop_through_its_hook():
         and probe["agreements"][0]["tokens"] == 10
     )
     assert failed == {"sync": 2, "check": "samples", "error": str(err), "engines_failed": [1]}
+    import pickle  # a rank's error sent to another keeps its engines
+
+    again = pickle.loads(pickle.dumps(err))
+    assert (type(again), str(again), again.engines) == (WeightSyncError, str(err), [1])
 
 
 def test_where_start_up_failed_is_classified():

@@ -1,6 +1,7 @@
 """The RL loop: rollout, rewards, advantages, old logprobs, mismatch metrics, update, weight sync, log.
 
-One function, :func:`train`, reading top to bottom; the phases are in ``tim_megatron.rl.phases``.
+:func:`train` starts a run (:mod:`tim_megatron.run_setup`) and :func:`run_steps` steps it; :func:`one_step` reads
+one step top to bottom; the phases are in ``tim_megatron.rl.phases``.
 The same loop runs ``make demo`` on a laptop CPU and the 30B Slurm jobs.
 """
 
@@ -101,7 +102,7 @@ def run_steps(
 def one_step(
     parts: Prepared, *, recipe: Recipe, run_dir: Path, step: int, observer: StepObserver = NO_OBSERVER
 ) -> tuple[dict, list[dict]]:
-    """One RL step, every rank: prompts -> samples -> rewards -> advantages -> old logprobs -> loss inputs ->
+    """One RL step, every rank: prompts -> samples -> rewards -> old logprobs -> advantages -> loss inputs ->
     update -> sync -> validation and dumps. Returns the step's metrics and early-warning events."""
     r, tr, ro, prompts, memory = recipe, parts.trainer, parts.rollout, parts.prompts, parts.colocation
     t = phases.Timer()
@@ -143,7 +144,9 @@ def one_step(
             metrics.update(memory.to_rollout(probe=lambda: probe or parts.probe, last=step == r.run.steps))
         if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
             with t("validation"):
-                metrics.update(phases.validate(recipe=r, rollout=ro, prompts=prompts, step=step))
+                metrics.update(
+                    phases.validate(recipe=r, rollout=ro, prompts=prompts, step=step, observer=observer)
+                )
         with t("logging"):
             events = [e.as_dict() for e in parts.state.warnings.update(step, metrics)]
             dump_tokens(recipe=r, trainer=tr, run_dir=run_dir, step=step, batch=batch, old=old, adv=adv)

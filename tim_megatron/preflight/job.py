@@ -7,7 +7,7 @@
 3. devices: each rank's node, host and device (the judge finds sharing and count mismatches);
 4. bandwidth: all-reduce bus bandwidth within nodes, across nodes and in the TP, EP and DP groups;
 5. setup and steps: ``run_setup.setup`` (trainer, rollout engines, data) and two steps of ``loop.run_steps``,
-   watched by the recorders of :mod:`tim_megatron.preflight.steps`;
+   watched through the loop's hook by :class:`tim_megatron.preflight.steps.Records`;
 6. report: rank 0 assembles ``preflight.json``, judges it and prints the summary.
 
 Each phase writes this rank's heartbeat before and after it; a watchdog ends a phase that runs past its timeout.

@@ -146,7 +146,7 @@ def _step_time(request: dict, metrics: dict[int, dict], steps: list[dict] | None
     update = row.get("time/update", 0.0)
     parts = {
         "rollout": row.get("time/rollout", 0.0),
-        "logprobs": row.get("time/old_logprobs", 0.0),
+        "logprobs": row.get("time/old_logprobs", 0.0) + row.get("time/advantages", 0.0),
         "train": update - opt,
         "optimizer": opt,
         "sync": row.get("time/sync", 0.0),

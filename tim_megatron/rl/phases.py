@@ -172,14 +172,23 @@ def rollouts(
     return batch, metrics, probe
 
 
-def validate(*, recipe: Recipe, rollout, prompts: PromptSource, step: int) -> dict:
+def validate(
+    *, recipe: Recipe, rollout, prompts: PromptSource, step: int, observer: StepObserver = NO_OBSERVER
+) -> dict:
     """Greedy accuracy on the validation prompts, each engine taking its block of them."""
     items = prompts.validation_items(recipe.data.val_prompts)
     if not items:
         return {}
     block = rollout.layout.block(len(items), rollout.engine_index)
     mine = [items[i] for i in block]
-    groups, _ = rollout.generate(prompts.encode(mine), step=step, first_index=block.start, n=1, greedy=True)
+    groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=block.start, n=1, greedy=True)
+    observer.generated(
+        step=step,
+        engine=rollout.engine_index,
+        prompts=len(mine),
+        sequences=sum(len(g) for g in groups),
+        stats=gen,
+    )
     correct = sum(
         score(it.reward, prompts.decode(g[0].response_ids), it.answer)
         for it, g in zip(mine, groups, strict=True)

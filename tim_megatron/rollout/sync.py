@@ -37,10 +37,13 @@ from tim_megatron.trainer.parallel import dp_group
 class WeightSyncError(RuntimeError):
     """A rollout engine does not hold the trainer's weights."""
 
-    def __init__(self, message: str, *, engines: list[int]):
+    def __init__(self, message: str, engines: list[int]):
         super().__init__(message)
         self.engines = list(engines)
         """The engines that failed, by index."""
+
+    def __reduce__(self):  # the engines travel with a pickled error (a rank's error sent to another)
+        return (type(self), (str(self), self.engines))
 
 
 def manifest(model_path: str | Path) -> dict[str, tuple[int, ...]]:
