@@ -16,8 +16,9 @@ import torch
 from tests.conftest import require
 from tim_megatron.gpu_check import Section, compare, run_sections
 from tim_megatron.gpu_check.models import gpu_type_key, next_token_mask, probe_batch, qwen3_moe_1b_dims
-from tim_megatron.gpu_check.report import Finding, Report, format_value
+from tim_megatron.gpu_check.report import Report, finding
 from tim_megatron.gpu_check.sections import Bench
+from tim_megatron.outcome import format_value
 from tim_megatron.slurm.plan import param_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,16 +67,16 @@ def test_logprob_gap_counts_only_the_masked_tokens():
 def test_verdict_rules():
     g = compare.Gap(max=2e-3, mean=1e-4, p99=1e-3, tokens=10)
     assert compare.judge_fp32(g) == ("fail", "max <= 0.001")
-    assert compare.judge_fp32(compare.Gap(1e-3, 1e-4, 1e-4, 10))[0] == "pass"
+    assert compare.judge_fp32(compare.Gap(1e-3, 1e-4, 1e-4, 10))[0] == "ok"
     yard = compare.Gap(max=0.1, mean=0.01, p99=0.05, tokens=10)
-    assert compare.judge_bf16(compare.Gap(0.2, 0.03, 0.1, 10), yardstick=yard)[0] == "pass"
+    assert compare.judge_bf16(compare.Gap(0.2, 0.03, 0.1, 10), yardstick=yard)[0] == "ok"
     verdict, rule = compare.judge_bf16(compare.Gap(0.2, 0.031, 0.1, 10), yardstick=yard)
     assert verdict == "fail" and "3 x HF's own bf16 gap 1.00e-02" in rule
-    assert compare.judge_step_ratio(1.1, 1.0)[1:] == ("pass", "<= 1.1x")
+    assert compare.judge_step_ratio(1.1, 1.0)[1:] == ("ok", "<= 1.1x")
     assert compare.judge_step_ratio(1.2, 1.0)[1] == "fail"
     assert compare.judge_memory(81.0, 80.0)[1] == "fail"  # the plan must not underestimate
-    assert compare.judge_memory(40.0, 80.0) == (0.5, "pass", "measured <= tim plan")
-    assert compare.judge_exact(0.0)[0] == "pass" and compare.judge_exact(1e-9)[0] == "fail"
+    assert compare.judge_memory(40.0, 80.0) == (0.5, "ok", "measured <= tim plan")
+    assert compare.judge_exact(0.0)[0] == "ok" and compare.judge_exact(1e-9)[0] == "fail"
 
 
 def test_topk_agreement_ignores_order_within_a_token():
@@ -130,10 +131,10 @@ def test_gpu_type_key_names_what_tim_plan_knows():
 def test_report_text_json_and_exit_code(tmp_path):
     r = Report(date="2026-11-22 12:00 UTC", device="NVIDIA H200, 139.8 GiB", versions={"torch": "2.11.0"})
     r.findings = [
-        Finding("parity 1b", "megatron fp32 vs HF fp32, max |dlogp|", 3.2e-6, "nats", "pass", "max <= 0.001"),
-        Finding("train step", "ours / bare", 1.04, "x", "pass", "<= 1.1x"),
-        Finding("vllm", "not run", None, verdict="skip", rule="vllm is not installed"),
-        Finding("memory", "peak / plan", float("inf"), "x"),
+        finding("parity 1b", "megatron fp32 vs HF fp32, max |dlogp|", 3.2e-6, "nats", "ok", "max <= 0.001"),
+        finding("train step", "ours / bare", 1.04, "x", "ok", "<= 1.1x"),
+        finding("vllm", "not run", None, "", "skip", "vllm is not installed"),
+        finding("memory", "peak / plan", float("inf"), "x", "info"),
     ]
     r.seconds = 312.0
     text = r.text()
@@ -144,9 +145,43 @@ def test_report_text_json_and_exit_code(tmp_path):
     assert r.exit_code == 0
     saved = json.loads(r.save(tmp_path / "sub" / "r.json").read_text())
     assert saved["findings"][3]["value"] == "inf" and saved["versions"] == {"torch": "2.11.0"}
-    r.findings.append(Finding("checkpoint", "restored vs saved", 1e-3, "nats", "fail", "bit-identical"))
+    r.findings.append(finding("checkpoint", "restored vs saved", 1e-3, "nats", "fail", "bit-identical"))
     assert r.exit_code == 1
     assert format_value(0.0, "nats") == "0 nats" and format_value(1.04, "x") == "1.04 x"
+
+
+def test_saved_findings_keep_the_layout_of_reports_written_before_outcome(tmp_path):
+    """docs/gpu-results/*.json and every older report: section, name, value, unit, verdict, rule; ``pass``."""
+    r = Report(date="2026-11-22 12:00 UTC", device="cpu", versions={})
+    r.findings = [
+        finding("checkpoint", "restored", 0.0, "nats", "ok", "bit-identical"),
+        finding("vllm", "not run", None, "", "skip", "vllm is not installed"),
+    ]
+    saved = json.loads(r.save(tmp_path / "r.json").read_text())
+    assert list(saved) == ["date", "device", "versions", "findings", "seconds", "limit_seconds"]
+    assert saved["findings"] == [
+        {
+            "section": "checkpoint",
+            "name": "restored",
+            "value": 0.0,
+            "unit": "nats",
+            "verdict": "pass",
+            "rule": "bit-identical",
+        },
+        {
+            "section": "vllm",
+            "name": "not run",
+            "value": None,
+            "unit": "",
+            "verdict": "skip",
+            "rule": "vllm is not installed",
+        },
+    ]
+    committed = sorted((ROOT / "docs" / "gpu-results").glob("*.json"))
+    for path in committed:  # the same keys as the reports already committed
+        old = json.loads(path.read_text())
+        assert list(old) == list(saved), path
+        assert all(list(f) == list(saved["findings"][0]) for f in old["findings"]), path
 
 
 def test_runner_skips_what_cannot_run_here_and_reports_a_raising_section(tmp_path):
@@ -154,17 +189,25 @@ def test_runner_skips_what_cannot_run_here_and_reports_a_raising_section(tmp_pat
         raise RuntimeError("CUDA out of memory")
 
     sections = (
-        Section("needs gpu", lambda b: [Finding("needs gpu", "x", 1.0)], needs_gpu=True),
-        Section("needs module", lambda b: [Finding("needs module", "x", 1.0)], needs="no_such_module_here"),
-        Section("ok", lambda b: [Finding("ok", "x", 2.0, verdict="pass")]),
+        Section(
+            "needs gpu",
+            lambda b: [finding("needs gpu", "x", 1.0, "", "info")],
+            needs_gpu=True,
+        ),
+        Section(
+            "needs module",
+            lambda b: [finding("needs module", "x", 1.0, "", "info")],
+            needs="no_such_module_here",
+        ),
+        Section("ok", lambda b: [finding("ok", "x", 2.0, "", "ok")]),
         Section("broken", broken),
     )
     found = run_sections(Bench(device="cpu", workdir=tmp_path), sections)
-    rows = [(f.section, f.name, f.verdict) for f in found]
+    rows = [(f.group, f.name, f.status) for f in found]
     assert rows == [
         ("needs gpu", "not run", "skip"),
         ("needs module", "not run", "skip"),
-        ("ok", "x", "pass"),
+        ("ok", "x", "ok"),
         ("ok", "section time", "info"),
         ("broken", "section raised", "fail"),
         ("broken", "section time", "info"),
@@ -178,6 +221,7 @@ _SMALL_RANDOM_PARITY = """
 import json, sys
 from pathlib import Path
 from tim_megatron.gpu_check.models import random_checkpoint
+from tim_megatron.gpu_check.report import record
 from tim_megatron.gpu_check.sections import Bench, Model, parity
 from tim_megatron.recipe.schema import ModelDims
 
@@ -188,7 +232,7 @@ if __name__ == "__main__":
     path = random_checkpoint(dims, work / "small-random")
     found = parity(Bench(device="cpu", workdir=work), Model("small random", path, str(path), dims),
                    section="parity small", n=4, length=24)
-    print(json.dumps([f.__dict__ for f in found]))
+    print(json.dumps([record(f) for f in found]))
 """
 
 

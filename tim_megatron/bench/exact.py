@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tim_megatron import outcome
+
 VEXACT = "recipes/tiny-moe/vexact.yaml"
 COUNTDOWN = "recipes/tiny-moe/countdown.yaml"
 QUIET = ["run.val_every=0", "logging.wandb.mode=disabled", "checkpoint.every=0", "diagnostics.dumps.every=0"]
@@ -40,10 +42,6 @@ QUIET = ["run.val_every=0", "logging.wandb.mode=disabled", "checkpoint.every=0",
 
 def _rows_differing(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a != b).reshape(a.shape[0], -1).any(-1).sum())
-
-
-def _target(ok: bool) -> str:
-    return "met" if ok else "MISSED"
 
 
 # ------------------------------------------------------------------------------------------ 1. kernels
@@ -458,10 +456,13 @@ def _print_sampler(
         ratio = r["kv_tokens_per_s"] / r["ff_tokens_per_s"]
         kv = f"{r['kv_tokens_per_s']:9,.1f} tok/s ({r['kv_tokens']} tokens, {r['kv_forwards']} forwards)"
         ff = f"{r['ff_tokens_per_s']:8,.1f} tok/s ({r['ff_tokens']} tokens, {r['ff_forwards']} forwards)"
-        line = f"  width {r['width']:5d}: kv-cache {kv}  full-forward {ff}  ratio {ratio:6.1f}x"
         if r["width"] == 512:
-            line += f"  (target >= 5x at width 512: {_target(ratio >= 5)})"
-        print(line)
+            o = outcome.judged(
+                "ratio", value=ratio, met=ratio >= 5, rule=">= 5x at width 512", unit="x", group="exact"
+            )
+        else:
+            o = outcome.Outcome("ratio", "info", value=ratio, unit="x", group="exact")
+        print(f"  width {r['width']:5d}: kv-cache {kv}  full-forward {ff}  " + outcome.target_line(o))
     same = [r["width"] for r in res if not r["same_tokens"]]
     print(
         f"  first {ff_tokens} tokens of every row equal between the samplers: "
@@ -486,10 +487,11 @@ def _print_step(*, steps: int, prompts: int) -> None:
         if r is ex:
             line += f", {r['checked']} checked exact"
         print(line)
-    print(
-        f"  ratio exact / vLLM = {ratio:.2f}x  (target <= 2x: {_target(ratio <= 2)}); the two arms sample "
-        "differently, so their response lengths (and step costs) differ"
+    o = outcome.judged(
+        "ratio exact / vLLM", value=ratio, met=ratio <= 2, rule="<= 2x", unit="x", group="exact"
     )
+    note = "; the two arms sample differently, so their response lengths (and step costs) differ"
+    print("  " + outcome.target_line(o) + note)
 
 
 def _print_moe(*, overrides: list[str], experts: list[int], rows: int, width: int, repeat: int) -> None:
@@ -505,10 +507,20 @@ def _print_moe(*, overrides: list[str], experts: list[int], rows: int, width: in
             tr.close()
         ratio = r["dense_s"] / r["sparse_s"]
         moe_ratio = r["dense_moe_s"] / r["sparse_moe_s"]
+        if n == 64:
+            o = outcome.judged(
+                "ratio dense / sparse",
+                value=moe_ratio,
+                met=moe_ratio >= 4,
+                rule=">= 4x at 64 experts",
+                unit="x",
+                group="exact",
+            )
+        else:
+            o = outcome.Outcome("ratio dense / sparse", "info", value=moe_ratio, unit="x", group="exact")
         print(
             f"  {r['experts']:3d} experts (top-{r['top_k']}): MoE layers: sparse {r['sparse_moe_s']:7.3f} s  "
-            f"dense {r['dense_moe_s']:7.3f} s  ratio dense / sparse {moe_ratio:5.2f}x"
-            + (f"  (target >= 4x at 64 experts: {_target(moe_ratio >= 4)})" if n == 64 else "")
+            f"dense {r['dense_moe_s']:7.3f} s  " + outcome.target_line(o)
         )
         print(
             f"  {'':17} whole forward: sparse {r['sparse_s']:7.3f} s  dense {r['dense_s']:7.3f} s  ratio "

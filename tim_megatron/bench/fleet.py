@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tim_megatron import outcome
+
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = {
     "tiny": [],
@@ -319,8 +321,15 @@ def main(argv: list[str] | None = None) -> int:
             f"    two engines (fleet)     {statistics.median(m['fleet']):9.1f} response tokens/s "
             "(total over the slowest engine)"
         )
-        target = f"target >= 1.7x: {'met' if ratio >= 1.7 else 'MISSED'}" if judged else "not the judged load"
-        print(f"    scaling two / one = {ratio:.2f}x [{lo:.2f}, {hi:.2f}]  ({target})")
+        quartiles = f" [{lo:.2f}, {hi:.2f}]"
+        if judged:
+            o = outcome.judged(
+                "scaling two / one", value=ratio, met=ratio >= 1.7, rule=">= 1.7x", unit="x", group="fleet"
+            )
+            print("    " + outcome.target_line(o) + quartiles)
+        else:
+            o = outcome.Outcome("scaling two / one", "info", value=ratio, unit="x", group="fleet")
+            print("    " + outcome.target_line(o) + quartiles + "  (not the judged load)")
         print(
             f"    raw torch, the same cores in the same rounds: bf16 GEMMs in two processes vs one {raw:.2f}x "
             f"[{rlo:.2f}, {rhi:.2f}]; the fleet's scaling over it, per round: {rel:.2f}"
@@ -336,10 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in sync:
         x = r["sync_s"] / r["copy_s"]
         floor = (r["export_s"] + r["prepack_s"]) / r["copy_s"]
-        print(
-            f"  engine {r['engine']} sync {r['sync_s'] * 1e3:7.1f} ms for {r['mbytes']:.1f} MiB vs torch copy "
-            f"{r['copy_s'] * 1e3:6.2f} ms: {x:.1f}x  (target <= 3x: {'met' if x <= 3 else 'MISSED'})"
+        o = outcome.judged(
+            f"engine {r['engine']} sync {r['sync_s'] * 1e3:7.1f} ms for {r['mbytes']:.1f} MiB vs torch copy "
+            f"{r['copy_s'] * 1e3:6.2f} ms",
+            value=x,
+            met=x <= 3,
+            rule="<= 3x",
+            unit="x",
+            group="fleet",
         )
+        print("  " + outcome.target_line(o))
         print(
             f"    of which: trainer export {r['export_s'] * 1e3:.1f} ms, vLLM load of the exported tensors "
             f"{r['load_s'] * 1e3:.1f} ms ({r['load_s'] / r['copy_s']:.1f}x the torch copy by itself)"

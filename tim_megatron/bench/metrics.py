@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from tim_megatron import outcome
 from tim_megatron.algo import (
     compute_mismatch,
     objective_surrogate,
@@ -115,10 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         f"  routing agreement ({a.layers} x top-{a.top_k}) {r['routing_s'] * 1e3:9.1f} ms  = {r['routing_ns_per_token']:8.1f} ns/token"
     )
     print(f"  torch.log_softmax [1024 x {a.vocab}]      = {r['log_softmax_ns_per_token']:8.1f} ns/token")
-    ok = r["ratio_metrics_vs_log_softmax"] < 0.02
-    print(
-        f"  ratio metrics / log_softmax  = {r['ratio_metrics_vs_log_softmax'] * 100:.3f}%  (target < 2%: {'met' if ok else 'MISSED'})"
+    o = outcome.judged(
+        "ratio metrics / log_softmax",
+        value=r["ratio_metrics_vs_log_softmax"] * 100,
+        met=r["ratio_metrics_vs_log_softmax"] < 0.02,
+        rule="< 2%",
+        unit="%",
+        group="metrics",
     )
+    print("  " + outcome.target_line(o))
     print(
         f"  ratio routing / log_softmax  = {r['ratio_routing_vs_log_softmax'] * 100:.3f}%  (only with R3 or capture on)"
     )

@@ -12,6 +12,8 @@ import argparse
 import statistics
 import time
 
+from tim_megatron import outcome
+
 
 def run(*, rounds: int = 5, demo_step_s: float | None = None, overrides: list[str] | None = None) -> dict:
     from vllm import SamplingParams
@@ -101,16 +103,28 @@ def main(argv: list[str] | None = None) -> int:
     print("[rollout] tiny MoE, demo prompts x rollout.n, same engine, interleaved")
     print(f"  our generate        {r['ours_tok_s']:9.1f} response tokens/s")
     print(f"  bare LLM.generate   {r['bare_tok_s']:9.1f} response tokens/s")
-    print(f"  ratio ours / bare = {ratio:.3f}x  (target >= 0.95x: {'met' if ratio >= 0.95 else 'MISSED'})")
+    o = outcome.judged(
+        "ratio ours / bare", value=ratio, met=ratio >= 0.95, rule=">= 0.95x", unit="x", group="rollout"
+    )
+    print("  " + outcome.target_line(o))
     print(
         f"  weight sync (export + structural check + in-place reload, {r['bytes'] / 2**20:.1f} MiB): {r['sync_s'] * 1e3:.1f} ms;"
         f" with an eager probe verification: {r['sync_probe_s'] * 1e3:.1f} ms"
     )
     if r["demo_step_s"]:
         share = r["sync_s"] / r["demo_step_s"]
+        o = outcome.judged(
+            f"sync as a share of a {r['demo_step_s'] * 1e3:.0f} ms demo step",
+            value=share * 100,
+            met=share <= 0.05,
+            rule="<= 5%",
+            unit="%",
+            group="rollout",
+        )
         print(
-            f"  sync as a share of a {r['demo_step_s'] * 1e3:.0f} ms demo step: {share * 100:.1f}%  (target <= 5%: {'met' if share <= 0.05 else 'MISSED'});"
-            f" the default check is on the next step's samples and costs nothing extra"
+            "  "
+            + outcome.target_line(o)
+            + "; the default check is on the next step's samples and costs nothing extra"
         )
     return 0
 

@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tim_megatron import outcome
+
 PHASES = ("rollout", "old_logprobs", "advantages", "metrics", "update", "sync", "validation", "logging")
 
 
@@ -56,12 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     for p in PHASES:
         print(f"  {p:<13} {r[p] * 1e3:8.1f} ms  {100 * r[p] / r['step_s']:5.1f}%")
     share = (r["metrics"] + r["logging"]) / r["step_s"]
-    print(
-        f"  metrics + logging = {share * 100:.2f}% of a step  (target <= 2%: {'met' if share <= 0.02 else 'MISSED'})"
-    )
-    print(
-        f"  weight sync       = {r['sync'] / r['step_s'] * 100:.2f}% of a step  (target <= 5%: {'met' if r['sync'] / r['step_s'] <= 0.05 else 'MISSED'})"
-    )
+    sync = r["sync"] / r["step_s"]
+    for o in (
+        outcome.judged(
+            "metrics + logging",
+            value=share * 100,
+            met=share <= 0.02,
+            rule="<= 2%",
+            unit="% of a step",
+            group="step",
+        ),
+        outcome.judged(
+            "weight sync", value=sync * 100, met=sync <= 0.05, rule="<= 5%", unit="% of a step", group="step"
+        ),
+    ):
+        print("  " + outcome.target_line(o))
     return 0
 
 

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from tim_megatron import outcome
+
 
 def _bench(fn, repeat: int) -> float:
     fn()
@@ -90,8 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  our train step (GRPO loss, chunked head)   {r['ours_s'] * 1e3:8.1f} ms")
     print(f"  bare megatron-core fwd+bwd+optimizer step  {r['bare_s'] * 1e3:8.1f} ms")
-    ok = r["ratio"] <= 1.10
-    print(f"  ratio ours / bare = {r['ratio']:.3f}x  (target <= 1.10x: {'met' if ok else 'MISSED'})")
+    o = outcome.judged(
+        "ratio ours / bare",
+        value=r["ratio"],
+        met=r["ratio"] <= 1.10,
+        rule="<= 1.10x",
+        unit="x",
+        group="trainer",
+    )
+    print("  " + outcome.target_line(o))
     print(f"  logprob recompute: {r['logprob_tokens_per_s']:,.0f} tokens/s")
     return 0
 

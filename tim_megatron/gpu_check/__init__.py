@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 
 import torch
 
-from tim_megatron.gpu_check.report import Finding, Report
+from tim_megatron.gpu_check.report import Report, finding
 from tim_megatron.gpu_check.sections import (
     Bench,
     checkpoint_round_trip,
@@ -37,6 +37,7 @@ from tim_megatron.gpu_check.sections import (
     train_step,
     vllm_engine,
 )
+from tim_megatron.outcome import Outcome
 
 LIMIT_SECONDS = 600.0
 
@@ -44,19 +45,19 @@ LIMIT_SECONDS = 600.0
 @dataclass(frozen=True)
 class Section:
     name: str
-    run: Callable[[Bench], list[Finding]]
+    run: Callable[[Bench], list[Outcome]]
     needs_gpu: bool = False
     needs: str | None = None
     """A module that must be installed (``vllm``)."""
 
 
-def _step(b: Bench) -> list[Finding]:
+def _step(b: Bench) -> list[Outcome]:
     if b.on_gpu:
         return train_step(b, b.one_b(), section="train step", seqs=4, length=1024, repeat=5)
     return train_step(b, b.tiny(), section="train step", seqs=32, length=32, repeat=3)
 
 
-def _offload(b: Bench) -> list[Finding]:
+def _offload(b: Bench) -> list[Outcome]:
     if b.on_gpu:
         return offload_round_trip(b, b.one_b(), section="offload", seqs=4, length=1024)
     return offload_round_trip(b, b.tiny(), section="offload", seqs=8, length=32)
@@ -107,25 +108,23 @@ def device_text() -> str:
     return f"{p.name}, {p.total_memory / 2**30:.1f} GiB, {torch.cuda.device_count()} visible (uses device 0)"
 
 
-def run_sections(bench: Bench, sections: tuple[Section, ...] = SECTIONS, *, echo=None) -> list[Finding]:
+def run_sections(bench: Bench, sections: tuple[Section, ...] = SECTIONS, *, echo=None) -> list[Outcome]:
     """Run each section; a section that needs what is not here is a skip, one that raises is a fail."""
-    out: list[Finding] = []
+    out: list[Outcome] = []
     for s in sections:
         t = time.perf_counter()
         if s.needs_gpu and not bench.on_gpu:
-            found = [Finding(s.name, "not run", None, verdict="skip", rule="needs a CUDA GPU")]
+            found = [finding(s.name, "not run", None, "", "skip", "needs a CUDA GPU")]
         elif s.needs and importlib.util.find_spec(s.needs) is None:
-            found = [Finding(s.name, "not run", None, verdict="skip", rule=f"{s.needs} is not installed")]
+            found = [finding(s.name, "not run", None, "", "skip", f"{s.needs} is not installed")]
         else:
             try:
                 found = s.run(bench)
             except Exception as e:
                 traceback.print_exc()  # the report keeps the message; the log gets where it was raised
-                found = [
-                    Finding(s.name, "section raised", None, verdict="fail", rule=f"{type(e).__name__}: {e}")
-                ]
+                found = [finding(s.name, "section raised", None, "", "fail", f"{type(e).__name__}: {e}")]
             bench.free()
-            found.append(Finding(s.name, "section time", time.perf_counter() - t, "s"))
+            found.append(finding(s.name, "section time", time.perf_counter() - t, "s", "info"))
         out += found
         if echo is not None:
             for f in found:

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tim_megatron.gpu_check import run
     from tim_megatron.gpu_check.models import gpu_type_key
-    from tim_megatron.gpu_check.report import format_value
+    from tim_megatron.gpu_check.report import row
     from tim_megatron.gpu_check.sections import Bench
 
     gpu_type = None
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_type = gpu_type_key(p.name, p.total_memory)
 
     def echo(f):
-        print(f"  {f.section:<18} {f.name:<52} {format_value(f.value, f.unit):>12}  {f.verdict}", flush=True)
+        print(row(f), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="tim-gpu-check-") as tmp:
         bench = Bench(device="cuda" if cuda else "cpu", workdir=a.workdir or Path(tmp), gpu_type=gpu_type)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tim_megatron.outcome import Status
+
 FP32_MAX_GAP = 1e-3
 BF16_FACTOR = 3.0
 STEP_RATIO_TARGET = 1.10
@@ -50,34 +52,34 @@ def logprob_gap(*, got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) ->
     )
 
 
-def judge_fp32(gap: Gap, *, limit: float = FP32_MAX_GAP) -> tuple[str, str]:
-    return ("pass" if gap.max <= limit else "fail"), f"max <= {limit:g}"
+def judge_fp32(gap: Gap, *, limit: float = FP32_MAX_GAP) -> tuple[Status, str]:
+    return ("ok" if gap.max <= limit else "fail"), f"max <= {limit:g}"
 
 
-def judge_bf16(gap: Gap, *, yardstick: Gap, factor: float = BF16_FACTOR) -> tuple[str, str]:
+def judge_bf16(gap: Gap, *, yardstick: Gap, factor: float = BF16_FACTOR) -> tuple[Status, str]:
     """``gap``: the engine in bf16 vs HF fp32; ``yardstick``: HF bf16 vs HF fp32 on the same tokens."""
     bound = factor * yardstick.mean
     ok = gap.mean <= bound
     return (
-        "pass" if ok else "fail"
+        "ok" if ok else "fail"
     ), f"mean <= {factor:g} x HF's own bf16 gap {yardstick.mean:.2e} = {bound:.2e}"
 
 
 def judge_step_ratio(
     ours_s: float, bare_s: float, *, target: float = STEP_RATIO_TARGET
-) -> tuple[float, str, str]:
+) -> tuple[float, Status, str]:
     ratio = ours_s / bare_s
-    return ratio, ("pass" if ratio <= target else "fail"), f"<= {target:g}x"
+    return ratio, ("ok" if ratio <= target else "fail"), f"<= {target:g}x"
 
 
-def judge_memory(measured: float, planned: float) -> tuple[float, str, str]:
-    """(measured / planned, verdict, rule): the plan must not underestimate."""
+def judge_memory(measured: float, planned: float) -> tuple[float, Status, str]:
+    """(measured / planned, status, rule): the plan must not underestimate."""
     ratio = measured / planned
-    return ratio, ("pass" if ratio <= 1.0 else "fail"), "measured <= tim plan"
+    return ratio, ("ok" if ratio <= 1.0 else "fail"), "measured <= tim plan"
 
 
-def judge_exact(diff: float) -> tuple[str, str]:
-    return ("pass" if diff == 0.0 else "fail"), "bit-identical"
+def judge_exact(diff: float) -> tuple[Status, str]:
+    return ("ok" if diff == 0.0 else "fail"), "bit-identical"
 
 
 def topk_agreement(*, got: torch.Tensor, want: torch.Tensor) -> float:

@@ -1,29 +1,56 @@
-"""What ``make gpu-check`` found: one :class:`Finding` per measured figure, gathered in a :class:`Report`
-that prints as a table and saves as JSON (with the date, the device and every library version)."""
+"""What ``make gpu-check`` found: one :class:`~tim_megatron.outcome.Outcome` per measured figure (its ``group``
+is the section), gathered in a :class:`Report` that prints as a table and saves as JSON (with the date, the
+device and every library version).
+
+The saved JSON keeps the layout reports had before the outcome type was shared (``docs/gpu-results/*.json``):
+each finding is ``{"section", "name", "value", "unit", "verdict", "rule"}``, with the verdict ``pass`` where
+the outcome is ``ok`` (:func:`record`)."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
-Verdict = Literal["pass", "fail", "info", "skip"]
+from tim_megatron import outcome
+from tim_megatron.outcome import Outcome, Status
+
+_VERDICT = {"ok": "pass"}
+"""The word the table and the JSON show for a status, where it differs from the status itself."""
 
 
-@dataclass(frozen=True)
-class Finding:
-    section: str
-    """Which part of the check (``parity tiny``, ``step time``, ``vllm sleep/wake``...)."""
-    name: str
-    """What was measured."""
-    value: float | None
-    """The figure (None when skipped or when the section failed before measuring)."""
-    unit: str = ""
-    verdict: Verdict = "info"
-    rule: str = ""
-    """The rule the verdict applies (``<= 1e-3``), or why the section was skipped or failed."""
+def finding(
+    section: str,
+    name: str,
+    value: float | None = None,
+    unit: str = "",
+    status: Status = "info",
+    rule: str = "",
+) -> Outcome:
+    """One gpu-check figure: an :class:`Outcome` in ``section`` (its ``group``)."""
+    return Outcome(name, status, value=value, unit=unit, rule=rule, group=section)
+
+
+def verdict(o: Outcome) -> str:
+    """What the verdict column and the JSON say: ``pass`` for ``ok``, else the status."""
+    return _VERDICT.get(o.status, o.status)
+
+
+def record(o: Outcome) -> dict:
+    """One finding as it is saved: the keys and values of the reports written before :class:`Outcome`."""
+    return {
+        "section": o.group,
+        "name": o.name,
+        "value": outcome.json_number(o.value),
+        "unit": o.unit,
+        "verdict": verdict(o),
+        "rule": o.rule,
+    }
+
+
+def row(o: Outcome) -> str:
+    """One finding as a line of the table (without the rule)."""
+    return f"  {o.group:<18} {o.name:<52} {outcome.format_value(o.value, o.unit):>12}  {verdict(o)}"
 
 
 @dataclass
@@ -32,17 +59,17 @@ class Report:
     device: str
     """The GPU model and memory, or ``cpu`` for a run of the code path on CPU (not GPU figures)."""
     versions: dict[str, str]
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
     limit_seconds: float = 600.0
 
     @property
-    def failed(self) -> list[Finding]:
-        return [f for f in self.findings if f.verdict == "fail"]
+    def failed(self) -> list[Outcome]:
+        return outcome.failed(self.findings)
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failed else 0
+        return outcome.exit_code(self.findings)
 
     def text(self) -> str:
         lines = [
@@ -51,21 +78,19 @@ class Report:
             f"  {'section':<18} {'measurement':<52} {'value':>12}  verdict",
         ]
         for f in self.findings:
-            lines.append(
-                f"  {f.section:<18} {f.name:<52} {format_value(f.value, f.unit):>12}  {f.verdict}"
-                + (f" ({f.rule})" if f.rule else "")
-            )
-        n = {v: sum(f.verdict == v for f in self.findings) for v in ("pass", "fail", "info", "skip")}
+            lines.append(row(f) + (f" ({f.rule})" if f.rule else ""))
+        n = outcome.counts(self.findings)
+        warn = f", {n['warn']} warn" if n["warn"] else ""
         within = "within" if self.seconds <= self.limit_seconds else "OVER"
         lines.append(
-            f"  {n['pass']} pass, {n['fail']} fail, {n['info']} info, {n['skip']} skipped; "
+            f"  {n['ok']} pass, {n['fail']} fail{warn}, {n['info']} info, {n['skip']} skipped; "
             f"{self.seconds:.0f} s ({within} the {self.limit_seconds:.0f} s budget)"
         )
         return "\n".join(lines)
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["findings"] = [{**asdict(f), "value": _json_number(f.value)} for f in self.findings]
+        d["findings"] = [record(f) for f in self.findings]
         return d
 
     def save(self, path: Path) -> Path:
@@ -74,24 +99,6 @@ class Report:
         tmp.write_text(json.dumps(self.to_json(), indent=1))
         tmp.replace(path)
         return path
-
-
-def format_value(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit in ("GiB", "s", "x"):
-        text = f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
-    elif value == 0 or 1e-3 <= abs(value) < 1e4:
-        text = f"{value:.4g}"
-    else:
-        text = f"{value:.2e}"
-    return f"{text} {unit}".strip()
-
-
-def _json_number(v: float | None):
-    if v is None or math.isfinite(v):
-        return v
-    return str(v)
 
 
 NO_GPU = (

@@ -21,7 +21,8 @@ from tim_megatron.gpu_check.models import (
     random_checkpoint,
     recipe_for,
 )
-from tim_megatron.gpu_check.report import Finding
+from tim_megatron.gpu_check.report import finding
+from tim_megatron.outcome import Outcome
 from tim_megatron.recipe.schema import ModelDims
 from tim_megatron.slurm.plan import param_count
 
@@ -92,15 +93,15 @@ class Bench:
             torch.cuda.synchronize()
 
 
-def model_finding(model: Model, section: str) -> Finding:
+def model_finding(model: Model, section: str) -> Outcome:
     """The first line of every section: which model, and its size."""
-    return Finding(section, f"model: {model.name}", param_count(model.dims).total / 1e9, "B params")
+    return finding(section, f"model: {model.name}", param_count(model.dims).total / 1e9, "B params", "info")
 
 
 # ------------------------------------------------------------------------------------------- parity
 
 
-def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> list[Finding]:
+def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> list[Outcome]:
     """Megatron's per-token logprobs in fp32 and bf16 against HF transformers in fp32, same weights, same tokens."""
     from tim_megatron.trainer.megatron_trainer import SeqBatch
 
@@ -111,11 +112,12 @@ def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> 
     yardstick = compare.logprob_gap(got=hf_bf16, want=ref, mask=mask)
     out = [
         model_finding(model, section),
-        Finding(
+        finding(
             section,
             f"HF bf16 vs HF fp32, mean |dlogp| over {yardstick.tokens} tokens (the yardstick)",
             yardstick.mean,
             "nats",
+            "info",
         ),
     ]
     for dtype in ("float32", "bfloat16"):
@@ -128,18 +130,18 @@ def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> 
             bench.free()
         gap = compare.logprob_gap(got=got, want=ref, mask=mask)
         if dtype == "float32":
-            verdict, rule = compare.judge_fp32(gap)
+            status, rule = compare.judge_fp32(gap)
             out.append(
-                Finding(section, "megatron fp32 vs HF fp32, max |dlogp|", gap.max, "nats", verdict, rule)
+                finding(section, "megatron fp32 vs HF fp32, max |dlogp|", gap.max, "nats", status, rule)
             )
-            out.append(Finding(section, "megatron fp32 vs HF fp32, mean |dlogp|", gap.mean, "nats"))
+            out.append(finding(section, "megatron fp32 vs HF fp32, mean |dlogp|", gap.mean, "nats", "info"))
         else:
-            verdict, rule = compare.judge_bf16(gap, yardstick=yardstick)
+            status, rule = compare.judge_bf16(gap, yardstick=yardstick)
             out.append(
-                Finding(section, "megatron bf16 vs HF fp32, mean |dlogp|", gap.mean, "nats", verdict, rule)
+                finding(section, "megatron bf16 vs HF fp32, mean |dlogp|", gap.mean, "nats", status, rule)
             )
-            out.append(Finding(section, "megatron bf16 vs HF fp32, p99 |dlogp|", gap.p99, "nats"))
-            out.append(Finding(section, "megatron bf16 vs HF fp32, max |dlogp|", gap.max, "nats"))
+            out.append(finding(section, "megatron bf16 vs HF fp32, p99 |dlogp|", gap.p99, "nats", "info"))
+            out.append(finding(section, "megatron bf16 vs HF fp32, max |dlogp|", gap.max, "nats", "info"))
     return out
 
 
@@ -169,7 +171,7 @@ def _random_batch(model: Model, *, seqs: int, length: int, seed: int, prompt: in
 
 def train_step(
     bench: Bench, model: Model, *, section: str, seqs: int, length: int, repeat: int
-) -> list[Finding]:
+) -> list[Outcome]:
     """Our train step vs a bare megatron-core step (same model, batch, process), and on CUDA its peak
     memory against ``tim plan``'s estimate for the same recipe."""
     from tim_megatron.bench.bare import bare_megatron_step
@@ -201,24 +203,28 @@ def train_step(
 
             local = not te_available()
             planned = estimate(recipe, materialized_attention=local).trainer
-            ratio, verdict, rule = compare.judge_memory(peak, planned)
+            ratio, status, rule = compare.judge_memory(peak, planned)
             if local:
                 rule += "; local spec: the plan counts the materialized attention scores"
             out += [
-                Finding(section, "peak allocated: trainer build + first train step", peak / GIB, "GiB"),
-                Finding(
+                finding(
+                    section, "peak allocated: trainer build + first train step", peak / GIB, "GiB", "info"
+                ),
+                finding(
                     section,
                     "peak reserved by the caching allocator",
                     torch.cuda.max_memory_reserved() / GIB,
                     "GiB",
+                    "info",
                 ),
-                Finding(
+                finding(
                     section,
                     "tim plan: parameters + gradients + optimizer + activations",
                     planned / GIB,
                     "GiB",
+                    "info",
                 ),
-                Finding(section, "peak / plan", ratio, "x", verdict, rule),
+                finding(section, "peak / plan", ratio, "x", status, rule),
             ]
 
         bare = bare_megatron_step(tr, ids=ids, mask=mask)
@@ -236,18 +242,18 @@ def train_step(
             t_ours.append(timed(ours))
             t_bare.append(timed(bare))
         to, tb = statistics.median(t_ours), statistics.median(t_bare)
-        ratio, verdict, rule = compare.judge_step_ratio(to, tb)
+        ratio, status, rule = compare.judge_step_ratio(to, tb)
         if not bench.on_gpu:  # CPU timings here are disturbed by whatever else runs; make bench measures them
-            verdict, rule = "info", "not judged on CPU"
+            status, rule = "info", "not judged on CPU"
         out += [
-            Finding(section, f"our train step, {seqs} x {length} tokens, bf16 (median)", to, "s"),
-            Finding(section, "bare megatron-core fwd + bwd + optimizer step (median)", tb, "s"),
-            Finding(section, "ours / bare", ratio, "x", verdict, rule),
+            finding(section, f"our train step, {seqs} x {length} tokens, bf16 (median)", to, "s", "info"),
+            finding(section, "bare megatron-core fwd + bwd + optimizer step (median)", tb, "s", "info"),
+            finding(section, "ours / bare", ratio, "x", status, rule),
         ]
         for key, what in (("fwd_bwd", "forward + backward"), ("optimizer", "finite check + optimizer step")):
             got = [p[key] for p in parts[-repeat:] if key in p]
             if got:  # host-side clocks around each phase (the phases end in a host sync of their own)
-                out.append(Finding(section, f"  ours: {what} (median)", statistics.median(got), "s"))
+                out.append(finding(section, f"  ours: {what} (median)", statistics.median(got), "s", "info"))
     finally:
         tr.close()  # its memory goes when this frame does; run_sections then frees the cache
     return out
@@ -265,7 +271,7 @@ def _state_snapshot(trainer) -> list[torch.Tensor]:
     return [storage_bytes(s).clone() for storages in parts for s in storages.values()]
 
 
-def offload_round_trip(bench: Bench, model: Model, *, section: str, seqs: int, length: int) -> list[Finding]:
+def offload_round_trip(bench: Bench, model: Model, *, section: str, seqs: int, length: int) -> list[Outcome]:
     """``trainer.offload_during_rollout: all`` once: after a train step (so Adam's state exists), the whole state
     goes to host memory and back. Bytes, seconds, device memory freed, the state's bytes before and after, the
     logprobs before and after, and a train step after it."""
@@ -293,44 +299,45 @@ def offload_round_trip(bench: Bench, model: Model, *, section: str, seqs: int, l
         d = float((after - before).abs().max())
         loss = tr.train_step(batch, _loss_fn(tr.recipe, before, mask, adv), lr=1e-6).loss
         total = away.total_bytes
+        exact, exact_rule = compare.judge_exact(d)
         out += [
-            Finding(section, "state moved (params + grads + optimizer)", total / GIB, "GiB"),
-            *(Finding(section, f"  of which {p}", n / GIB, "GiB") for p, n in away.bytes.items()),
+            finding(section, "state moved (params + grads + optimizer)", total / GIB, "GiB", "info"),
+            *(finding(section, f"  of which {p}", n / GIB, "GiB", "info") for p, n in away.bytes.items()),
         ]
         for when, out_, in_ in (("first", away, back), ("again", again_away, again_back)):
             for what, m in (("offload", out_), ("onload", in_)):
                 rate = m.total_bytes / m.seconds / 1e9 if m.seconds else None
                 first = when == "first" and what == "offload"
                 why = "includes allocating the pinned host buffers, which later moves reuse" if first else ""
-                out.append(Finding(section, f"{what} ({when}): seconds", m.seconds, "s", rule=why))
-                out.append(Finding(section, f"{what} ({when}): GB/s", rate, "GB/s"))
+                out.append(finding(section, f"{what} ({when}): seconds", m.seconds, "s", "info", why))
+                out.append(finding(section, f"{what} ({when}): GB/s", rate, "GB/s", "info"))
         if bench.on_gpu:
             out.append(
-                Finding(
+                finding(
                     section,
                     "device memory freed by the offload",
                     freed / GIB,
                     "GiB",
-                    "pass" if freed >= 0.9 * total else "fail",
+                    "ok" if freed >= 0.9 * total else "fail",
                     ">= 90% of the bytes moved",
                 )
             )
         out += [
-            Finding(
+            finding(
                 section,
                 "state bytes after the round trips equal before",
                 float(same_state),
                 "",
-                "pass" if same_state else "fail",
+                "ok" if same_state else "fail",
                 "every moved storage, byte for byte",
             ),
-            Finding(section, "logprobs after vs before, max |dlogp|", d, "nats", *compare.judge_exact(d)),
-            Finding(
+            finding(section, "logprobs after vs before, max |dlogp|", d, "nats", exact, exact_rule),
+            finding(
                 section,
                 "a train step after the round trip: loss",
                 loss,
                 "",
-                "pass" if loss == loss and abs(loss) != float("inf") else "fail",
+                "ok" if loss == loss and abs(loss) != float("inf") else "fail",
                 "finite",
             ),
         ]
@@ -342,7 +349,7 @@ def offload_round_trip(bench: Bench, model: Model, *, section: str, seqs: int, l
 # ------------------------------------------------------------------------------------- exact kernels
 
 
-def exact_kernels(bench: Bench, *, section: str) -> list[Finding]:
+def exact_kernels(bench: Bench, *, section: str) -> list[Outcome]:
     """Do exact mode's tiled kernels give a row the same bits alone as among 256 rows on this device (GEMMs at
     decode shapes, attention's bmm, softmax; float32 and bfloat16)? torch's own products are the contrast."""
     from tim_megatron.exact.kernels import (
@@ -358,7 +365,7 @@ def exact_kernels(bench: Bench, *, section: str) -> list[Finding]:
         problems = invariance_problems(kernels, device=bench.device)
         bench.sync()
         out.append(
-            Finding(
+            finding(
                 section,
                 f"{kernels.name} kernels: cases where a row's bits depend on the batch (of {INVARIANCE_CHECKS})",
                 len(problems),
@@ -367,14 +374,16 @@ def exact_kernels(bench: Bench, *, section: str) -> list[Finding]:
                 "; ".join(problems) if problems else "row-invariant at every shape tried",
             )
         )
-        out.append(Finding(section, f"{kernels.name} kernels: check time", time.perf_counter() - t, "s"))
+        out.append(
+            finding(section, f"{kernels.name} kernels: check time", time.perf_counter() - t, "s", "info")
+        )
     return out
 
 
 # ---------------------------------------------------------------------------------------- checkpoint
 
 
-def checkpoint_round_trip(bench: Bench, model: Model, *, section: str) -> list[Finding]:
+def checkpoint_round_trip(bench: Bench, model: Model, *, section: str) -> list[Outcome]:
     """Train a step, save, train another; a fresh trainer loads the save and must reproduce both exactly."""
     from tim_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
     from tim_megatron.trainer.megatron_trainer import SeqBatch
@@ -414,13 +423,13 @@ def checkpoint_round_trip(bench: Bench, model: Model, *, section: str) -> list[F
         bench.free()
     d_restore = float((restored - before).abs().max())
     d_next = float((resumed - after).abs().max())
-    verdict, rule = compare.judge_exact(d_restore)
+    status, rule = compare.judge_exact(d_restore)
     size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
     return [
         model_finding(model, section),
-        Finding(section, "checkpoint size", size / 2**30, "GiB"),
-        Finding(section, "restored vs saved model, max |dlogp|", d_restore, "nats", verdict, rule),
-        Finding(section, "one more step after restore vs without, max |dlogp|", d_next, "nats"),
+        finding(section, "checkpoint size", size / 2**30, "GiB", "info"),
+        finding(section, "restored vs saved model, max |dlogp|", d_restore, "nats", status, rule),
+        finding(section, "one more step after restore vs without, max |dlogp|", d_next, "nats", "info"),
     ]
 
 
@@ -464,7 +473,7 @@ def _vllm_logprobs(llm, seqs: list[list[int]], length: int) -> torch.Tensor:
     return got
 
 
-def _native_capture(bench: Bench, model: Model, llm, seqs: list[list[int]], *, section: str) -> Finding:
+def _native_capture(bench: Bench, model: Model, llm, seqs: list[list[int]], *, section: str) -> Outcome:
     """Greedy continuations with ``return_routed_experts``: shape, id range, and agreement with HF's router."""
     import numpy as np
     from vllm import SamplingParams
@@ -487,17 +496,17 @@ def _native_capture(bench: Bench, model: Model, llm, seqs: list[list[int]], *, s
     share = statistics.mean(agree) if agree else 0.0
     ok = not bad and share >= compare.ROUTING_AGREEMENT_MIN
     rule = f"[tokens, layers, k] per response, agreement >= {compare.ROUTING_AGREEMENT_MIN:g}"
-    return Finding(
+    return finding(
         section,
         "native capture: top-k sets equal to HF fp32 router's",
         share,
         "",
-        "pass" if ok else "fail",
+        "ok" if ok else "fail",
         rule + (f"; {'; '.join(bad)}" if bad else ""),
     )
 
 
-def vllm_engine(bench: Bench, model: Model, *, section: str) -> list[Finding]:
+def vllm_engine(bench: Bench, model: Model, *, section: str) -> list[Outcome]:
     """vLLM in bf16: logprob parity with HF fp32, sleep/wake (memory freed on CUDA, logprobs unchanged after
     wake-up), and native routed-expert capture (CUDA only: it needs Model Runner V2, hence Triton)."""
     import inspect
@@ -516,10 +525,10 @@ def vllm_engine(bench: Bench, model: Model, *, section: str) -> list[Finding]:
     out = [model_finding(model, section)]
     first = _vllm_logprobs(llm, seqs, length)
     gap = compare.logprob_gap(got=first, want=ref, mask=mask)
-    verdict, rule = compare.judge_bf16(gap, yardstick=yardstick)
+    status, rule = compare.judge_bf16(gap, yardstick=yardstick)
     out += [
-        Finding(section, "vLLM bf16 vs HF fp32, mean |dlogp|", gap.mean, "nats", verdict, rule),
-        Finding(section, "vLLM bf16 vs HF fp32, max |dlogp|", gap.max, "nats"),
+        finding(section, "vLLM bf16 vs HF fp32, mean |dlogp|", gap.mean, "nats", status, rule),
+        finding(section, "vLLM bf16 vs HF fp32, max |dlogp|", gap.max, "nats", "info"),
     ]
     if bench.on_gpu:
         free_awake = torch.cuda.mem_get_info()[0]
@@ -527,26 +536,17 @@ def vllm_engine(bench: Bench, model: Model, *, section: str) -> list[Finding]:
         freed = torch.cuda.mem_get_info()[0] - free_awake
         llm.wake_up()
         out.append(
-            Finding(
-                section, "sleep(level=1) frees", freed / 2**30, "GiB", "pass" if freed > 0 else "fail", "> 0"
+            finding(
+                section, "sleep(level=1) frees", freed / 2**30, "GiB", "ok" if freed > 0 else "fail", "> 0"
             )
         )
     else:
-        out.append(
-            Finding(section, "sleep(level=1) frees", None, verdict="skip", rule="GPU only; a no-op on CPU")
-        )
+        out.append(finding(section, "sleep(level=1) frees", None, "", "skip", "GPU only; a no-op on CPU"))
         llm.sleep(level=1)
         llm.wake_up()
     d_wake = float((_vllm_logprobs(llm, seqs, length) - first)[mask].abs().max())
-    out.append(
-        Finding(
-            section,
-            "after wake_up vs before sleep, max |dlogp|",
-            d_wake,
-            "nats",
-            *compare.judge_exact(d_wake),
-        )
-    )
+    status, rule = compare.judge_exact(d_wake)
+    out.append(finding(section, "after wake_up vs before sleep, max |dlogp|", d_wake, "nats", status, rule))
     if native:
         out.append(_native_capture(bench, model, llm, seqs, section=section))
     else:
@@ -555,7 +555,7 @@ def vllm_engine(bench: Bench, model: Model, *, section: str) -> list[Finding]:
             if not bench.on_gpu
             else "this vLLM has no return_routed_experts"
         )
-        out.append(Finding(section, "native routed-expert capture", None, verdict="skip", rule=why))
+        out.append(finding(section, "native routed-expert capture", None, "", "skip", why))
     if bench.on_gpu:
         llm.sleep(level=2)  # hand the GPU memory back now, not whenever the engine is collected
     return out
