@@ -440,25 +440,28 @@ def test_the_recorder_watches_the_loop_through_its_hook():
 
 
 def test_where_start_up_failed_is_classified():
+    import pickle
+
     from tim_megatron.preflight.steps import classify_setup_error
+    from tim_megatron.rollout.base import EngineStartError
 
-    def raised(filename: str, exc: str) -> BaseException:
-        code = compile(f"raise {exc}", filename, "exec")
-        try:
-            exec(code, {})
-        except Exception as e:
-            return e
-        raise AssertionError
-
-    fit = classify_setup_error(
-        raised("/x/vllm/v1/worker/cpu_worker.py", "ValueError('less than requested memory for kv')")
-    )
-    assert fit == {"where": "engine", "kind": "fit", "error": "ValueError: less than requested memory for kv"}
-    assert classify_setup_error(raised("/x/vllm/engine.py", "RuntimeError('bad weights')"))["kind"] == "load"
-    assert (
-        classify_setup_error(raised("/x/trainer/megatron_trainer.py", "RuntimeError('x')"))["where"]
-        == "setup"
-    )
+    fit = EngineStartError("ValueError: less than requested memory for kv", kind="fit")
+    assert classify_setup_error(fit) == {
+        "where": "engine",
+        "kind": "fit",
+        "error": "ValueError: less than requested memory for kv",
+    }
+    load = pickle.loads(pickle.dumps(EngineStartError("RuntimeError: bad weights", kind="load")))
+    assert classify_setup_error(load) == {
+        "where": "engine",
+        "kind": "load",
+        "error": "RuntimeError: bad weights",
+    }
+    # the wording no longer decides: a trainer error that talks of memory is still start-up, not the engine
+    assert classify_setup_error(RuntimeError("out of memory")) == {
+        "where": "setup",
+        "error": "RuntimeError: out of memory",
+    }
 
 
 # ----------------------------------------------------------------------------------- on a real Slurm

@@ -195,3 +195,32 @@ def test_the_eager_token_rank_counts_what_vllm_counts():
         assert sampler.batched_count_greater_than is patch.count_at_least
     finally:
         sampler.batched_count_greater_than = real
+
+
+def test_an_engine_that_does_not_fit_is_told_from_one_that_did_not_load():
+    """What a failed vLLM start is, judged by where vLLM raised: its own KV-cache check (called here for real, as
+    the engine's start calls it) is a memory problem; the same exception type raised elsewhere is not."""
+    require(importable("vllm"), "vLLM")
+    from vllm.v1.core import kv_cache_utils
+
+    from tim_megatron.rollout.vllm_engine import VLLM_MEMORY_CHECKS, memory_error
+
+    def raised(fn) -> BaseException:
+        try:
+            fn()
+        except Exception as e:
+            return e
+        raise AssertionError("nothing raised")
+
+    no_room = raised(
+        lambda: kv_cache_utils._check_enough_kv_cache_memory(
+            available_memory=0,
+            get_needed_memory=lambda: 1,
+            max_model_len=32,
+            estimate_max_model_len=lambda _: 0,
+        )
+    )
+    assert isinstance(no_room, ValueError) and memory_error(no_room)
+    assert ("kv_cache_utils.py", "_check_enough_kv_cache_memory") in VLLM_MEMORY_CHECKS
+    assert not memory_error(raised(lambda: int("no memory here")))  # a ValueError whose words say memory
+    assert memory_error(torch.OutOfMemoryError("CUDA out of memory"))

@@ -9,10 +9,8 @@ forward/backward and optimizer seconds. A :class:`PeakMemory` sampler records th
 
 from __future__ import annotations
 
-import re
 import resource
 import threading
-import traceback
 from dataclasses import asdict
 
 from tim_megatron.rl.observer import StepObserver
@@ -118,15 +116,11 @@ class PeakMemory(threading.Thread):
         }
 
 
-FIT_WORDS = re.compile(r"out of memory|memory|kv cache|OOM|does not fit|no room", re.IGNORECASE)
-
-
 def classify_setup_error(e: BaseException) -> dict:
-    """Where start-up failed: in the rollout engine (then whether it looks like memory: 'does not fit') or
-    elsewhere (the trainer, data, the checkpoint)."""
-    frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
-    in_engine = any("/vllm/" in f or f.endswith("rollout/vllm_engine.py") for f in frames)
-    msg = f"{type(e).__name__}: {e}"
-    if not in_engine:
-        return {"where": "setup", "error": msg}
-    return {"where": "engine", "kind": "fit" if FIT_WORDS.search(msg) else "load", "error": msg}
+    """Where start-up failed: in the rollout engine (then whether it does not fit or did not load, as the engine
+    said) or elsewhere (the trainer, data, the checkpoint)."""
+    from tim_megatron.rollout.base import EngineStartError
+
+    if isinstance(e, EngineStartError):
+        return {"where": "engine", "kind": e.kind, "error": str(e)}
+    return {"where": "setup", "error": f"{type(e).__name__}: {e}"}

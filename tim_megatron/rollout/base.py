@@ -17,7 +17,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +25,23 @@ import torch
 
 class RolloutInputError(ValueError):
     """Input the rollout engine refuses before generating (empty or too long prompts, a bad checkpoint)."""
+
+
+class EngineStartError(RuntimeError):
+    """The rollout engine did not start. ``kind`` says why, for ``tim preflight``'s verdict: ``fit`` when the
+    model or its KV cache does not fit in the memory the engine was given, ``load`` for anything else (weights,
+    configuration, the library). The engine that raises it decides the kind; its message is the cause's."""
+
+    def __init__(self, message: str, *, kind: Literal["fit", "load"]):
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self):  # a rank's error sent to another keeps its kind
+        return (_engine_start_error, (str(self), self.kind))
+
+
+def _engine_start_error(message: str, kind: str) -> EngineStartError:
+    return EngineStartError(message, kind=kind)
 
 
 def check_model_files(model_path: str | Path) -> dict:

@@ -30,6 +30,7 @@ import importlib.metadata as md
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 
@@ -39,6 +40,7 @@ import torch
 from tim_megatron import versions
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.rollout.base import (
+    EngineStartError,
     FleetLayout,
     GenerationStats,
     RolloutInputError,
@@ -122,6 +124,27 @@ def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
     return cfg
 
 
+VLLM_MEMORY_CHECKS = frozenset(
+    {
+        ("kv_cache_utils.py", "_check_enough_kv_cache_memory"),  # the KV cache for one max-length request
+        ("cpu_worker.py", "determine_available_memory"),  # VLLM_CPU_KVCACHE_SPACE above what is free
+        ("cpu_worker.py", "__init__"),  # memory utilization above what is free (CPU)
+        ("utils.py", "request_memory"),  # memory utilization above what is free (GPU)
+    }
+)
+"""Where vLLM (the verified versions in :mod:`tim_megatron.versions`) raises when the engine does not fit: the
+(file, function) that raised. ``tests/test_rollout.py`` calls the first of them to keep this list true."""
+
+
+def memory_error(e: BaseException) -> bool:
+    """Whether a failed engine start is a memory problem: CUDA out of memory, or raised by one of vLLM's own
+    memory checks (:data:`VLLM_MEMORY_CHECKS`), judged by where it was raised, not by its wording."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and (Path(frames[-1].filename).name, frames[-1].name) in VLLM_MEMORY_CHECKS
+
+
 class VLLMEngine:
     """This rank's share of the vLLM fleet: an in-process ``vllm.LLM`` (see the module docstring)."""
 
@@ -203,7 +226,11 @@ class VLLMEngine:
 
             cpu_eager_token_rank.apply()  # no Inductor compile at the first generation
         t = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            kind = "fit" if memory_error(e) else "load"
+            raise EngineStartError(f"{type(e).__name__}: {e}", kind=kind) from e
         self.load_seconds = time.perf_counter() - t
         self.tokenizer = self.llm.get_tokenizer()
         if self.capture and not self._native_capture:
