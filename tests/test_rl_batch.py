@@ -122,3 +122,18 @@ def test_loss_inputs_select_the_same_rows_everywhere():
             strict=True,
         )
     )
+
+
+def test_cat_padded_pads_the_narrow_with_zeros_at_the_end_and_leaves_other_dims():
+    from tim_megatron.rl.batch import cat_padded
+
+    a = torch.tensor([[1, 2, 3]])
+    b = torch.tensor([[4], [5]])
+    assert cat_padded([a, b], pad_dim=1, cat_dim=0).tolist() == [[1, 2, 3], [4, 0, 0], [5, 0, 0]]
+    rows = [torch.tensor([0, 1]), torch.tensor([2])]  # 1-D: nothing to pad, concatenated as they are
+    assert cat_padded(rows, pad_dim=1, cat_dim=0).tolist() == [0, 1, 2]
+    routed_a = torch.ones(2, 1, 3, 2, dtype=torch.int16)  # [layers, rows, width, k]
+    routed_b = torch.full((2, 2, 1, 2), 7, dtype=torch.int16)
+    out = cat_padded([routed_a, routed_b], pad_dim=2, cat_dim=1)
+    assert out.shape == (2, 3, 3, 2) and out.dtype == torch.int16
+    assert out[:, 1:, 1:].eq(0).all() and out[:, 1:, :1].eq(7).all() and out[:, :1].eq(1).all()

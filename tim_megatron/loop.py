@@ -18,7 +18,7 @@ import torch
 
 from tim_megatron.recipe import LoadedRecipe, Recipe
 from tim_megatron.rl import phases
-from tim_megatron.rl.batch import broadcast_object
+from tim_megatron.rl.batch import broadcast_object, cat_padded
 from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
 from tim_megatron.run_dir import RunDirNotWritable, record_step
 from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
@@ -58,7 +58,6 @@ def run_steps(
     """The steps of a prepared run, from its start step; each logged, recorded, checkpointed when due.
     ``observer`` is told what the metrics do not keep apart (``tim preflight`` watches through it)."""
     r, state, trainer = loaded.recipe, parts.state, parts.trainer
-    parts.sync.observer = observer
     folder = RunFolder(run_dir=run_dir, loaded=loaded, is_rank0=trainer.is_rank0)
     parts.stop.steps_begin()  # from here a SIGTERM ends the step and checkpoints
     t_start = time.perf_counter()
@@ -114,7 +113,7 @@ def one_step(
             metrics.update(memory.to_trainer())
         with t("old_logprobs"):  # the trainer at the sampling weights; checks the last sync on these samples
             old = phases.old_logprobs(
-                recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=batch, step=step
+                recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=batch, step=step, observer=observer
             )
             metrics.update(old.sync)
         with t("advantages"):
@@ -141,7 +140,11 @@ def one_step(
                 )
             )
         with t("sync"):  # the new weights into every engine, verified
-            metrics.update(memory.to_rollout(probe=lambda: probe or parts.probe, last=step == r.run.steps))
+            metrics.update(
+                memory.to_rollout(
+                    probe=lambda: probe or parts.probe, last=step == r.run.steps, observer=observer
+                )
+            )
         if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
             with t("validation"):
                 metrics.update(
@@ -212,21 +215,14 @@ def _gather_rows(tr, local: dict) -> dict:
 
         parts = [None] * tr.dp_size
         dist.all_gather_object(parts, local, group=ps.get_data_parallel_group())
-    width = max(p["mask"].shape[1] for p in parts)
 
     def cat(key: str):
         vals = [p[key] for p in parts]
         if vals[0] is None:
             return None
-        dim = {"routed": 2}.get(key, 1)
-        padded = []
-        for v in vals:
-            if v.dim() > dim and v.shape[dim] < width:
-                shape = list(v.shape)
-                shape[dim] = width - v.shape[dim]
-                v = torch.cat([v, torch.zeros(shape, dtype=v.dtype)], dim)
-            padded.append(v)
-        return torch.cat(padded, 1 if key == "routed" else 0)
+        if key == "routed":  # [layers, rows, width, k]
+            return cat_padded(vals, pad_dim=2, cat_dim=1)
+        return cat_padded(vals, pad_dim=1, cat_dim=0)
 
     out = {k: cat(k) for k in local}
     order = torch.argsort(out["row"])

@@ -136,25 +136,31 @@ def from_samples(
     )
 
 
+def cat_padded(tensors: list[torch.Tensor], *, pad_dim: int, cat_dim: int) -> torch.Tensor:
+    """``torch.cat`` along ``cat_dim`` of tensors whose ``pad_dim`` differs: each is padded with zeros at the end
+    of ``pad_dim`` to the widest. A tensor with no ``pad_dim`` (fewer dims) is concatenated as it is."""
+    width = max((t.shape[pad_dim] for t in tensors if t.dim() > pad_dim), default=0)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() <= pad_dim or t.shape[pad_dim] == width:
+            return t
+        shape = list(t.shape)
+        shape[pad_dim] = width - t.shape[pad_dim]
+        return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], pad_dim)
+
+    return torch.cat([pad(t) for t in tensors], cat_dim)
+
+
 def concat(parts: list[StepBatch]) -> StepBatch:
     """Rows of several batches (same step), padded to the widest."""
     parts = [p for p in parts if len(p)]
-    width = max(p.width for p in parts)
-
-    def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-        if t.shape[dim] == width:
-            return t
-        shape = list(t.shape)
-        shape[dim] = width - t.shape[dim]
-        return torch.cat([t, torch.zeros(shape, dtype=t.dtype)], dim)
-
     kw = {}
     for f in fields(StepBatch):
         vals = [getattr(p, f.name) for p in parts]
         if f.name in ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs"):
-            kw[f.name] = None if vals[0] is None else torch.cat([pad(v, 1) for v in vals])
+            kw[f.name] = None if vals[0] is None else cat_padded(vals, pad_dim=1, cat_dim=0)
         elif f.name == "routed_experts":
-            kw[f.name] = None if vals[0] is None else torch.cat([pad(v, 2) for v in vals], 1)
+            kw[f.name] = None if vals[0] is None else cat_padded(vals, pad_dim=2, cat_dim=1)
         elif isinstance(vals[0], torch.Tensor):
             kw[f.name] = torch.cat(vals)
         else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
 from tim_megatron.trainer.offload import LEVELS, Transfer
 
 MIB = 2**20
@@ -56,7 +57,11 @@ class Colocation:
         return _metrics("onload", self.trainer.onload())
 
     def to_rollout(
-        self, *, probe: Callable[[], list[list[int]]] | None, last: bool = False
+        self,
+        *,
+        probe: Callable[[], list[list[int]]] | None,
+        last: bool = False,
+        observer: StepObserver = NO_OBSERVER,
     ) -> dict[str, float]:
         """The update is done: push the weights into the engines and give them the memory."""
         if self.rollout.shares_trainer_weights:
@@ -74,6 +79,7 @@ class Colocation:
             probe=probe,
             last=last,
             after_load=lambda: self.rollout.wake_up(tags=["kv_cache"]),
+            observer=observer,
         )
         if self._moves and "params" in self.parts:
             moved.append(self.trainer.offload(("params",)))

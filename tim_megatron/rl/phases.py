@@ -94,12 +94,32 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _engine_block(items: list, rollout) -> tuple[list, int]:
+    """This engine's block of ``items`` (the same on all of the engine's ranks, which must submit identical
+    requests), and the index of its first item in ``items``."""
+    block = rollout.layout.block(len(items), rollout.engine_index)
+    return [items[i] for i in block], block.start
+
+
+def _generate(*, items: list, rollout, prompts: PromptSource, step: int, observer: StepObserver, **how):
+    """Generate for this engine's block of ``items`` and tell the observer: its items, groups and stats."""
+    mine, first = _engine_block(items, rollout)
+    groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=first, **how)
+    observer.generated(
+        step=step,
+        engine=rollout.engine_index,
+        prompts=len(mine),
+        sequences=sum(len(g) for g in groups),
+        stats=gen,
+    )
+    return mine, groups, gen
+
+
 def probe_sequences(*, prompts: PromptSource, rollout, step: int) -> list[list[int]]:
     """Probe sequences for an eager sync check when a step has none of its own: up to 8 prompts of this engine's
-    block of step ``step`` (the same on all of the engine's ranks, which must submit identical requests)."""
-    items = prompts.step_items(step, prompts.data.prompts_per_step)
-    block = rollout.layout.block(len(items), rollout.engine_index)
-    return prompts.encode([items[i] for i in block][:8])
+    block of step ``step``."""
+    mine, _ = _engine_block(prompts.step_items(step, prompts.data.prompts_per_step), rollout)
+    return prompts.encode(mine[:8])
 
 
 def rollouts(
@@ -118,12 +138,7 @@ def rollouts(
     r, tr, ro = recipe, trainer, rollout
     total = r.data.prompts_per_step
     items = prompts.step_items(step, total)
-    block = ro.layout.block(total, ro.engine_index)
-    mine = [items[i] for i in block]
-    groups, gen = ro.generate(prompts.encode(mine), step=step, first_index=block.start)
-    observer.generated(
-        step=step, engine=ro.engine_index, prompts=len(mine), sequences=sum(len(g) for g in groups), stats=gen
-    )
+    mine, groups, gen = _generate(items=items, rollout=ro, prompts=prompts, step=step, observer=observer)
     rewards = [
         [score(it.reward, prompts.decode(s.response_ids), it.answer) for s in g]
         for it, g in zip(mine, groups, strict=True)
@@ -179,15 +194,8 @@ def validate(
     items = prompts.validation_items(recipe.data.val_prompts)
     if not items:
         return {}
-    block = rollout.layout.block(len(items), rollout.engine_index)
-    mine = [items[i] for i in block]
-    groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=block.start, n=1, greedy=True)
-    observer.generated(
-        step=step,
-        engine=rollout.engine_index,
-        prompts=len(mine),
-        sequences=sum(len(g) for g in groups),
-        stats=gen,
+    mine, groups, _ = _generate(
+        items=items, rollout=rollout, prompts=prompts, step=step, observer=observer, n=1, greedy=True
     )
     correct = sum(
         score(it.reward, prompts.decode(g[0].response_ids), it.answer)
@@ -213,7 +221,16 @@ class OldPass:
     """Metrics of the previous sync's check on these samples (when one ran), and exact mode's check."""
 
 
-def old_logprobs(*, recipe: Recipe, trainer, rollout, sync, batch: StepBatch, step: int) -> OldPass:
+def old_logprobs(
+    *,
+    recipe: Recipe,
+    trainer,
+    rollout,
+    sync,
+    batch: StepBatch,
+    step: int,
+    observer: StepObserver = NO_OBSERVER,
+) -> OldPass:
     """Recompute the old policy's logprobs on this rank's rows; check the last sync, or in exact mode that every
     sampled token's logprob is the old pass's bit for bit (the run stops at the first that is not)."""
     r, tr = recipe, trainer
@@ -252,6 +269,7 @@ def old_logprobs(*, recipe: Recipe, trainer, rollout, sync, batch: StepBatch, st
                 mask=mask,
                 engine=batch.engine,
                 engines=rollout.layout.engines,
+                observer=observer,
             )
         )
     else:

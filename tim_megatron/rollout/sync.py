@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tim_megatron.rl.observer import NO_OBSERVER
+from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
 from tim_megatron.trainer.parallel import dp_group
 
 
@@ -280,8 +280,6 @@ class WeightSync:
         self.syncs = 0
         self.pending = False
         """The last sync is to be checked on the next step's samples."""
-        self.observer = NO_OBSERVER
-        """Told of every sync and check (:class:`tim_megatron.rl.observer.StepObserver`)."""
 
     # ------------------------------------------------------------------------------------- push
 
@@ -293,6 +291,7 @@ class WeightSync:
         probe: Callable[[], list[list[int]]] | None,
         last: bool = False,
         after_load: Callable[[], None] | None = None,
+        observer: StepObserver = NO_OBSERVER,
     ) -> dict[str, float]:
         """Load the trainer's weights into every engine, check the structure everywhere, and run the eager probe
         check when due (``probe()`` gives this engine's probe sequences, the same on all its ranks).
@@ -320,9 +319,9 @@ class WeightSync:
                 out["sync/verify_seconds"] = time.perf_counter() - t
                 verdict(ags, self.tolerance, where="probe batch right after the sync")
         except WeightSyncError as e:
-            self.observer.synced(sync=number, check="probe", error=e, **seen)
+            observer.synced(sync=number, check="probe", error=e, **seen)
             raise
-        self.observer.synced(sync=number, check="probe", metrics=out, **seen)
+        observer.synced(sync=number, check="probe", metrics=out, **seen)
         return out
 
     def load(self, rollout, stream: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
@@ -419,6 +418,7 @@ class WeightSync:
         mask: torch.Tensor,
         engine: torch.Tensor,
         engines: int,
+        observer: StepObserver = NO_OBSERVER,
     ) -> dict[str, float]:
         """The previous sync, checked on this step's own samples (this rank's rows; all ranks call): each engine
         drew them with the synced weights, and the trainer has just recomputed their logprobs with its own."""
@@ -441,8 +441,8 @@ class WeightSync:
                 where="the weights synced after the previous step, on this step's samples",
             )
         except WeightSyncError as e:
-            self.observer.synced(sync=self.syncs, check="samples", error=e)
+            observer.synced(sync=self.syncs, check="samples", error=e)
             raise
         out = agreement_metrics("data", ags)
-        self.observer.synced(sync=self.syncs, check="samples", metrics=out)
+        observer.synced(sync=self.syncs, check="samples", metrics=out)
         return out
