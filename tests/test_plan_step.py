@@ -160,3 +160,22 @@ def test_a_bad_planning_value_is_a_named_error(override, wanted):
     res = _cli("plan", H100, override)
     assert res.exit_code == 2, res.output
     assert "error:" in res.output and wanted in res.output and "Traceback" not in res.output
+
+
+def test_the_plan_counts_the_rollout_backend_it_has():
+    """The vLLM backend holds its own weights and KV cache in its GPU share; the exact sampler (the trainer
+    backend) holds no copy and only a KV cache for one group, in the trainer's dtype and TP."""
+    from tim_megatron.slurm.plan import kv_cache_bytes_per_token
+
+    vllm = estimate(load_recipe("recipes/qwen3-30b-a3b/gspo.yaml", ["parallel.ep=2"]).recipe)
+    exact = load_recipe(
+        "recipes/qwen3-30b-a3b/gspo.yaml", ["diagnostics.vexact=exact", "parallel.ep=2"]
+    ).recipe
+    plan = estimate(exact)
+    per_token = kv_cache_bytes_per_token(
+        exact.model.dims, rollout_tp=exact.parallel.tp, dtype=exact.trainer_dtype
+    )
+    assert vllm.vllm_weights > 0 and vllm.vllm_share > vllm.vllm_weights
+    assert plan.vllm_weights == 0 and plan.gpu_memory_utilization == 0
+    assert plan.vllm_kv_cache == plan.kv_needed == per_token * exact.rollout.max_model_len * exact.rollout.n
+    assert plan.trainer_state == vllm.trainer_state and plan.rollout_phase < vllm.rollout_phase

@@ -84,6 +84,28 @@ class Prepared:
     """Remedy flags and the fleet size, logged with the first step."""
 
 
+def _resume_from(run_dir: Path, *, trust_unverified: bool) -> Path | None:
+    """The checkpoint a resumed run starts from: the latest good one (corrupt ones skipped; the ranks share the
+    hashing), refused when unsafe. Checked before any engine starts."""
+    from tim_megatron.trainer.checkpoint import latest_good_checkpoint, refuse_unsafe
+
+    ckpt = latest_good_checkpoint(run_dir / "checkpoints", trust_unverified=trust_unverified)
+    if ckpt is not None:
+        refuse_unsafe(ckpt)
+    return ckpt
+
+
+def _restore(ckpt: Path, *, trainer, state, run_dir: Path) -> None:
+    """Load the checkpoint into the trainer and the loop state; the metrics after its step are dropped."""
+    from tim_megatron.logging.tracker import truncate_jsonl
+    from tim_megatron.trainer.checkpoint import load_checkpoint
+
+    meta = load_checkpoint(trainer, ckpt)
+    state.load_state_dict(meta["state"], step=meta["step"])
+    if trainer.is_rank0:
+        truncate_jsonl(run_dir / "metrics.jsonl", after_step=meta["step"])
+
+
 def setup(
     loaded: LoadedRecipe,
     run_dir: Path,
@@ -100,7 +122,7 @@ def setup(
 
     from patches.megatron import checkpoint_writer_signals
     from tim_megatron.data.sources import PromptSource
-    from tim_megatron.logging.tracker import Tracker, truncate_jsonl
+    from tim_megatron.logging.tracker import Tracker
     from tim_megatron.rl.colocation import Colocation
     from tim_megatron.rl.phases import probe_sequences
     from tim_megatron.rollout.backends import backend_for
@@ -108,7 +130,6 @@ def setup(
     from tim_megatron.run_dir import mark_running
     from tim_megatron.run_state import LoopState
     from tim_megatron.stop import StopRequest
-    from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_checkpoint, refuse_unsafe
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     r = loaded.recipe
@@ -120,21 +141,14 @@ def setup(
     # bad data (and a prompt too long in this tokenizer) fails here, before any engine starts
     prompts = PromptSource(r.data, seed=r.run.seed, tokenizer=AutoTokenizer.from_pretrained(path))
     trainer = MegatronTrainer(r, model_path=path)
-    ckpt = (  # corrupt ones skipped (the ranks share the hashing); checked, with its safety, before vLLM starts
-        latest_good_checkpoint(run_dir / "checkpoints", trust_unverified=trust_unverified) if resume else None
-    )
-    if ckpt is not None:
-        refuse_unsafe(ckpt)
+    ckpt = _resume_from(run_dir, trust_unverified=trust_unverified) if resume else None
     checkpoint_writer_signals.shield()  # a job's SIGTERM must not kill megatron's writer helper
     rollout = build_rollout(r, trainer, model_path=path, tokenizer=prompts.tokenizer)
     _check_sync_fault(r, rollout)
     sync = WeightSync(r, expected=manifest(path), rank=trainer.rank)
     state = LoopState.create(r)
     if ckpt is not None:
-        meta = load_checkpoint(trainer, ckpt)
-        state.load_state_dict(meta["state"], step=meta["step"])
-        if trainer.is_rank0:
-            truncate_jsonl(run_dir / "metrics.jsonl", after_step=meta["step"])
+        _restore(ckpt, trainer=trainer, state=state, run_dir=run_dir)
     probe = probe_sequences(prompts=prompts, rollout=rollout, step=1)
     colocation = Colocation(
         rollout=rollout, trainer=trainer, sync=sync, offload=r.trainer.offload_during_rollout

@@ -27,6 +27,10 @@ class Backend:
     """``build(recipe, trainer, model_path=, tokenizer=)``: this rank's engine."""
     check_model: Callable[..., None]
     """``check_model(model_path, on_gpu=)``: raise, naming the reason, for a checkpoint it cannot serve."""
+    own_copy: bool
+    """For ``tim plan``: True when the engine holds its own copy of the weights (in ``rollout.dtype``, sharded by
+    ``rollout.tensor_parallel_size``) and its KV cache inside the ``rollout.gpu_memory_utilization`` share of each
+    GPU; False when it samples with the trainer's own weights and keeps its KV cache in the trainer's memory."""
 
 
 def _build_vllm(recipe, trainer, *, model_path: Path, tokenizer):
@@ -70,8 +74,8 @@ def _check_trainer(model_path: Path, *, on_gpu: bool) -> None:
 
 
 BACKENDS: dict[str, Backend] = {
-    "vllm": Backend("vllm", build=_build_vllm, check_model=_check_vllm),
-    "trainer": Backend("trainer", build=_build_trainer, check_model=_check_trainer),
+    "vllm": Backend("vllm", build=_build_vllm, check_model=_check_vllm, own_copy=True),
+    "trainer": Backend("trainer", build=_build_trainer, check_model=_check_trainer, own_copy=False),
 }
 """Every rollout backend, by ``rollout.backend`` name (the schema's ``Literal`` lists the same names)."""
 

@@ -184,6 +184,28 @@ class VLLMEngine:
             print(note, file=sys.stderr, flush=True)
         from vllm import LLM
 
+        kwargs = self._llm_arguments(vllm_version)
+        if not self.on_gpu:
+            from patches.vllm import cpu_eager_token_rank
+
+            cpu_eager_token_rank.apply()  # no Inductor compile at the first generation
+        t = time.perf_counter()
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            kind = "fit" if memory_error(e) else "load"
+            raise EngineStartError(f"{type(e).__name__}: {e}", kind=kind) from e
+        self.load_seconds = time.perf_counter() - t
+        self.tokenizer = self.llm.get_tokenizer()
+        if self.capture and not self._native_capture:
+            from patches.vllm import routed_experts_capture
+
+            routed_experts_capture.install(self.llm, num_moe_layers)
+
+    def _llm_arguments(self, vllm_version: str) -> dict:
+        """The arguments of vLLM's ``LLM`` for this recipe and device; also settles ``_native_capture`` (vLLM returns
+        the routed experts itself) and ``injection`` (the sampling injection, when it runs in this engine)."""
+        recipe, r, layout = self.recipe, self.recipe.rollout, self.layout
         kwargs = dict(
             model=str(self.model_path),
             dtype=_DTYPE[recipe.rollout_dtype],
@@ -221,22 +243,7 @@ class VLLMEngine:
             kwargs["logits_processors"] = [SamplingInjection]
         else:
             self.injection = None
-        if not self.on_gpu:
-            from patches.vllm import cpu_eager_token_rank
-
-            cpu_eager_token_rank.apply()  # no Inductor compile at the first generation
-        t = time.perf_counter()
-        try:
-            self.llm = LLM(**kwargs)
-        except Exception as e:
-            kind = "fit" if memory_error(e) else "load"
-            raise EngineStartError(f"{type(e).__name__}: {e}", kind=kind) from e
-        self.load_seconds = time.perf_counter() - t
-        self.tokenizer = self.llm.get_tokenizer()
-        if self.capture and not self._native_capture:
-            from patches.vllm import routed_experts_capture
-
-            routed_experts_capture.install(self.llm, num_moe_layers)
+        return kwargs
 
     def describe(self) -> dict:
         dev = f"cuda:{torch.cuda.current_device()}" if self.on_gpu else "cpu"

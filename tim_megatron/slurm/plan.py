@@ -201,6 +201,7 @@ def estimate(
     ``materialized_attention``: count the attention scores (megatron-core's local spec, without
     transformer-engine's fused attention); unset: on CPU only. ``offload``: another
     ``trainer.offload_during_rollout`` (unset: the recipe's)."""
+    from tim_megatron.rollout.backends import backend_for
     from tim_megatron.trainer.offload import LEVELS
 
     d, p, c, r = recipe.model.dims, recipe.parallel, recipe.cluster, recipe.rollout
@@ -237,13 +238,18 @@ def estimate(
             params, grads, optimizer, act, 0.0, 0.0, 0, layout=placement, offload=offload, offloaded=moved
         )
     gpu = GPU_MEMORY_GIB[c.gpu_type]
-    rtp = rollout_tp or r.tensor_parallel_size
-    util = gpu_memory_utilization or r.gpu_memory_utilization
-    rbytes = _BYTES[recipe.rollout_dtype]
-    vllm_w = (dense + experts) * rbytes / rtp
-    share = util * gpu * GIB
-    kv = max(share - vllm_w, 0.0)
-    kv_needed = kv_cache_bytes_per_token(d, rollout_tp=rtp, dtype=recipe.rollout_dtype) * s * r.n
+    if backend_for(recipe).own_copy:  # vLLM: its weights, then its KV cache, inside its share of the GPU
+        rtp = rollout_tp or r.tensor_parallel_size
+        util = gpu_memory_utilization or r.gpu_memory_utilization
+        vllm_w = (dense + experts) * _BYTES[recipe.rollout_dtype] / rtp
+        share = util * gpu * GIB
+        kv = max(share - vllm_w, 0.0)
+        kv_needed = kv_cache_bytes_per_token(d, rollout_tp=rtp, dtype=recipe.rollout_dtype) * s * r.n
+    else:  # the exact sampler: the trainer's weights, and a KV cache for one group in the trainer's dtype and TP
+        rtp, util, vllm_w = tp, 0.0, 0.0
+        kv = share = kv_needed = (
+            kv_cache_bytes_per_token(d, rollout_tp=tp, dtype=recipe.trainer_dtype) * s * r.n
+        )
     return Plan(
         params,
         grads,
