@@ -38,8 +38,7 @@ from packaging.specifiers import SpecifierSet
 
 from tests.conftest import require
 from tim_megatron import versions
-from tim_megatron.doctor import deps, stack
-from tim_megatron.doctor.base import Context, exit_code
+from tim_megatron.doctor import Context, deps, exit_code, stack
 from tim_megatron.recipe import load_recipe
 from tim_megatron.rollout import engine_log
 from tim_megatron.rollout import vllm_engine as engine
@@ -198,7 +197,7 @@ def _report() -> dict:
 
 
 def _lines(results) -> dict[str, tuple[str, str, str]]:
-    return {r.check: (r.status, r.detail, r.fix) for r in results}
+    return {r.name: (r.status, r.detail, r.fix) for r in results}
 
 
 def test_deps_verdict_on_a_real_resolution_names_the_cpu_torch():
