@@ -226,10 +226,8 @@ def scenario_precision(out: dict, overrides) -> None:
         for d in range(9)
     ]
     fids, flen = padded(fixed)
-    head = tr.head
-    tr.with_head(temperature=1.0)
-    tlp, _ = tr.logprobs(SeqBatch(fids, flen))
-    tr.head = head
+    with tr.head_changed(temperature=1.0):
+        tlp, _ = tr.logprobs(SeqBatch(fids, flen))
     vlp = torch.zeros(fids.shape)
     for i, row in enumerate(eng.score(fixed)):
         vlp[i, : len(row)] = torch.tensor(row)

@@ -244,12 +244,8 @@ class ExactSampler:
         ids = torch.zeros(len(sequences), width, dtype=torch.long)
         for i, s in enumerate(sequences):
             ids[i, : len(s)] = torch.tensor(s)
-        head = self.trainer.head
-        self.trainer.with_head(temperature=1.0)
-        try:
+        with self.trainer.head_changed(temperature=1.0):
             lp, _ = self.trainer.logprobs(SeqBatch(ids, torch.tensor([len(s) for s in sequences])))
-        finally:
-            self.trainer.head = head
         return [lp.logprobs[i, : len(s)].tolist() for i, s in enumerate(sequences)]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

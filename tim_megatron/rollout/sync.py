@@ -391,13 +391,9 @@ class WeightSync:
             scores[i, : len(sc)] = torch.tensor(sc, dtype=torch.float64)
         lengths = torch.tensor([len(s) for s in rows])
         mask = (torch.arange(width)[None] >= 1) & (torch.arange(width)[None] < lengths[:, None])
-        head = trainer.head
-        trainer.with_head(temperature=1.0)  # vLLM's prompt logprobs are at T = 1
-        try:
-            mine = trainer.shard(len(rows))
+        mine = trainer.shard(len(rows))
+        with trainer.head_changed(temperature=1.0):  # vLLM's prompt logprobs are at T = 1
             lp, _ = trainer.logprobs(SeqBatch(ids[mine], lengths[mine]))
-        finally:
-            trainer.head = head
         return engine_agreements(
             a_logprobs=lp.logprobs,
             b_logprobs=scores[mine],

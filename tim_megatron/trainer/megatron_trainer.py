@@ -21,6 +21,7 @@ Checkpoints are in :mod:`tim_megatron.trainer.checkpoint`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -584,8 +585,16 @@ class MegatronTrainer:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def with_head(self, **changes) -> None:
-        self.head = replace(self.head, **changes)
+    @contextlib.contextmanager
+    def head_changed(self, **changes):
+        """``with trainer.head_changed(temperature=1.0):`` the head computes with these settings inside, and with
+        its own again after (an engine's prompt logprobs, which the checks compare against, are at T = 1)."""
+        head = self.head
+        self.head = replace(head, **changes)
+        try:
+            yield
+        finally:
+            self.head = head
 
     def close(self) -> None:
         from tim_megatron.trainer.parallel import teardown_parallel
