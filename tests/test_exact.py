@@ -37,7 +37,7 @@ def run_ok(cmd: list[str], *, threads: int, timeout: int) -> None:
 
 
 VEXACT = ROOT / "recipes" / "tiny-moe" / "vexact.yaml"
-QUIET = ["logging.wandb.mode=disabled", "checkpoint.every=0"]
+QUIET = ["logging.wandb.mode=disabled", "checkpoint.every=0", "checkpoint.at_end=false"]
 
 
 # ------------------------------------------------------------------------------------ the check itself

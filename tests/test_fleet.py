@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "fleet_worker.py"
 pytestmark = pytest.mark.slow
 
-QUIET = ["logging.wandb.mode=disabled", "run.val_every=0", "checkpoint.every=0"]
+QUIET = ["logging.wandb.mode=disabled", "run.val_every=0", "checkpoint.every=0", "checkpoint.at_end=false"]
 FP32 = ["trainer.dtype=float32", "rollout.dtype=float32"]
 
 
@@ -140,6 +140,7 @@ def test_stale_engine_is_caught(tmp_path, kind):
     verdicts = [line for line in log.splitlines() if "does not hold the trainer's weights" in line]
     assert verdicts and all("rollout engine 1 does not hold" in v for v in verdicts), log[-5000:]
     assert not any("engine 0:" in v for v in verdicts)  # the good engine is not blamed
+    assert "to see which layer and component differ, run: tim align " in log and "recipe.yaml" in log
     print(f"{kind}: stopped after {res.seconds:.0f} s")
 
 
@@ -203,6 +204,7 @@ def _choreography(tmp: Path, offload: str) -> dict:
             f"trainer.offload_during_rollout={offload}",
             "logging.wandb.mode=disabled",
             "checkpoint.every=0",
+            "checkpoint.at_end=false",
             f"run.output_dir={tmp}",
         ],
         capture_output=True,

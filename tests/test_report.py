@@ -148,6 +148,7 @@ def test_report_from_two_real_tiny_runs_builds_under_a_minute(tmp_path):
                 *FAST[:2],
                 "diagnostics.dumps.every=2",
                 "checkpoint.every=0",
+                "checkpoint.at_end=false",
             ],
             tmp_path,
         )

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slurm
-FAST = "logging.wandb.mode=offline run.val_every=0 diagnostics.dumps.every=0 checkpoint.every=0"
+FAST = "logging.wandb.mode=offline run.val_every=0 diagnostics.dumps.every=0 checkpoint.every=0 checkpoint.at_end=false"
 
 
 def make(target: str, slurm, **variables) -> subprocess.CompletedProcess:

@@ -92,7 +92,7 @@ def run_steps(
                 mark_failed(run_dir, e, step=step)
         parts.tracker.close()
         raise
-    if r.run.steps >= state.start_step:
+    if r.run.steps >= state.start_step and r.checkpoint.at_end:
         save(parts, run_dir=run_dir, recipe=r, step=r.run.steps)
     folder.finish(parts, r.run.steps, time.perf_counter() - t_start, status="completed")
     return 0

@@ -714,6 +714,9 @@ class CheckpointConfig(Section):
     """Most recent checkpoints kept."""
     save_optimizer: bool = True
     """Include optimizer state (needed for an exact resume)."""
+    at_end: bool = True
+    """Save after the last step. Off only for throwaway runs (tests, benchmarks, quick probes): a completed run
+    without it cannot be resumed or exported."""
 
 
 # ------------------------------------------------------------------------------------------ cluster
