@@ -85,7 +85,7 @@ def family(request, tmp_path_factory):
     parallel = torch.load(out / "parallel.pt", weights_only=False)
     from tim_megatron.rollout.sync import manifest
 
-    return {"name": name, "single": single, "parallel": parallel, "manifest": manifest(ck)}
+    return {"name": name, "single": single, "parallel": parallel, "manifest": manifest(ck), "out": out}
 
 
 @pytest.fixture(scope="module", params=sorted(set(RECIPES) - {"qwen3_moe"}))
@@ -101,6 +101,7 @@ def family_run(request, tmp_path_factory):
         "run.val_every=0",
         "diagnostics.dumps.every=0",
         "checkpoint.every=0",
+        "checkpoint.at_end=false",
     ]
     _run(
         [
@@ -203,6 +204,52 @@ def test_r3_replays_the_given_experts_with_the_familys_own_gating(family):
         assert s["gating_gap_if_bias_weighted"] > 1e-3, s["gating_gap_if_bias_weighted"]
     assert all(g > 0 for g in s["router_grad_abs_sum"])  # and gradients still reach the router
     assert s["clean_after_replay"] and s["clean_after_backward"]
+
+
+def _max_component(layer: dict) -> float:
+    """The layer's largest difference as tim align judges it (in units of the largest entry when above 1)."""
+    figures = [layer["attention"]["scaled"], layer["block"]["scaled"]]
+    return max(figures + ([layer["router_logits"]["scaled"]] if layer["router_logits"] else []))
+
+
+@pytest.mark.slow
+def test_align_finds_a_fault_planted_in_the_last_moe_layer(family):
+    """tim align on the family's fp32 engine and trainer: clean, every layer within 1e-5 and no divergence; with
+    the engine's experts of the last MoE layer scaled by 1.01, it names that layer and "experts", and every earlier
+    layer, and that layer's attention and router, stay within 1e-5."""
+    s = family["single"]
+    planted, last = s["align_planted"], s["align_moe_layers"][-1]
+    written = json.loads((family["out"] / "align" / "align.json").read_text())
+    assert (
+        written["first_divergence"] == planted["first_divergence"]
+        and (family["out"] / "align" / "align.png").exists()
+    )
+    clean = planted["others"]["before_fault"]
+    assert clean["first_divergence"] is None, clean["first_divergence"]
+    assert all(_max_component(ld) <= 1e-5 for ld in clean["layers"])
+    assert clean["head"]["max_abs"] <= 1e-5 and clean["tokens_differing_any_layer"] == 0
+    assert planted["first_divergence"] == {"layer": last, "component": "experts"}
+    assert all(_max_component(ld) <= 1e-5 for ld in planted["layers"][:last])
+    hit = planted["layers"][last]
+    assert hit["attention"]["scaled"] <= 1e-5 and hit["router_logits"]["scaled"] <= 1e-5
+    assert hit["block"]["scaled"] > 1e-4
+
+
+@pytest.mark.slow
+def test_align_with_r3_leaves_no_router_disagreement(family):
+    """R3 over a large fault in the first MoE layer's experts: the trainer routes with the engine's experts and no
+    expert set differs in any layer; where a later MoE layer exists, routing itself it would have chosen other
+    experts there (the routers did see different inputs)."""
+    s = family["single"]
+    r3, moe = s["align_r3"], s["align_moe_layers"]
+    for ld in r3["layers"]:
+        if ld["moe"]:
+            assert ld["expert_set_differs"] == 0 and ld["topk_disagreement"] == 0, ld
+    assert r3["tokens_differing_any_layer"] == 0 and "R3" in " ".join(r3["notes"])
+    if len(moe) > 1:  # GLM's tiny model has one MoE layer: nothing after the fault is routed
+        own = r3["others"]["without_replay"]
+        assert own["layers"][moe[1]]["expert_set_differs"] > 0, own["layers"][moe[1]]
+        assert r3["layers"][moe[1]]["router_logits"]["max_abs"] > 1e-3
 
 
 @pytest.mark.slow

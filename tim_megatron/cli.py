@@ -210,7 +210,7 @@ def _train(
     if nproc < 1:
         _fail(f"--nproc {nproc}: the number of processes to start on this machine; allowed 1 or more")
     from tim_megatron import run_dir as run_folder
-    from tim_megatron.recipe import RecipeError, load_recipe
+    from tim_megatron.recipe import RecipeError
     from tim_megatron.run_dir import RunDirError, load_run, new_run_dir
     from tim_megatron.run_lock import RunFolderBusy, hold
 
@@ -234,15 +234,7 @@ def _train(
         else:
             if recipe is None:
                 _fail("give a recipe (or --resume RUN_DIR, or --run-dir of a prepared run folder)")
-            ov = list(overrides or [])
-            loaded = load_recipe(recipe, ov)
-            p = loaded.recipe.parallel
-            if (
-                world != p.world_size
-                and "parallel.dp" not in loaded.provenance
-                and world % (p.tp * p.pp) == 0
-            ):
-                loaded = load_recipe(recipe, [*ov, f"parallel.dp={world // (p.tp * p.pp)}"])
+            loaded = _load_for_world(recipe, list(overrides or []), world)
             if run_dir is not None:
                 run_folder.check_target(run_dir)  # never into a folder of other files
             elif under_launcher:
@@ -291,8 +283,32 @@ def _train(
                 loaded, rd, resume=resuming, console=console, stop=stop, trust_unverified=trust_unverified
             )
     except _user_errors() as e:
-        _fail(f"{type(e).__name__}: {e}")
+        _fail(f"{type(e).__name__}: {e}" + _align_hint(e, rd))
     raise typer.Exit(_rank_exit(code))
+
+
+def _align_hint(e: Exception, rd: Path | None) -> str:
+    """For a failed weight-sync check: the command that shows where the engine and the trainer part ways."""
+    from tim_megatron.rollout.sync import WeightSyncError
+
+    if not isinstance(e, WeightSyncError) or rd is None:
+        return ""
+    return (
+        f"\nto see which layer and component differ, run: tim align {rd / 'recipe.yaml'} "
+        "(the same dtypes and layout; --fault-layer N checks the tool on a planted fault)"
+    )
+
+
+def _load_for_world(recipe: Path, overrides: list[str], world: int):
+    """The recipe with ``parallel.dp`` following the number of processes, unless the recipe or the command line
+    sets it (then :func:`_check_world` holds them to it)."""
+    from tim_megatron.recipe import load_recipe
+
+    loaded = load_recipe(recipe, overrides)
+    p = loaded.recipe.parallel
+    if world != p.world_size and "parallel.dp" not in loaded.provenance and world % (p.tp * p.pp) == 0:
+        loaded = load_recipe(recipe, [*overrides, f"parallel.dp={world // (p.tp * p.pp)}"])
+    return loaded
 
 
 def _check_world(p, world: int, *, nproc: int, under_launcher: bool) -> None:
@@ -483,6 +499,100 @@ def cancel_cmd(job: str = typer.Argument(..., help="Slurm job id")) -> None:
     except SlurmError as e:
         _fail(str(e))
     console.print(f"cancelled {job}", highlight=False)
+
+
+@app.command("align")
+def align_cmd(
+    recipe: Path,
+    overrides: list[str] = typer.Argument(None),
+    tokens: Path | None = typer.Option(
+        None, "--tokens", help="JSON list of token-id lists to compare on (default: the engine samples them)"
+    ),
+    prompts: int = typer.Option(8, "--prompts", help="prompts of step 1 the engine samples one response for"),
+    out: Path | None = typer.Option(
+        None, "--out", help="where align.json/.txt/.png go (default runs/align/NAME)"
+    ),
+    tolerance: float = typer.Option(1e-5, "--tolerance", help="max |diff| above which a component diverged"),
+    fault_layer: int | None = typer.Option(
+        None,
+        "--fault-layer",
+        help="plant a fault: scale the engine's experts of this layer (the report must find it)",
+    ),
+    fault_scale: float = typer.Option(0.01, "--fault-scale", help="--fault-layer multiplies by 1 + this"),
+    nproc: int = typer.Option(
+        1, "--nproc", help="processes on this machine (torchrun), for the recipe's layout"
+    ),
+) -> None:
+    """Where do the engine and the trainer part ways? Both record the same tokens layer by layer (residual stream
+    after attention and after the MLP/MoE, router logits, experts and gates, final norm, logprobs); the report names
+    the first layer and component above the tolerance."""
+    import os
+
+    from tim_megatron.align.run import AlignOptions, align
+    from tim_megatron.recipe import RecipeError
+
+    if nproc < 1 or prompts < 1 or tolerance <= 0:
+        _fail(f"--nproc {nproc}, --prompts {prompts}, --tolerance {tolerance:g}: each must be positive")
+    under_launcher = "RANK" in os.environ
+    if under_launcher:  # a rank of torchrun: it dies with its launcher
+        from tim_megatron.procs import die_with_parent
+
+        die_with_parent()
+    world = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else nproc
+    loaded = _loaded_or_fail(recipe, overrides)
+    try:
+        loaded = _load_for_world(recipe, list(overrides or []), world)
+    except RecipeError as e:
+        _fail(str(e))
+    _check_world(loaded.recipe.parallel, world, nproc=nproc, under_launcher=under_launcher)
+    where = out or Path("runs") / "align" / loaded.name
+    if nproc > 1 and not under_launcher:
+        raise typer.Exit(
+            _relaunch(nproc, ["align", *_without_nproc(sys.argv[sys.argv.index("align") + 1 :])])
+        )
+    options = AlignOptions(
+        tokens=tokens, prompts=prompts, tolerance=tolerance, fault_layer=fault_layer, fault_scale=fault_scale
+    )
+    try:
+        align(loaded, options, out=where, console=console)
+    except ValueError as e:
+        _fail(str(e))
+    if os.environ.get("RANK", "0") == "0":
+        console.print(f"wrote {where}/align.json, align.txt and align.png", highlight=False)
+
+
+def _without_nproc(args: list[str]) -> list[str]:
+    """The arguments less ``--nproc N`` (the ranks take the world from the launcher; torchrun would also read an
+    abbreviated ``--nproc`` after the module as its own option)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _relaunch(nproc: int, args: list[str]) -> int:
+    """Run ``tim ARGS`` under torchrun with ``nproc`` ranks on this machine; its exit code."""
+    from tim_megatron.procs import run_launcher
+
+    return run_launcher(_torchrun(nproc, args), stop_signal=lambda: None)
+
+
+def _torchrun(nproc: int, args: list[str]) -> list[str]:
+    """The torchrun command for ``tim ARGS`` with ``nproc`` ranks on this machine, on a free local port."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)),
+        *("--master_port", str(port), "-m", "tim_megatron.cli", *args),
+    ]
 
 
 @app.command("plan")
@@ -761,26 +871,10 @@ def _launch_local(nproc: int, rd: Path, *, stop_signal, trust_unverified: bool =
     """Re-run ``tim train`` under torchrun with ``nproc`` ranks on this machine, all on run folder ``rd``;
     ``stop_signal()`` is the stop signal received so far, passed on to the ranks."""
     import os
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(port),
-        "-m",
-        "tim_megatron.cli",
-        "train",
-        "--resume",
-        str(rd),
-        *(["--trust-unverified"] if trust_unverified else []),
-    ]
+    cmd = _torchrun(
+        nproc, ["train", "--resume", str(rd), *(["--trust-unverified"] if trust_unverified else [])]
+    )
     console.print(f"launching {nproc} ranks: {' '.join(cmd)}", highlight=False)
     from tim_megatron.procs import run_launcher
 

@@ -237,7 +237,24 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     out["after_sync_vllm_vs_megatron"] = _vllm_vs_trainer(eng, tr, batch, seqs)
     # The engine stays up until the process exits: deleting an in-process vLLM engine tears down
     # torch.distributed's default group, which the trainer's groups live in.
+    out.update(align_checks(eng, tr, seqs, dims))  # before R3's check perturbs the trainer's routers
     out.update(r3_replay(tr, batch, mask, adv, routed, dims))
+
+
+def align_checks(eng, tr: MegatronTrainer, seqs: list[list[int]], dims) -> dict:
+    """tim align's comparison on this engine and trainer (fp32, just synced): clean, then with the last MoE layer's
+    experts scaled by 1.01 in the engine; then R3 over a large fault in the first MoE layer's experts."""
+    from tim_megatron.align.run import AlignOptions, compare_sides
+
+    moe = list(range(dims.first_k_dense_layers, dims.num_layers))
+    planted = compare_sides(eng, tr, seqs, AlignOptions(fault_layer=moe[-1]), replay=False)
+    r3 = compare_sides(eng, tr, seqs, AlignOptions(fault_layer=moe[0], fault_scale=1.0), replay=True)
+    return {
+        "align_moe_layers": moe,
+        "align_planted": planted.as_dict(),
+        "align_r3": r3.as_dict(),
+        "align_report": (planted, len(seqs)),  # written by main() as tim align writes it
+    }
 
 
 def _vllm_vs_trainer(eng, tr: MegatronTrainer, batch: SeqBatch, seqs: list[list[int]]) -> float:
@@ -348,6 +365,11 @@ def main() -> None:
     {"single": scenario_single, "parallel": scenario_parallel}[name](recipe_path, out)
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
+        if "align_report" in out:
+            from tim_megatron.align.report import write
+
+            planted, sequences = out.pop("align_report")
+            write(planted, Path(out_dir) / "align", sequences=sequences, meta={"recipe": recipe_path})
         torch.save(out, Path(out_dir) / f"{name}.pt")
     if name == "parallel":
         dist.barrier()

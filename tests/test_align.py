@@ -1,0 +1,193 @@
+"""``tim align``: the comparison's rules in process, then the real vLLM engine against the real Megatron trainer on
+the tiny models: fp32 within 1e-5, a planted fault found where it was planted, R3 removing the router's part, a
+TP=2 engine, and every family's tiny recipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import importable, require
+from tim_megatron.align.capture import Capture, sorted_topk
+from tim_megatron.align.compare import compare, last_rows, router_agreement
+from tim_megatron.align.report import write
+from tim_megatron.align.run import read_tokens, refuse
+from tim_megatron.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "recipes/tiny-moe/grpo.yaml"
+FP32 = ["trainer.dtype=float32", "rollout.dtype=float32"]
+
+# ---------------------------------------------------------------------------------------- in process
+
+
+def _capture(side: str, *, layers: int = 3, lengths=(4, 3), hidden: int = 5, experts: int = 6, k: int = 2):
+    g = torch.Generator().manual_seed(0)
+    t = sum(lengths)
+    cap = Capture(side, list(lengths), layers)
+    part = {}
+    for i in range(layers):
+        part[("attention", i)] = torch.randn(t, hidden, generator=g)
+        part[("mlp", i)] = torch.randn(t, hidden, generator=g)
+        part[("router_logits", i)] = torch.randn(t, experts, generator=g)
+        part[("topk", i)] = torch.tensor([[0, 3]] * t)
+        part[("gates", i)] = torch.full((t, k), 0.5)
+    part[("final_norm", 0)] = torch.randn(t, hidden, generator=g)
+    part[("logprobs", 0)] = -torch.rand(t, generator=g)
+    cap.add(part)
+    return cap
+
+
+def _changed(cap: Capture, key: tuple, value: torch.Tensor) -> Capture:
+    out = Capture("b", cap.lengths, cap.num_layers, dict(cap.tensors))
+    out.tensors[key] = value
+    return out
+
+
+def test_the_first_divergence_follows_the_order_a_layer_computes():
+    a = _capture("a")
+    assert compare(a, _changed(a, ("topk", 0), a.get("topk", 0)), tolerance=1e-5).first_divergence is None
+    bump = a.get("mlp", 1) + 1e-3
+    al = compare(a, _changed(a, ("mlp", 1), bump), tolerance=1e-5)
+    assert al.first_divergence == {"layer": 1, "component": "experts"}
+    assert al.layers[0].block.max_abs == 0 and al.layers[1].block.max_abs == pytest.approx(1e-3, rel=1e-3)
+    assert compare(a, _changed(a, ("mlp", 1), bump), tolerance=1e-2).first_divergence is None
+    # the router of layer 1 comes before its experts, attention before both
+    routed = _changed(_changed(a, ("mlp", 1), bump), ("topk", 1), torch.tensor([[0, 4]] * 7))
+    assert compare(a, routed, tolerance=1e-5).first_divergence == {"layer": 1, "component": "router"}
+    attn = _changed(routed, ("attention", 1), a.get("attention", 1) - 1)
+    assert compare(a, attn, tolerance=1e-5).first_divergence == {"layer": 1, "component": "attention"}
+    head = _changed(a, ("logprobs", 0), a.get("logprobs") - 1e-3)
+    assert compare(a, head, tolerance=1e-5).first_divergence == {"layer": None, "component": "head"}
+    first_token = a.get("logprobs").clone()
+    first_token[0] -= 1  # position 0 of a sequence has no logprob: never compared
+    assert compare(a, _changed(a, ("logprobs", 0), first_token), tolerance=1e-5).head.max_abs == 0
+
+
+def test_router_agreement_counts_choices_sets_and_gates_where_sets_agree():
+    ids_a = torch.tensor([[0, 1], [2, 3], [4, 5], [0, 5]])
+    ids_b = torch.tensor([[0, 1], [2, 4], [1, 6], [0, 5]])
+    gates_a = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.5, 0.5], [0.7, 0.3]])
+    gates_b = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [0.7, 0.3]])
+    choice, sets, gate, differs = router_agreement(ids_a, ids_b, gates_a, gates_b)
+    assert choice == pytest.approx((0 + 0.5 + 1 + 0) / 4) and sets == 0.5
+    assert gate == pytest.approx(0.1) and differs.tolist() == [False, True, True, False]
+    ids, gates = sorted_topk(torch.tensor([[5, 0]]), torch.tensor([[0.3, 0.7]]))
+    assert ids.tolist() == [[0, 5]] and gates[0].tolist() == pytest.approx([0.7, 0.3])
+
+
+def test_with_replay_each_sequences_last_row_is_left_out():
+    assert last_rows([3, 2]).tolist() == [False, False, True, False, True]
+    a = _capture("a", lengths=(3, 2))
+    last = a.get("mlp", 0).clone()
+    last[[2, 4]] += 5.0  # only the last rows differ
+    b = _changed(a, ("mlp", 0), last)
+    assert compare(a, b, tolerance=1e-5).first_divergence == {"layer": 0, "component": "experts"}
+    skipped = compare(a, b, tolerance=1e-5, skip_last=True)
+    assert skipped.first_divergence is None and skipped.tokens == 3
+
+
+def test_the_report_holds_every_figure_a_table_and_a_plot(tmp_path):
+    a = _capture("engine")
+    b = _changed(a, ("mlp", 2), a.get("mlp", 2) * 1.5)
+    al = compare(a, b, tolerance=1e-5)
+    files = write(al, tmp_path, sequences=2, meta={"recipe": "x"})
+    body = json.loads(files["json"].read_text())
+    assert body["schema"] == "tim-align/1" and body["first_divergence"] == {
+        "layer": 2,
+        "component": "experts",
+    }
+    assert [ld["layer"] for ld in body["layers"]] == [0, 1, 2] and body["where"] == "layer 2, experts"
+    text = files["text"].read_text()
+    assert "first divergence: layer 2, experts" in text and len(text.splitlines()) == 2 + 3 + 4
+    assert files["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_inputs_are_named(tmp_path):
+    bad = tmp_path / "t.json"
+    for content in ("{", "[]", "[[1]]", '[["a", 2]]'):
+        bad.write_text(content)
+        with pytest.raises(ValueError, match=r"--tokens .*t\.json"):
+            read_tokens(bad)
+    bad.write_text("[[1, 2, 3]]")
+    assert read_tokens(bad) == [[1, 2, 3]]
+    with pytest.raises(ValueError, match="rollout.backend = trainer"):
+        refuse(load_recipe(TINY, ["diagnostics.vexact=exact"]).recipe)
+
+
+# --------------------------------------------------------------------------------- engine vs trainer
+
+
+def _tokens(tmp: Path, recipe: str = TINY, *, count: int = 6, length: int = 12) -> Path:
+    """Fixed token sequences within the model's vocabulary (nothing sampled: the figures depend on them only)."""
+    vocab = load_recipe(recipe).recipe.model.dims.vocab_size
+    g = torch.Generator().manual_seed(7)
+    seqs = torch.randint(1, vocab, (count, length), generator=g).tolist()
+    path = tmp / "tokens.json"
+    path.write_text(json.dumps(seqs))
+    return path
+
+
+def _align(tmp: Path, *args: str, recipe: str = TINY, timeout: int = 600) -> dict:
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
+    out = tmp / "align"
+    res = subprocess.run(
+        [sys.executable, "-m", "tim_megatron.cli", "align", recipe, *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert f"wrote {out}/align.json" in res.stdout
+    assert (out / "align.png").stat().st_size > 0 and (out / "align.txt").read_text() in res.stdout
+    return json.loads((out / "align.json").read_text())
+
+
+def _components(ld: dict) -> list[float]:
+    """Max |diff| of the layer's residual streams and router logits (the tiny MoE's entries are about 1 to 10, so
+    this is within a factor 10 of what the tolerance judges)."""
+    return [ld["attention"]["max_abs"], ld["block"]["max_abs"], ld["router_logits"]["max_abs"]]
+
+
+@pytest.mark.slow
+def test_bf16_sides_differ_in_every_layer_and_the_report_says_where_it_starts(tmp_path):
+    """The tiny recipe as it is (bf16 on both sides), as the README's example runs it."""
+    rep = _align(tmp_path, "--tokens", str(_tokens(tmp_path)))
+    assert (rep["trainer_dtype"], rep["rollout_dtype"]) == ("bfloat16", "bfloat16") and rep[
+        "tokens"
+    ] == 6 * 12
+    assert all(ld["attention"]["max_abs"] > 0 and ld["block"]["max_abs"] > 0 for ld in rep["layers"])
+    assert rep["head"]["max_abs"] > 0 and rep["first_divergence"]["layer"] == 0, rep["where"]
+    table = (tmp_path / "align" / "align.txt").read_text()
+    assert table.count("\n") == 2 + 2 + 4 and f"first divergence: {rep['where']}" in table
+
+
+@pytest.mark.slow
+def test_a_tp2_engine_against_a_one_rank_trainer_and_a_planted_fault(tmp_path):
+    """A TP=2 engine (two torchrun ranks, the trainer data-parallel) against the fp32 trainer: every layer within
+    1e-5 before the fault; the fault planted through the command line is found in layer 1's experts."""
+    rep = _align(
+        tmp_path,
+        *FP32,
+        "rollout.tensor_parallel_size=2",
+        "--nproc",
+        "2",
+        "--tokens",
+        str(_tokens(tmp_path)),
+        "--fault-layer",
+        "1",
+    )
+    assert rep["rollout_tp"] == 2 and rep["trainer_layout"] == {"tp": 1, "ep": 1, "world": 2}
+    clean = rep["others"]["before_fault"]
+    assert clean["first_divergence"] is None, clean["first_divergence"]
+    assert all(max(_components(ld)) <= 1e-5 for ld in clean["layers"])
+    assert rep["first_divergence"] == {"layer": 1, "component": "experts"}, rep["where"]
+    assert max(_components(rep["layers"][0])) <= 1e-5 and "layer 1 scaled by 1.01" in rep["notes"][0]

@@ -1,0 +1,119 @@
+"""What ``tim align`` writes: ``align.json`` (every figure), ``align.txt`` (the table it prints) and ``align.png``
+(max |diff| against layer, one line per component)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tim_megatron.align.compare import Alignment
+
+FLOOR = 1e-12
+"""Where an exact zero is drawn on the plot's log axis."""
+
+
+def _g(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def where(al: Alignment) -> str:
+    """The first divergence in words."""
+    return _where({"first_divergence": al.first_divergence, "tolerance": al.tolerance})
+
+
+def text(al: Alignment, *, sequences: int) -> str:
+    a, b = al.sides
+    lines = [
+        f"tim align: {a} vs {b}, {sequences} sequences, {al.tokens} tokens, tolerance {al.tolerance:g}",
+        f"  {'layer':>5}  {'attention':>9}  {'router':>9}  {'block':>9}  {'rel':>8}  "
+        f"{'top-k':>6}  {'set':>6}  {'gate':>9}",
+    ]
+    for ld in al.layers:
+        rl = ld.router_logits.max_abs if ld.router_logits else None
+        lines.append(
+            f"  {ld.layer:>5}  {_g(ld.attention.max_abs):>9}  {_g(rl):>9}  {_g(ld.block.max_abs):>9}  "
+            f"{_g(ld.block.relative):>8}  {_pct(ld.topk_disagreement):>6}  {_pct(ld.expert_set_differs):>6}  "
+            f"{_g(ld.gate_max_abs):>9}"
+        )
+    lines += [
+        f"  final norm {_g(al.final_norm.max_abs)}, head |dlogp| max {_g(al.head.max_abs)} "
+        f"mean {_g(al.head.mean_abs)}",
+        "  columns: attention, router (logits) and block (after the MLP/MoE) are max |diff| of the residual "
+        "stream / logits; rel: the block's mean |diff| / mean |value|; top-k: expert choices that differ; set: "
+        "tokens whose expert set differs; gate: max gating-weight diff where the sets agree. Diverged: max |diff| "
+        "/ max(1, max |value|) above the tolerance (the head: |dlogp| above it), or an expert set differs",
+        f"  tokens whose expert set differs in at least one layer: {_pct(al.tokens_differing_any_layer)}",
+        f"  first divergence: {where(al)}",
+    ]
+    for name, other in al.others.items():
+        label = {"before_fault": "before the planted fault", "without_replay": "without replay (own routing)"}
+        lines.append(
+            f"  {label.get(name, name)}: expert sets differ for {_pct(other['tokens_differing_any_layer'])} of "
+            f"tokens in at least one layer; first divergence: {_where(other)}"
+        )
+    lines += [f"  note: {n}" for n in al.notes]
+    return "\n".join(lines)
+
+
+def _where(d: dict) -> str:
+    f = d["first_divergence"]
+    if f is None:
+        return f"none: every layer within {d['tolerance']:g}"
+    return f"{'layer ' + str(f['layer']) if f['layer'] is not None else 'after the last layer'}, {f['component']}"
+
+
+def plot(al: Alignment, path: Path) -> Path:
+    """max |diff| against layer, one line per component (log scale; exact zeros drawn at 1e-12), the tolerance
+    dashed; the final norm and the head as points after the last layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [ld.layer for ld in al.layers]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    series = {
+        "attention": [ld.attention.max_abs for ld in al.layers],
+        "router logits": [ld.router_logits.max_abs if ld.router_logits else math.nan for ld in al.layers],
+        "experts / mlp": [ld.block.max_abs for ld in al.layers],
+    }
+    for name, ys in series.items():
+        ax.plot(xs, [max(y, FLOOR) if not math.isnan(y) else y for y in ys], marker="o", label=name)
+    end = len(xs)
+    ax.scatter([end], [max(al.final_norm.max_abs, FLOOR)], marker="s", color="tab:purple", label="final norm")
+    ax.scatter([end + 1], [max(al.head.max_abs, FLOOR)], marker="^", color="tab:red", label="head (|dlogp|)")
+    ax.set_xticks([*xs, end, end + 1], [*map(str, xs), "norm", "head"])
+    ax.axhline(al.tolerance, linestyle="--", color="grey", linewidth=1, label=f"tolerance {al.tolerance:g}")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("max |diff|")
+    ax.set_title(f"{al.sides[0]} vs {al.sides[1]}: first divergence {where(al)}", fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(al: Alignment, out: Path, *, sequences: int, meta: dict) -> dict[str, Path]:
+    """``align.json``, ``align.txt`` and ``align.png`` in ``out``; each written whole, then renamed."""
+    out.mkdir(parents=True, exist_ok=True)
+    body = {"schema": "tim-align/1", **meta, "sequences": sequences, **al.as_dict(), "where": where(al)}
+    files = {"json": out / "align.json", "text": out / "align.txt", "plot": out / "align.png"}
+    for key, content in (
+        ("json", json.dumps(body, indent=1)),
+        ("text", text(al, sequences=sequences) + "\n"),
+    ):
+        tmp = files[key].with_name(f".{files[key].name}.tmp")
+        tmp.write_text(content)
+        tmp.replace(files[key])
+    plot(al, files["plot"])
+    return files

@@ -1,0 +1,156 @@
+"""``tim align``: build this rank's trainer and vLLM engine from the recipe (the recipe's dtypes and layout),
+choose the token sequences, record both sides on them, compare, and write the report on rank 0."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tim_megatron.align.capture import Capture, decoder_layers, engine_capture, trainer_capture
+from tim_megatron.align.compare import Alignment, compare
+from tim_megatron.recipe import LoadedRecipe
+
+
+@dataclass(frozen=True)
+class AlignOptions:
+    """What ``tim align`` was asked for besides the recipe."""
+
+    tokens: Path | None = None
+    """A JSON file with a list of token-id lists to compare on; None: sample them with the engine."""
+    prompts: int = 8
+    """How many of step 1's prompts the engine samples one response for (when no ``tokens`` file is given)."""
+    tolerance: float = 1e-5
+    """The max |diff| above which a component counts as diverged."""
+    fault_layer: int | None = None
+    """Scale the engine's (only the engine's) expert weights of this decoder layer by ``1 + fault_scale`` before
+    recording: a planted divergence the report must find (to certify the tool on a model)."""
+    fault_scale: float = 1e-2
+
+
+def read_tokens(path: Path) -> list[list[int]]:
+    """The sequences of a ``--tokens`` file: a JSON list of non-empty lists of token ids."""
+    try:
+        seqs = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tokens {path}: not a readable JSON file ({e})") from None
+    if (
+        not isinstance(seqs, list)
+        or not seqs
+        or not all(isinstance(s, list) and len(s) >= 2 and all(isinstance(t, int) for t in s) for s in seqs)
+    ):
+        raise ValueError(
+            f"--tokens {path}: expected a JSON list of token-id lists of 2 or more ids each, e.g. [[1, 5, 9], ...]"
+        )
+    return seqs
+
+
+def refuse(recipe) -> None:
+    """What ``tim align`` cannot compare, named by its key."""
+    if recipe.rollout_backend != "vllm":
+        raise ValueError(
+            f"rollout.backend = {recipe.rollout_backend}: tim align compares the vLLM engine with the trainer; "
+            "the trainer backend samples with the trainer's own forward (allowed: rollout.backend = vllm)"
+        )
+    if recipe.parallel.pp > 1:
+        raise ValueError(
+            f"parallel.pp = {recipe.parallel.pp}: tim align records one pipeline stage; allowed pp = 1"
+        )
+
+
+def sampled(engine, prompts, count: int) -> list[list[int]]:
+    """One response for each of the first ``count`` prompts of step 1, as prompt + response ids (every rank of an
+    engine submits the same requests)."""
+    items = prompts.step_items(1, max(count, 1))[:count]
+    groups, _ = engine.generate(prompts.encode(items), step=1, first_index=0, n=1)
+    return [g[0].prompt_ids + g[0].response_ids for g in groups]
+
+
+def perturb_engine_experts(engine, trainer, *, layer: int, scale: float) -> int:
+    """Load the trainer's weights into the engine only (a whole sync, as the loop does), with the routed experts
+    of decoder layer ``layer`` times ``1 + scale``; returns how many tensors were scaled."""
+    tag = f".layers.{layer}."
+    weights = [(n, t * (1 + scale) if tag in n and ".experts." in n else t) for n, t in trainer.export_hf()]
+    changed = sum(tag in n and ".experts." in n for n, _ in weights)
+    if not changed:
+        raise ValueError(f"--fault-layer {layer}: decoder layer {layer} has no routed experts in this model")
+    engine.update_weights(iter(weights))
+    engine.reset_prefix_cache()
+    return changed
+
+
+def replay_of(engine_cap: Capture) -> list[torch.Tensor]:
+    """Per sequence, the engine's experts ``[moe_layers, len, k]``: what the trainer replays under R3."""
+    moe = [i for i in range(engine_cap.num_layers) if engine_cap.get("topk", i) is not None]
+    out, start = [], 0
+    for n in engine_cap.lengths:
+        out.append(torch.stack([engine_cap.get("topk", i)[start : start + n] for i in moe]))
+        start += n
+    return out
+
+
+def compare_sides(engine, trainer, seqs, options: AlignOptions, *, replay: bool) -> Alignment:
+    """The comparison asked for, with the ones that make it readable beside it (in ``others``): before the planted
+    fault (the same engine without it), and without replay (the trainer routing itself) when R3 is on."""
+    layers = len(decoder_layers(trainer))
+    own = trainer_capture(trainer, seqs)  # the trainer routing with its own router
+    before = None
+    if options.fault_layer is not None:
+        before = compare(engine_capture(engine, seqs, num_layers=layers), own, tolerance=options.tolerance)
+        perturb_engine_experts(engine, trainer, layer=options.fault_layer, scale=options.fault_scale)
+    eng = engine_capture(engine, seqs, num_layers=layers)
+    r3 = replay and trainer.replay_enabled
+    tr = trainer_capture(trainer, seqs, replay=replay_of(eng)) if r3 else own
+    result = compare(eng, tr, tolerance=options.tolerance, skip_last=r3)
+    if before is not None:
+        result.others["before_fault"] = before.as_dict()
+        result.notes.append(
+            f"planted fault: the engine's experts of layer {options.fault_layer} scaled by {1 + options.fault_scale:g}"
+        )
+    if r3:
+        without = compare(eng, own, tolerance=options.tolerance, skip_last=True)
+        result.others["without_replay"] = without.as_dict()
+        result.notes.append(
+            "R3: the trainer routed with the engine's experts; each sequence's last token (routed to a placeholder "
+            "set under replay, its output feeding no logprob) is left out"
+        )
+    return result
+
+
+def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=None) -> Alignment:
+    """Record the engine and the trainer on the same sequences and compare them; rank 0 writes ``out``."""
+    from transformers import AutoTokenizer
+
+    from tim_megatron.align.report import text, write
+    from tim_megatron.data.sources import PromptSource
+    from tim_megatron.run_setup import build_rollout, model_path_for
+    from tim_megatron.trainer.megatron_trainer import MegatronTrainer
+
+    r = loaded.recipe
+    refuse(r)
+    seqs = read_tokens(options.tokens) if options.tokens is not None else None
+    path = model_path_for(r)
+    prompts = PromptSource(r.data, seed=r.run.seed, tokenizer=AutoTokenizer.from_pretrained(path))
+    trainer = MegatronTrainer(r, model_path=path)
+    engine = build_rollout(r, trainer, model_path=path, tokenizer=prompts.tokenizer)
+    if seqs is None:
+        seqs = sampled(engine, prompts, options.prompts)
+    result = compare_sides(engine, trainer, seqs, options, replay=r.remedies.router_replay == "r3")
+    if trainer.is_rank0:
+        meta = {
+            "recipe": loaded.name,
+            "trainer_dtype": r.trainer_dtype,
+            "rollout_dtype": r.rollout_dtype,
+            "fp32_lm_head": r.remedies.fp32_lm_head,
+            "router_replay": r.remedies.router_replay,
+            "rollout_tp": r.rollout.tensor_parallel_size,
+            "trainer_layout": {"tp": r.parallel.tp, "ep": r.parallel.ep, "world": trainer.env.world_size},
+        }
+        write(result, out, sequences=len(seqs), meta=meta)
+        if console is not None:
+            console.print(text(result, sequences=len(seqs)), highlight=False)
+    engine.close()
+    trainer.close()
+    return result
