@@ -17,7 +17,7 @@ from tests.conftest import importable, require
 from tim_megatron.align.capture import Capture, sorted_topk
 from tim_megatron.align.compare import compare, last_rows, router_agreement
 from tim_megatron.align.report import write
-from tim_megatron.align.run import read_tokens, refuse
+from tim_megatron.align.run import check_tokens, read_tokens, refuse
 from tim_megatron.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +70,19 @@ def test_the_first_divergence_follows_the_order_a_layer_computes():
     assert compare(a, _changed(a, ("logprobs", 0), first_token), tolerance=1e-5).head.max_abs == 0
 
 
+def test_nan_is_a_divergence_and_a_router_on_one_side_only_is_refused(tmp_path):
+    a = _capture("a")
+    broken = a.get("attention", 1).clone()
+    broken[3, 0] = float("nan")
+    al = compare(a, _changed(a, ("attention", 1), broken), tolerance=1e-5)
+    assert al.first_divergence == {"layer": 1, "component": "attention"}
+    body = json.loads(write(al, tmp_path, sequences=2, meta={})["json"].read_text())  # strict JSON: no NaN
+    assert body["layers"][1]["attention"]["max_abs"] == "nan"
+    dense = Capture("b", a.lengths, a.num_layers, {k: v for k, v in a.tensors.items() if k != ("topk", 2)})
+    with pytest.raises(ValueError, match="layer 2 is a MoE layer for a only"):
+        compare(a, dense, tolerance=1e-5)
+
+
 def test_router_agreement_counts_choices_sets_and_gates_where_sets_agree():
     ids_a = torch.tensor([[0, 1], [2, 3], [4, 5], [0, 5]])
     ids_b = torch.tensor([[0, 1], [2, 4], [1, 6], [0, 5]])
@@ -119,6 +132,19 @@ def test_bad_inputs_are_named(tmp_path):
     assert read_tokens(bad) == [[1, 2, 3]]
     with pytest.raises(ValueError, match="rollout.backend = trainer"):
         refuse(load_recipe(TINY, ["diagnostics.vexact=exact"]).recipe)
+    with pytest.raises(ValueError, match="rollout.enforce_eager = false"):
+        refuse(load_recipe(TINY, ["rollout.enforce_eager=false"]).recipe)
+    r = load_recipe(TINY).recipe
+    vocab, longest = r.model.dims.vocab_size, r.rollout.max_model_len
+    with pytest.raises(
+        ValueError, match=rf"sequence 1 has ids \[{vocab}\] outside the vocabulary \[0, {vocab}\)"
+    ):
+        check_tokens([[1, 2], [3, vocab]], r)
+    with pytest.raises(
+        ValueError, match=f"sequence 0 has {longest + 1} tokens; rollout.max_model_len = {longest}"
+    ):
+        check_tokens([[1] * (longest + 1)], r)
+    check_tokens([[0, vocab - 1]], r)
 
 
 # --------------------------------------------------------------------------------- engine vs trainer

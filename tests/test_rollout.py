@@ -224,3 +224,7 @@ def test_an_engine_that_does_not_fit_is_told_from_one_that_did_not_load():
     assert ("kv_cache_utils.py", "_check_enough_kv_cache_memory") in VLLM_MEMORY_CHECKS
     assert not memory_error(raised(lambda: int("no memory here")))  # a ValueError whose words say memory
     assert memory_error(torch.OutOfMemoryError("CUDA out of memory"))
+    try:  # vLLM re-raises some memory errors from their cause (a CUDA OOM while warming up the sampler)
+        raise RuntimeError("out of memory occurred when warming up") from no_room
+    except RuntimeError as wrapped:
+        assert memory_error(wrapped)

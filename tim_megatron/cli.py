@@ -283,18 +283,20 @@ def _train(
                 loaded, rd, resume=resuming, console=console, stop=stop, trust_unverified=trust_unverified
             )
     except _user_errors() as e:
-        _fail(f"{type(e).__name__}: {e}" + _align_hint(e, rd))
+        _fail(f"{type(e).__name__}: {e}" + _align_hint(e, rd, world=world))
     raise typer.Exit(_rank_exit(code))
 
 
-def _align_hint(e: Exception, rd: Path | None) -> str:
+def _align_hint(e: Exception, rd: Path | None, *, world: int) -> str:
     """For a failed weight-sync check: the command that shows where the engine and the trainer part ways."""
     from tim_megatron.rollout.sync import WeightSyncError
 
     if not isinstance(e, WeightSyncError) or rd is None:
         return ""
     return (
-        f"\nto see which layer and component differ, run: tim align {rd / 'recipe.yaml'} "
+        f"\nto see which layer and component differ, run: tim align {rd / 'recipe.yaml'}"
+        + (f" --nproc {world}" if world > 1 else "")
+        + " "
         "(the same dtypes and layout; --fault-layer N checks the tool on a planted fault)"
     )
 

@@ -63,7 +63,9 @@ def _install(worker) -> int:
     layers = list(inner.layers)
     runners = [m for m in model.modules() if isinstance(m, MoERunner)]
     rec = _Recorder({})
-    handles = []
+    handles: list = []
+    wrapped: list = []
+    worker._tim_align = (rec, handles, wrapped)  # filled as it goes: a failure part-way undoes what was done
 
     def pre_forward(_mod, args, kwargs):
         if rec.enabled:
@@ -87,7 +89,6 @@ def _install(worker) -> int:
         rec.put(("final_norm", 0), output[0] if isinstance(output, tuple) else output)
 
     handles.append(inner.norm.register_forward_hook(after_norm))
-    wrapped = []
     for mod in runners:
         router, layer = mod.router, mod.layer_id
         original = router._select_experts
@@ -101,8 +102,17 @@ def _install(worker) -> int:
 
         router._select_experts = select
         wrapped.append(router)
-    worker._tim_align = (rec, handles, wrapped)
     return len(wrapped)
+
+
+def _install_or_undo(worker) -> int:
+    """:func:`_install`, leaving nothing behind when it fails part-way."""
+    try:
+        return _install(worker)
+    except Exception:
+        if hasattr(worker, "_tim_align"):
+            _uninstall(worker)
+        raise
 
 
 def _uninstall(worker) -> None:
@@ -143,7 +153,7 @@ def _end(worker) -> dict[tuple, torch.Tensor]:
 def install(llm) -> int:
     """Hook the engine's model on every worker; returns the number of MoE routers wrapped."""
     check_version(SPEC)
-    return llm.collective_rpc(_install)[0]
+    return llm.collective_rpc(_install_or_undo)[0]
 
 
 def uninstall(llm) -> None:

@@ -67,7 +67,7 @@ def _trainer_hooks(trainer, rec: dict):
     k = trainer.dims.num_experts_per_tok
 
     def put(key, t: torch.Tensor) -> None:
-        rec[key] = gather(t.detach()).float().cpu()
+        rec[key] = gather(t.detach()).float().cpu().clone()  # the forward may reuse the buffer
 
     def on_router(router, args, output, i):
         hidden = args[0]
@@ -167,13 +167,29 @@ def engine_capture(engine, sequences: list[list[int]], *, num_layers: int) -> Ca
     from patches.vllm import align_capture
 
     cap = Capture("engine", [len(s) for s in sequences], num_layers)
-    align_capture.install(engine.llm)
+    routers = align_capture.install(engine.llm)
     try:
+        if routers != engine.num_moe_layers:
+            raise RuntimeError(
+                f"tim align: {routers} of vLLM's MoE routers report their top-k to the capture; the model has "
+                f"{engine.num_moe_layers} MoE layers"
+            )
         for seq in sequences:
             engine.reset_prefix_cache()
             align_capture.begin(engine.llm)
             (scores,) = engine.score([seq])
             part = {key: value[: len(seq)] for key, value in align_capture.end(engine.llm).items()}
+            missing = [
+                f"{c} {i}"
+                for i in range(num_layers)
+                for c in ("attention", "mlp")
+                if (c, i) not in part or len(part[(c, i)]) != len(seq)
+            ]
+            if missing or ("final_norm", 0) not in part:
+                raise RuntimeError(
+                    f"tim align: vLLM's model recorded no rows for {missing or ['the final norm']} of a "
+                    f"{len(seq)}-token sequence (a layer its hooks do not reach)"
+                )
             for i in range(num_layers):
                 if ("topk", i) in part:
                     part[("topk", i)], part[("gates", i)] = sorted_topk(part[("topk", i)], part[("gates", i)])

@@ -86,6 +86,11 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> Diff:
     )
 
 
+def _over(x: float, tolerance: float) -> bool:
+    """Above the tolerance; a NaN (a side that produced NaN) counts as above."""
+    return not x <= tolerance
+
+
 def router_agreement(ids_a: torch.Tensor, ids_b: torch.Tensor, gates_a: torch.Tensor, gates_b: torch.Tensor):
     """(top-k disagreement, share of tokens whose set differs, max gate difference where the sets agree, per-token
     set-differs mask). Ids ascending within each row on both sides (:func:`~tim_megatron.align.capture.sorted_topk`)."""
@@ -133,18 +138,23 @@ def compare(a: Capture, b: Capture, *, tolerance: float, skip_last: bool = False
     for i in range(a.num_layers):
         att = diff(get(a, "attention", i), get(b, "attention", i))
         block = diff(get(a, "mlp", i), get(b, "mlp", i))
-        moe = a.get("topk", i) is not None and b.get("topk", i) is not None
+        moe = a.get("topk", i) is not None
+        if moe != (b.get("topk", i) is not None):
+            routed = a.side if moe else b.side
+            raise ValueError(
+                f"tim align: layer {i} is a MoE layer for {routed} only (the other side recorded no router there)"
+            )
         ld = LayerDiff(layer=i, attention=att, block=block, moe=moe)
-        order = [("attention", att.scaled > tolerance)]
+        order = [("attention", _over(att.scaled, tolerance))]
         if moe:
             ld.router_logits = diff(get(a, "router_logits", i), get(b, "router_logits", i))
             ld.topk_disagreement, ld.expert_set_differs, ld.gate_max_abs, differs = router_agreement(
                 get(a, "topk", i), get(b, "topk", i), get(a, "gates", i), get(b, "gates", i)
             )
             any_differs = differs if any_differs is None else any_differs | differs
-            router_off = ld.router_logits.scaled > tolerance or bool(differs.any())
+            router_off = _over(ld.router_logits.scaled, tolerance) or bool(differs.any())
             order.append(("router", router_off))
-        order.append(("experts" if moe else "mlp", block.scaled > tolerance))
+        order.append(("experts" if moe else "mlp", _over(block.scaled, tolerance)))
         if first is None:
             first = next(({"layer": i, "component": c} for c, off in order if off), None)
         layers.append(ld)
@@ -155,7 +165,10 @@ def compare(a: Capture, b: Capture, *, tolerance: float, skip_last: bool = False
         first = next(
             (
                 {"layer": None, "component": c}
-                for c, off in (("final_norm", norm.scaled > tolerance), ("head", head.max_abs > tolerance))
+                for c, off in (
+                    ("final_norm", _over(norm.scaled, tolerance)),
+                    ("head", _over(head.max_abs, tolerance)),
+                )
                 if off
             ),
             None,

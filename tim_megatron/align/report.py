@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from tim_megatron.align.compare import Alignment
+from tim_megatron.outcome import json_number
 
 FLOOR = 1e-12
 """Where an exact zero is drawn on the plot's log axis."""
@@ -70,8 +71,9 @@ def _where(d: dict) -> str:
 
 
 def plot(al: Alignment, path: Path) -> Path:
-    """max |diff| against layer, one line per component (log scale; exact zeros drawn at 1e-12), the tolerance
-    dashed; the final norm and the head as points after the last layer."""
+    """The judged difference against layer, one line per component (max |diff| / max(1, max |value|); log scale,
+    exact zeros drawn at 1e-12), the tolerance dashed; the final norm and the head (|dlogp|, nats) as points after
+    the last layer."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,20 +82,20 @@ def plot(al: Alignment, path: Path) -> Path:
     xs = [ld.layer for ld in al.layers]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     series = {
-        "attention": [ld.attention.max_abs for ld in al.layers],
-        "router logits": [ld.router_logits.max_abs if ld.router_logits else math.nan for ld in al.layers],
-        "experts / mlp": [ld.block.max_abs for ld in al.layers],
+        "attention": [ld.attention.scaled for ld in al.layers],
+        "router logits": [ld.router_logits.scaled if ld.router_logits else math.nan for ld in al.layers],
+        "experts / mlp": [ld.block.scaled for ld in al.layers],
     }
     for name, ys in series.items():
         ax.plot(xs, [max(y, FLOOR) if not math.isnan(y) else y for y in ys], marker="o", label=name)
     end = len(xs)
-    ax.scatter([end], [max(al.final_norm.max_abs, FLOOR)], marker="s", color="tab:purple", label="final norm")
+    ax.scatter([end], [max(al.final_norm.scaled, FLOOR)], marker="s", color="tab:purple", label="final norm")
     ax.scatter([end + 1], [max(al.head.max_abs, FLOOR)], marker="^", color="tab:red", label="head (|dlogp|)")
     ax.set_xticks([*xs, end, end + 1], [*map(str, xs), "norm", "head"])
     ax.axhline(al.tolerance, linestyle="--", color="grey", linewidth=1, label=f"tolerance {al.tolerance:g}")
     ax.set_yscale("log")
     ax.set_xlabel("layer")
-    ax.set_ylabel("max |diff|")
+    ax.set_ylabel("max |diff| / max(1, max |value|)", fontsize=8)
     ax.set_title(f"{al.sides[0]} vs {al.sides[1]}: first divergence {where(al)}", fontsize=9)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -103,10 +105,21 @@ def plot(al: Alignment, path: Path) -> Path:
     return path
 
 
+def _finite(x):
+    """JSON has no NaN or infinity: such figures are written as strings ("nan", "inf")."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return json_number(x) if isinstance(x, float) else x
+
+
 def write(al: Alignment, out: Path, *, sequences: int, meta: dict) -> dict[str, Path]:
     """``align.json``, ``align.txt`` and ``align.png`` in ``out``; each written whole, then renamed."""
     out.mkdir(parents=True, exist_ok=True)
-    body = {"schema": "tim-align/1", **meta, "sequences": sequences, **al.as_dict(), "where": where(al)}
+    body = _finite(
+        {"schema": "tim-align/1", **meta, "sequences": sequences, **al.as_dict(), "where": where(al)}
+    )
     files = {"json": out / "align.json", "text": out / "align.txt", "plot": out / "align.png"}
     for key, content in (
         ("json", json.dumps(body, indent=1)),

@@ -30,6 +30,19 @@ class AlignOptions:
     fault_scale: float = 1e-2
 
 
+def check_tokens(seqs: list[list[int]], recipe) -> None:
+    """Every id inside the vocabulary and every sequence within ``rollout.max_model_len``, named."""
+    vocab, longest = recipe.model.dims.vocab_size, recipe.rollout.max_model_len
+    for i, s in enumerate(seqs):
+        bad = [t for t in s if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"--tokens: sequence {i} has ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if len(s) > longest:
+            raise ValueError(
+                f"--tokens: sequence {i} has {len(s)} tokens; rollout.max_model_len = {longest} allows at most that"
+            )
+
+
 def read_tokens(path: Path) -> list[list[int]]:
     """The sequences of a ``--tokens`` file: a JSON list of non-empty lists of token ids."""
     try:
@@ -54,6 +67,11 @@ def refuse(recipe) -> None:
             f"rollout.backend = {recipe.rollout_backend}: tim align compares the vLLM engine with the trainer; "
             "the trainer backend samples with the trainer's own forward (allowed: rollout.backend = vllm)"
         )
+    if not recipe.rollout.enforce_eager:
+        raise ValueError(
+            "rollout.enforce_eager = false: tim align records vLLM's layers through hooks, which compiled graphs "
+            "skip; add rollout.enforce_eager=true (allowed here: true)"
+        )
     if recipe.parallel.pp > 1:
         raise ValueError(
             f"parallel.pp = {recipe.parallel.pp}: tim align records one pipeline stage; allowed pp = 1"
@@ -71,13 +89,25 @@ def sampled(engine, prompts, count: int) -> list[list[int]]:
 def perturb_engine_experts(engine, trainer, *, layer: int, scale: float) -> int:
     """Load the trainer's weights into the engine only (a whole sync, as the loop does), with the routed experts
     of decoder layer ``layer`` times ``1 + scale``; returns how many tensors were scaled."""
-    tag = f".layers.{layer}."
-    weights = [(n, t * (1 + scale) if tag in n and ".experts." in n else t) for n, t in trainer.export_hf()]
-    changed = sum(tag in n and ".experts." in n for n, _ in weights)
-    if not changed:
-        raise ValueError(f"--fault-layer {layer}: decoder layer {layer} has no routed experts in this model")
-    engine.update_weights(iter(weights))
+    d = trainer.dims
+    if not (d.is_moe and d.first_k_dense_layers <= layer < d.num_layers):
+        moe = f"{d.first_k_dense_layers}..{d.num_layers - 1}" if d.is_moe else "none"
+        raise ValueError(f"--fault-layer {layer}: not a MoE layer of this model (its MoE layers: {moe})")
+    tag, changed = f".layers.{layer}.", 0
+
+    def stream():  # one tensor at a time, as the sync streams them
+        nonlocal changed
+        for n, t in trainer.export_hf():
+            hit = tag in n and ".experts." in n
+            changed += hit
+            yield n, t * (1 + scale) if hit else t
+
+    engine.update_weights(stream())
     engine.reset_prefix_cache()
+    if not changed:
+        raise RuntimeError(
+            f"--fault-layer {layer}: the export carried no routed-expert tensor of layer {layer}"
+        )
     return changed
 
 
@@ -131,6 +161,8 @@ def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=Non
     r = loaded.recipe
     refuse(r)
     seqs = read_tokens(options.tokens) if options.tokens is not None else None
+    if seqs is not None:
+        check_tokens(seqs, r)
     path = model_path_for(r)
     prompts = PromptSource(r.data, seed=r.run.seed, tokenizer=AutoTokenizer.from_pretrained(path))
     trainer = MegatronTrainer(r, model_path=path)

@@ -139,10 +139,18 @@ VLLM_MEMORY_CHECKS = frozenset(
 def memory_error(e: BaseException) -> bool:
     """Whether a failed engine start is a memory problem: CUDA out of memory, or raised by one of vLLM's own
     memory checks (:data:`VLLM_MEMORY_CHECKS`), judged by where it was raised, not by its wording."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return True
-    frames = traceback.extract_tb(e.__traceback__)
-    return bool(frames) and (Path(frames[-1].filename).name, frames[-1].name) in VLLM_MEMORY_CHECKS
+    seen: set[int] = set()
+    while (
+        e is not None and id(e) not in seen
+    ):  # vLLM re-raises some (a CUDA OOM while warming up) from the cause
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+        frames = traceback.extract_tb(e.__traceback__)
+        if frames and (Path(frames[-1].filename).name, frames[-1].name) in VLLM_MEMORY_CHECKS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class VLLMEngine:
