@@ -203,8 +203,7 @@ def _choreography(tmp: Path, offload: str) -> dict:
             "rollout.sleep_between_steps=true",
             f"trainer.offload_during_rollout={offload}",
             "logging.wandb.mode=disabled",
-            "checkpoint.every=0",
-            "checkpoint.at_end=false",
+            "checkpoint.every=0",  # the final checkpoint's choreography is checked below
             f"run.output_dir={tmp}",
         ],
         capture_output=True,
