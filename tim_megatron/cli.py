@@ -541,10 +541,9 @@ def align_cmd(
 
         die_with_parent()
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_launcher else nproc
-    loaded = _loaded_or_fail(recipe, overrides)
-    try:
+    try:  # loaded once, with parallel.dp following the processes
         loaded = _load_for_world(recipe, list(overrides or []), world)
-    except RecipeError as e:
+    except (RecipeError, FileNotFoundError) as e:
         _fail(str(e))
     _check_world(loaded.recipe.parallel, world, nproc=nproc, under_launcher=under_launcher)
     where = out or Path("runs") / "align" / loaded.name
