@@ -82,6 +82,32 @@ def kill_tree(proc) -> None:
     psutil.wait_procs([psutil.Process(p) for p in family if psutil.pid_exists(p)], timeout=30)
 
 
+def train_in_one_process(runs: list[dict], tmp, *, timeout: int = 1200) -> dict[str, dict]:
+    """Train ``runs`` (``{"name", "recipe", "overrides", "output_dir"}`` each) one after another in one worker
+    process (tests/workers/train_worker.py), which pays the libraries' imports once. Returns each run's
+    ``{"exit", "run_dir", "error"}`` by name; a run the worker never reached is missing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
+    root = Path(__file__).resolve().parents[1]
+    Path(tmp).mkdir(parents=True, exist_ok=True)
+    spec, results = Path(tmp) / "runs.json", Path(tmp) / "results.json"
+    spec.write_text(json.dumps(runs))
+    res = subprocess.run(
+        [sys.executable, str(root / "tests/workers/train_worker.py"), str(spec), str(results)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=root,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return json.loads(results.read_text())
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A local Slurm cluster (slurmctld + one slurmd on loopback) for the module's tests."""

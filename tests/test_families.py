@@ -2,8 +2,8 @@
 
 Per family, three processes: ``single`` (tests/workers/family_worker.py: every one-process check on one fp32
 trainer and one vLLM engine), ``parallel`` (the same batch under TP=2, then EP=2 x DP=2, in one torchrun of two
-processes) and the family's tiny recipe for three steps through ``tim train``. Module-scoped fixtures run each
-once; the tests below only read their results.
+processes), and the family's tiny recipe for three steps (the library's ``train``, every family in one worker
+process). Module-scoped fixtures run each once; the tests below only read their results.
 
 Plus the cheap checks: the registry, config.json reading with named errors, parameter counts against
 transformers, and MLA named as the missing piece for DeepSeek-V3 / Moonlight.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import free_port, importable, require
+from tests.conftest import free_port, importable, require, train_in_one_process
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "family_worker.py"
@@ -88,14 +88,16 @@ def family(request, tmp_path_factory):
     return {"name": name, "single": single, "parallel": parallel, "manifest": manifest(ck), "out": out}
 
 
-@pytest.fixture(scope="module", params=sorted(set(RECIPES) - {"qwen3_moe"}))
-def family_run(request, tmp_path_factory):
-    """Three real `tim train` steps of a family's tiny recipe: {name, rows, manifest}. (Qwen3-MoE's tiny recipe,
-    recipes/tiny-moe/grpo.yaml, is trained end to end by tests/test_loop.py.)"""
-    name = request.param
-    recipe = RECIPES[name]
-    ck = _tiny_checkpoint(recipe)
-    runs = tmp_path_factory.mktemp(name) / "runs"
+TRAINED = sorted(set(RECIPES) - {"qwen3_moe"})
+"""Families whose tiny recipe is trained here (Qwen3-MoE's, recipes/tiny-moe/grpo.yaml, is trained end to end by
+tests/test_loop.py)."""
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory) -> dict[str, dict]:
+    """Three real training steps of each family's tiny recipe (the library's ``train``, as ``tim train`` runs it),
+    one family after another in one worker process."""
+    tmp = tmp_path_factory.mktemp("family-runs")
     fast = [
         "logging.wandb.mode=disabled",
         "run.val_every=0",
@@ -103,23 +105,24 @@ def family_run(request, tmp_path_factory):
         "checkpoint.every=0",
         "checkpoint.at_end=false",
     ]
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "tim_megatron.cli",
-            "train",
-            recipe,
-            "run.steps=3",
-            f"run.output_dir={runs}",
-            *fast,
-        ]
-    )
-    (run_dir,) = [p.parent for p in runs.rglob("run.json")]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    runs = [
+        {"name": n, "recipe": RECIPES[n], "overrides": ["run.steps=3", *fast], "output_dir": str(tmp / n)}
+        for n in TRAINED
+    ]
+    return train_in_one_process(runs, tmp)
+
+
+@pytest.fixture(scope="module", params=TRAINED)
+def family_run(request, family_runs):
+    """One family's three steps: {name, rows, manifest}."""
     from tim_megatron.rollout.sync import manifest
 
-    return {"name": name, "rows": rows, "manifest": manifest(ck)}
+    name = request.param
+    res = family_runs[name]
+    assert res["exit"] == 0, res["error"]
+    run_dir = Path(res["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"name": name, "rows": rows, "manifest": manifest(_tiny_checkpoint(RECIPES[name]))}
 
 
 def grad_error(got: torch.Tensor, want: torch.Tensor) -> float:

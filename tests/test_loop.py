@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import importable, kill_tree, require
+from tests.conftest import importable, kill_tree, require, train_in_one_process
 
 ROOT = Path(__file__).resolve().parents[1]
 TIM = [sys.executable, "-m", "tim_megatron.cli"]
@@ -55,18 +55,6 @@ def run_folder(tmp: Path) -> Path:
 
 def metrics(d: Path) -> list[dict]:
     return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_recipe(name: str, tmp: Path, *extra: str, steps: int = 2) -> tuple[Path, list[dict]]:
-    tim_train(
-        [f"recipes/tiny-moe/{name}.yaml", f"run.steps={steps}", f"run.output_dir={tmp}", *FAST, *extra], tmp
-    )
-    d = run_folder(tmp)
-    rows = metrics(d)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    for r in rows:  # mismatch metrics appear at every step
-        assert "mismatch/current_vs_rollout/rho_std" in r and "time/step" in r and "reward/mean" in r
-    return d, rows
 
 
 # ------------------------------------------------------------------------------------- every recipe
@@ -157,9 +145,47 @@ CHECKS = {
 EXTRA = {"inject-delta": ["diagnostics.objective_injection.pi_low=0.5"]}
 
 
+@pytest.fixture(scope="module")
+def remedy_runs(tmp_path_factory) -> dict[str, dict]:
+    """Two steps of every remedy recipe, trained one after another in two worker processes (exact mode's
+    arms in their own: it pins MKL's settings for the whole process). Each run is the library's ``train``
+    on its own run folder, as ``tim train`` runs it; only the imports are shared."""
+    tmp = tmp_path_factory.mktemp("remedies")
+    results: dict[str, dict] = {}
+    for exact in (False, True):
+        names = [n for n in sorted(CHECKS) if n.startswith("vexact") == exact]
+        runs = [
+            {
+                "name": n,
+                "recipe": f"recipes/tiny-moe/{n}.yaml",
+                "overrides": ["run.steps=2", *FAST, *EXTRA.get(n, [])],
+                "output_dir": str(tmp / n),
+            }
+            for n in names
+        ]
+        if not exact:
+            runs += [
+                {  # the length-triggered LR decay: five steps, a decay every two
+                    "name": "length-decay",
+                    "recipe": "recipes/tiny-moe/length-decay.yaml",
+                    "overrides": ["run.steps=5", *FAST, "remedies.lr_schedule.decay_period=2"],
+                    "output_dir": str(tmp / "length-decay"),
+                },
+                {**runs[names.index("grpo")], "name": "grpo-again", "output_dir": str(tmp / "grpo-again")},
+            ]
+        results.update(train_in_one_process(runs, tmp / ("exact" if exact else "others")))
+    return results
+
+
 @pytest.mark.parametrize("name", sorted(CHECKS))
-def test_every_tiny_recipe_runs_with_its_remedy_active(name, tmp_path):
-    _, rows = train_recipe(name, tmp_path, *EXTRA.get(name, []))
+def test_every_tiny_recipe_runs_with_its_remedy_active(name, remedy_runs):
+    res = remedy_runs[name]
+    assert res["exit"] == 0, res["error"]
+    rows = metrics(Path(res["run_dir"]))
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # mismatch metrics appear at every step
+        assert "mismatch/current_vs_rollout/rho_std" in r and "time/step" in r and "reward/mean" in r
+    assert json.loads((Path(res["run_dir"]) / "run.json").read_text())["status"] == "completed"
     assert CHECKS[name](rows), json.dumps(rows, indent=0)[:3000]
 
 
@@ -195,8 +221,25 @@ def test_clip_higher_recipe_clips_at_its_own_high_bound():
     assert g[0] == 0 and g[1] == 0 and g[2] != 0 and high == pytest.approx(2 / 3)
 
 
-def test_length_decay_halves_the_lr_at_the_right_steps(tmp_path):
-    _, rows = train_recipe("length-decay", tmp_path, "remedies.lr_schedule.decay_period=2", steps=5)
+def test_a_second_run_in_the_same_process_repeats_the_first(remedy_runs):
+    """``train`` releases its engine and trainer (vLLM's process groups, megatron-core's, the patches): the same
+    recipe trained again in the same process, after twelve other runs, logs the same numbers."""
+    first, again = (remedy_runs[n] for n in ("grpo", "grpo-again"))
+    assert again["exit"] == 0, again["error"]
+
+    def clock(k: str) -> bool:  # wall-clock measurements: time/*, */seconds, */tokens_per_s
+        return k.startswith("time/") or "seconds" in k or k.endswith("per_s")
+
+    def numbers(res):
+        return [{k: v for k, v in r.items() if not clock(k)} for r in metrics(Path(res["run_dir"]))]
+
+    assert numbers(again) == numbers(first)
+
+
+def test_length_decay_halves_the_lr_at_the_right_steps(remedy_runs):
+    res = remedy_runs["length-decay"]
+    assert res["exit"] == 0, res["error"]
+    rows = metrics(Path(res["run_dir"]))
     assert [r["actor/lr"] for r in rows] == [1e-3, 5e-4, 5e-4, 2.5e-4, 2.5e-4]
 
 

@@ -135,23 +135,29 @@ def test_single_run_and_run_in_progress(tmp_path):
 
 
 def test_report_from_two_real_tiny_runs_builds_under_a_minute(tmp_path):
-    from tests.conftest import importable, require
-    from tests.test_loop import FAST, tim_train  # real runs, as make demo makes them
+    from tests.conftest import train_in_one_process
+    from tests.test_loop import FAST
 
-    require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
-    for recipe in ("grpo", "gspo"):
-        tim_train(
-            [
-                f"recipes/tiny-moe/{recipe}.yaml",
-                "run.steps=4",
-                f"run.output_dir={tmp_path / 'runs'}",
-                *FAST[:2],
-                "diagnostics.dumps.every=2",
-                "checkpoint.every=0",
-                "checkpoint.at_end=false",
-            ],
-            tmp_path,
-        )
+    overrides = [
+        "run.steps=4",
+        *FAST[:2],
+        "diagnostics.dumps.every=2",
+        "checkpoint.every=0",
+        "checkpoint.at_end=false",
+    ]
+    done = train_in_one_process(  # real runs, as make demo makes them (in one process: the imports once)
+        [
+            {
+                "name": recipe,
+                "recipe": f"recipes/tiny-moe/{recipe}.yaml",
+                "overrides": overrides,
+                "output_dir": str(tmp_path / "runs"),
+            }
+            for recipe in ("grpo", "gspo")
+        ],
+        tmp_path / "worker",
+    )
+    assert all(r["exit"] == 0 for r in done.values()), done
     runs = sorted((tmp_path / "runs").glob("*/*"))
     assert len(runs) == 2
     res = subprocess.run(

@@ -280,7 +280,13 @@ def _train(
             from tim_megatron.loop import train  # its imports are start-up too
 
             code = train(
-                loaded, rd, resume=resuming, console=console, stop=stop, trust_unverified=trust_unverified
+                loaded,
+                rd,
+                resume=resuming,
+                console=console,
+                stop=stop,
+                trust_unverified=trust_unverified,
+                close=False,
             )
     except _user_errors() as e:
         _fail(f"{type(e).__name__}: {e}" + _align_hint(e, rd, world=world))

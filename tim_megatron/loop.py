@@ -35,11 +35,14 @@ def train(
     console=None,
     trust_unverified: bool = False,
     stop: StopRequest | None = None,
+    close: bool = True,
 ) -> int:
     """Run (or resume) the recipe in ``run_dir``; returns the process exit code.
 
     ``trust_unverified`` loads a checkpoint written before checksums were recorded (refused otherwise).
     ``stop``: the caller's installed stop request (see :mod:`tim_megatron.stop`).
+    ``close``: release the engine and the trainer after a run that returned, so another run can start in this
+    process. ``tim train`` passes False: its process exits at once, which releases everything sooner.
     """
     from tim_megatron.logging.library_log import routed
     from tim_megatron.run_setup import setup
@@ -49,7 +52,10 @@ def train(
         parts = setup(
             loaded, run_dir, resume=resume, console=console, trust_unverified=trust_unverified, stop=stop
         )
-        return run_steps(parts, loaded=loaded, run_dir=run_dir)
+        code = run_steps(parts, loaded=loaded, run_dir=run_dir)
+        if close:
+            parts.close()
+        return code
 
 
 def run_steps(

@@ -83,6 +83,12 @@ class Prepared:
     first_step_info: dict[str, float]
     """Remedy flags and the fleet size, logged with the first step."""
 
+    def close(self) -> None:
+        """Release the engine, then the trainer (the engine joined the trainer's process groups), so another run
+        can start in this process."""
+        self.rollout.close()
+        self.trainer.close()
+
 
 def _resume_from(run_dir: Path, *, trust_unverified: bool) -> Path | None:
     """The checkpoint a resumed run starts from: the latest good one (corrupt ones skipped; the ranks share the

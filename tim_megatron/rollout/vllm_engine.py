@@ -438,10 +438,14 @@ class VLLMEngine:
             self.asleep = 0
 
     def close(self) -> None:
+        """Shut the engine down in this process, so another can start in it: vLLM's own in-process teardown
+        (``EngineCore.shutdown``) unfreezes what its start-up froze from the garbage collector and destroys its
+        process groups, the default one included. The engine joined the trainer's group, so it closes first."""
         if self.capture and not self._native_capture:
             from patches.vllm import routed_experts_capture
 
             routed_experts_capture.uninstall(self.llm)
+        self.llm.llm_engine.engine_core.shutdown()
         del self.llm
 
 
