@@ -1,9 +1,9 @@
 """Model families (issue 15): for every supported family, on CPU with real megatron-core, vLLM and transformers.
 
-Per family, three processes: ``single`` (tests/workers/family_worker.py: every one-process check on one fp32
-trainer and one vLLM engine), ``parallel`` (the same batch under TP=2, then EP=2 x DP=2, in one torchrun of two
-processes), and the family's tiny recipe for three steps (the library's ``train``, every family in one worker
-process). Module-scoped fixtures run each once; the tests below only read their results.
+Per family: ``single`` (tests/workers/family_worker.py: every one-process check on one fp32 trainer and one vLLM
+engine), ``parallel`` (the same batch under TP=2, then EP=2 x DP=2, in one torchrun of two processes), and the
+family's tiny recipe for three steps (the library's ``train``). Each of the three runs every family, one after
+another, in the same process(es). Module-scoped fixtures run each once; the tests below only read their results.
 
 Plus the cheap checks: the registry, config.json reading with named errors, parameter counts against
 transformers, and MLA named as the missing piece for DeepSeek-V3 / Moonlight.
@@ -60,15 +60,15 @@ def _tiny_checkpoint(recipe: str) -> Path:
     )
 
 
-@pytest.fixture(scope="module", params=sorted(RECIPES))
-def family(request, tmp_path_factory):
-    """Everything the slow in-process checks produce for one family: {name, single, parallel, manifest}."""
-    name = request.param
-    recipe = RECIPES[name]
-    ck = _tiny_checkpoint(recipe)
-    out = tmp_path_factory.mktemp(name)
-    _run([sys.executable, str(WORKER), "single", recipe, str(out)])
-    single = torch.load(out / "single.pt", weights_only=False)
+@pytest.fixture(scope="module")
+def families_out(tmp_path_factory) -> Path:
+    """Every family's single scenario in one process, then every family's parallel one in one torchrun of two:
+    ``OUT/<family>/{single,parallel}.pt``."""
+    for recipe in RECIPES.values():
+        _tiny_checkpoint(recipe)
+    out = tmp_path_factory.mktemp("families")
+    families = [f"{name}={RECIPES[name]}" for name in sorted(RECIPES)]
+    _run([sys.executable, str(WORKER), "single", str(out), *families])
     torchrun = [
         sys.executable,
         "-m",
@@ -78,14 +78,26 @@ def family(request, tmp_path_factory):
         "--master_port",
         str(free_port()),
     ]
-    _run(
-        [*torchrun, str(WORKER), "parallel", recipe, str(out)],
-        env={"TIM_BATCH_SEED": str(single["batch_seed"])},
-    )
-    parallel = torch.load(out / "parallel.pt", weights_only=False)
+    _run([*torchrun, str(WORKER), "parallel", str(out), *families])
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def family(request, families_out):
+    """Everything the slow in-process checks produce for one family: {name, single, parallel, manifest}."""
     from tim_megatron.rollout.sync import manifest
 
-    return {"name": name, "single": single, "parallel": parallel, "manifest": manifest(ck), "out": out}
+    name = request.param
+    out = families_out / name
+    single = torch.load(out / "single.pt", weights_only=False)
+    parallel = torch.load(out / "parallel.pt", weights_only=False)
+    return {
+        "name": name,
+        "single": single,
+        "parallel": parallel,
+        "manifest": manifest(_tiny_checkpoint(RECIPES[name])),
+        "out": out,
+    }
 
 
 TRAINED = sorted(set(RECIPES) - {"qwen3_moe"})

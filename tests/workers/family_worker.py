@@ -1,13 +1,15 @@
-"""Per-family scenarios run in fresh processes by tests/test_families.py (megatron-core and vLLM keep global state).
+"""Per-family scenarios for tests/test_families.py, every family one after another in the same processes (each
+family's trainer and engine are closed before the next family's start).
 
-    python tests/workers/family_worker.py single RECIPE OUT_DIR
-    torchrun --nproc_per_node 2 tests/workers/family_worker.py parallel RECIPE OUT_DIR
+    python tests/workers/family_worker.py single OUT_ROOT NAME=RECIPE [NAME=RECIPE ...]
+    torchrun --nproc_per_node 2 tests/workers/family_worker.py parallel OUT_ROOT NAME=RECIPE [...]
 
 ``single`` does every one-process check on one trainer and one vLLM engine (fp32, R3 hooks), in an order that
 keeps each check's inputs clean: logprobs and gradients of the fixed batch, the HF round trip, Megatron and vLLM
 against HF transformers, vLLM's captured experts against HF's top-k, a verified weight sync after an update,
 then R3 replay against perturbed routers (last: it perturbs them). ``parallel`` computes the same logprobs and
-gradients under TP=2, then EP=2 (x DP=2), in the same two processes. Rank 0 writes ``OUT_DIR/<scenario>.pt``.
+gradients under TP=2, then EP=2 (x DP=2), in the same two processes, on the batch ``single`` chose. Rank 0
+writes ``OUT_ROOT/<NAME>/<scenario>.pt``.
 
 The fixed batch is random tokens. A random tiny router can put two experts within float32 rounding of each
 other, and two implementations may then pick differently: the batch seed is chosen as the first whose top-k
@@ -17,7 +19,6 @@ margin (k-th minus (k+1)-th selection score, every MoE layer, every real token, 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -235,10 +236,10 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     rep = ws.push(eng, tr, probe=lambda: seqs)
     out["sync_tensors"] = int(rep["sync/tensors"])
     out["after_sync_vllm_vs_megatron"] = _vllm_vs_trainer(eng, tr, batch, seqs)
-    # The engine stays up until the process exits: deleting an in-process vLLM engine tears down
-    # torch.distributed's default group, which the trainer's groups live in.
     out.update(align_checks(eng, tr, seqs, dims))  # before R3's check perturbs the trainer's routers
     out.update(r3_replay(tr, batch, mask, adv, routed, dims))
+    eng.close()  # the engine first: it joined the trainer's process group
+    tr.close()
 
 
 def align_checks(eng, tr: MegatronTrainer, seqs: list[list[int]], dims) -> dict:
@@ -344,8 +345,7 @@ def gating_weights(
     return w * dims.routed_scaling_factor
 
 
-def scenario_parallel(recipe_path: str, out: dict) -> None:
-    seed = int(os.environ["TIM_BATCH_SEED"])
+def scenario_parallel(recipe_path: str, out: dict, *, seed: int) -> None:
     for name, layout in (("tp2", ["parallel.tp=2"]), ("ep2", ["parallel.ep=2", "parallel.dp=2"])):
         r = load_recipe(recipe_path, [*BASE, *layout]).recipe
         ck = ensure_tiny_checkpoint(
@@ -360,18 +360,25 @@ def scenario_parallel(recipe_path: str, out: dict) -> None:
 
 
 def main() -> None:
-    name, recipe_path, out_dir = sys.argv[1:4]
-    out: dict = {}
-    {"single": scenario_single, "parallel": scenario_parallel}[name](recipe_path, out)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        if "align_report" in out:
-            from tim_megatron.align.report import write
+    scenario, out_root, *families = sys.argv[1:]
+    for item in families:  # NAME=RECIPE, one family after another in these processes
+        name, recipe_path = item.split("=", 1)
+        out_dir = Path(out_root) / name
+        out: dict = {}
+        if scenario == "single":
+            scenario_single(recipe_path, out)
+        else:  # the fixed batch that the family's single scenario chose
+            seed = torch.load(out_dir / "single.pt", weights_only=False)["batch_seed"]
+            scenario_parallel(recipe_path, out, seed=seed)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if "align_report" in out:
+                from tim_megatron.align.report import write
 
-            planted, sequences = out.pop("align_report")
-            write(planted, Path(out_dir) / "align", sequences=sequences, meta={"recipe": recipe_path})
-        torch.save(out, Path(out_dir) / f"{name}.pt")
-    if name == "parallel":
+                planted, sequences = out.pop("align_report")
+                write(planted, out_dir / "align", sequences=sequences, meta={"recipe": recipe_path})
+            torch.save(out, out_dir / f"{scenario}.pt")
+    if scenario == "parallel":
         dist.barrier()
         dist.destroy_process_group()
 
