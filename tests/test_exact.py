@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import importable, require
+from tests.conftest import importable, require, train_in_one_process
 from tests.test_loop import TIM, metrics, run_folder
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.rollout.exact_sampler import ExactMismatchError, check_exact
@@ -233,29 +233,35 @@ def test_kv_cache_and_full_forward_sample_the_same_tokens_with_the_same_bits(tmp
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     import pyarrow.parquet as pq
 
+    runs = [
+        {
+            "name": sampler,
+            "recipe": str(COUNTDOWN.relative_to(ROOT)),
+            "overrides": [
+                *COUNTDOWN_EXACT,
+                "data.prompts_per_step=2",
+                "rollout.max_tokens=48",
+                "run.steps=2",
+                "diagnostics.dumps.every=1",
+                f"diagnostics.exact_sampler={sampler}",
+                # R2 capture and a sampling injection ride along: both samplers must carry them the same way.
+                "remedies.router_replay=r2",
+                "rollout.capture_routed_experts=true",
+                "diagnostics.dumps.routed_experts=true",
+                "diagnostics.sampling_injection.type=noise",
+                "diagnostics.sampling_injection.std=0.1",
+                "diagnostics.sampling_injection.engine=trainer",
+                *QUIET,
+            ],
+            "output_dir": str(tmp_path / sampler),
+        }
+        for sampler in ("kv-cache", "full-forward")
+    ]
+    done = train_in_one_process(runs, tmp_path / "worker")  # both runs in one process: the imports once
     dumps = {}
     for sampler in ("kv-cache", "full-forward"):
-        out = tmp_path / sampler
-        args = [
-            str(COUNTDOWN),
-            *COUNTDOWN_EXACT,
-            "data.prompts_per_step=2",
-            "rollout.max_tokens=48",
-            "run.steps=2",
-            f"run.output_dir={out}",
-            "diagnostics.dumps.every=1",
-            f"diagnostics.exact_sampler={sampler}",
-            # R2 capture and a sampling injection ride along: both samplers must carry them the same way.
-            "remedies.router_replay=r2",
-            "rollout.capture_routed_experts=true",
-            "diagnostics.dumps.routed_experts=true",
-            "diagnostics.sampling_injection.type=noise",
-            "diagnostics.sampling_injection.std=0.1",
-            "diagnostics.sampling_injection.engine=trainer",
-            *QUIET,
-        ]
-        run_ok([*TIM, "train", *args], threads=2, timeout=900)
-        d = run_folder(out)
+        assert done[sampler]["exit"] == 0, done[sampler]["error"]
+        d = Path(done[sampler]["run_dir"])
         rows = metrics(d)
         assert all(r["exact/mismatched_tokens"] == 0.0 for r in rows)
         assert all((r["exact/kv_cache_mib"] > 0) == (sampler == "kv-cache") for r in rows)
