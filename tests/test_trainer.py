@@ -4,6 +4,7 @@ step, HF round trip, checkpoint resume, and the patches (router replay, FP32 LM 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -58,6 +59,16 @@ def grad_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest difference, relative to the tensor's largest entry when that exceeds 1: the summed embedding
     gradient reaches tens, where float32 sums taken in another order differ in the 7th digit."""
     return ((got - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+
+EQUIVALENCE_LAYOUTS = [("parallel.tp=2",), ("parallel.ep=2", "parallel.dp=2"), ("parallel.dp=2",)]
+WIDTH_LAYOUTS = [
+    (2, ("parallel.tp=2",)),
+    (2, ("parallel.ep=2", "parallel.dp=2")),
+    (2, ("parallel.dp=2",)),
+    (2, ("parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1")),
+    (4, ("parallel.tp=2", "parallel.ep=2", "parallel.dp=2")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +127,9 @@ def test_nan_guard_skips_then_aborts(single):
     assert single["nan_params_unchanged"]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [("parallel.tp=2",), ("parallel.ep=2", "parallel.dp=2"), ("parallel.dp=2",)],
-    ids=["tp2", "ep2", "dp2"],
-)
-def test_parallel_layouts_match_single_process(single, tmp_path, layout):
-    par = run_worker("equivalence", tmp_path, nproc=2, overrides=layout)
+@pytest.mark.parametrize("layout", EQUIVALENCE_LAYOUTS, ids=["tp2", "ep2", "dp2"])
+def test_parallel_layouts_match_single_process(single, two_ranks, layout):
+    par = two_ranks[("equivalence", layout)]
     assert par["world_size"] == 2
     assert par["logprobs"].shape == single["logprobs"].shape
     assert (par["logprobs"] - single["logprobs"]).abs().max().item() < 1e-5
@@ -141,21 +148,42 @@ def widths_single(tmp_path_factory):
     return run_worker("widths", tmp_path_factory.mktemp("widths"))
 
 
-@pytest.mark.parametrize(
-    "nproc,layout",
-    [
-        (2, ("parallel.tp=2",)),
-        (2, ("parallel.ep=2", "parallel.dp=2")),
-        (2, ("parallel.dp=2",)),
-        (2, ("parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1")),
-        (4, ("parallel.tp=2", "parallel.ep=2", "parallel.dp=2")),
-    ],
-    ids=["tp2", "ep2", "dp2", "tp2xep2", "tp2xep2xdp2"],
-)
-def test_every_width_trains_like_one_process(widths_single, tmp_path, nproc, layout):
+TWO_RANK_JOBS = [
+    *(("equivalence", layout) for layout in EQUIVALENCE_LAYOUTS),
+    *(("widths", layout) for nproc, layout in WIDTH_LAYOUTS if nproc == 2),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[tuple[str, tuple[str, ...]], dict]:
+    """Every two-rank layout of the equivalence and widths scenarios, one after another in one torchrun of two
+    processes (megatron-core's groups remade for each; the launcher's default group kept)."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    jobs = [
+        {"key": f"job{i}", "scenario": sc, "overrides": list(lay)}
+        for i, (sc, lay) in enumerate(TWO_RANK_JOBS)
+    ]
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    require(importable("megatron.core"), "megatron-core")
+    cmd = worker_cmd("many", out, 2, (str(out / "jobs.json"),))
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return {
+        (sc, lay): torch.load(out / f"job{i}.pt", weights_only=False)
+        for i, (sc, lay) in enumerate(TWO_RANK_JOBS)
+    }
+
+
+@pytest.mark.parametrize("nproc,layout", WIDTH_LAYOUTS, ids=["tp2", "ep2", "dp2", "tp2xep2", "tp2xep2xdp2"])
+def test_every_width_trains_like_one_process(widths_single, two_ranks, tmp_path, nproc, layout):
     """Issue 11: a batch whose width is not a multiple of TP crashed the update. Widths are forced (2..9, odd and
     even), so the test does not depend on what an engine samples on this machine."""
-    par = run_worker("widths", tmp_path, nproc=nproc, overrides=layout)
+    if nproc == 2:
+        par = two_ranks[("widths", layout)]
+    else:
+        par = run_worker("widths", tmp_path, nproc=nproc, overrides=layout)
     assert par["world_size"] == nproc
     widths = sorted(widths_single["loss"])
     assert widths == list(range(2, 10)) and sorted(par["loss"]) == widths

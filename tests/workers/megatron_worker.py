@@ -8,6 +8,7 @@ Rank 0 writes ``OUT_DIR/<scenario>.pt``.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -327,32 +328,48 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    name, out_dir, *overrides = sys.argv[1:]
-    base = [
-        "trainer.micro_batch_size=2",
-        "trainer.logprob_chunk=5",
-        "trainer.dtype=float32",
-        "rollout.dtype=float32",
-    ]
-    recipe = load_recipe(RECIPE, [*base, *overrides]).recipe
+BASE = [
+    "trainer.micro_batch_size=2",
+    "trainer.logprob_chunk=5",
+    "trainer.dtype=float32",
+    "rollout.dtype=float32",
+]
+
+
+def run_scenario(name: str, out_path: Path, overrides: list[str], *, last: bool = True) -> None:
+    """One scenario on a trainer built for ``overrides``; rank 0 saves ``out_path``. ``last=False`` keeps the
+    launcher's default process group for the next scenario in the same processes."""
+    recipe = load_recipe(RECIPE, [*BASE, *overrides]).recipe
     ckpt = ensure_tiny_checkpoint(
         recipe.model.dims,
         seed=recipe.model.tiny_seed,
         warmup_steps=recipe.model.tiny_warmup_steps,
         task=recipe.data.task,
     )
-    if os.environ.get("TIM_DISTRIBUTED_OPTIMIZER"):
-        # megatron's distributed optimizer, which the trainer uses on CUDA only: on one CPU rank it runs the same
-        # save and load code (what a GPU job's resume runs), so its checkpoint round trip can be tested here.
-        MegatronTrainer._use_distributed_optimizer = lambda self: True
     tr = MegatronTrainer(recipe, model_path=ckpt)
     out: dict = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     SCENARIOS[name](tr, out)
     if tr.is_rank0:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(out, Path(out_dir) / f"{name}.pt")
-    tr.close()
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, out_path)
+    tr.close(keep_default_group=not last)
+
+
+def main() -> None:
+    """``SCENARIO OUT_DIR [overrides]`` writes ``OUT_DIR/SCENARIO.pt``; ``many OUT_DIR JOBS.json`` runs each job
+    (``{"key", "scenario", "overrides"}``) in turn in the same processes and writes ``OUT_DIR/<key>.pt``."""
+    name, out_dir, *rest = sys.argv[1:]
+    if os.environ.get("TIM_DISTRIBUTED_OPTIMIZER"):
+        # megatron's distributed optimizer, which the trainer uses on CUDA only: on one CPU rank it runs the same
+        # save and load code (what a GPU job's resume runs), so its checkpoint round trip can be tested here.
+        MegatronTrainer._use_distributed_optimizer = lambda self: True
+    if name != "many":
+        run_scenario(name, Path(out_dir) / f"{name}.pt", rest)
+        return
+    jobs = json.loads(Path(rest[0]).read_text())
+    for i, job in enumerate(jobs):
+        path = Path(out_dir) / f"{job['key']}.pt"
+        run_scenario(job["scenario"], path, job["overrides"], last=i == len(jobs) - 1)
 
 
 if __name__ == "__main__":

@@ -596,10 +596,12 @@ class MegatronTrainer:
         finally:
             self.head = head
 
-    def close(self) -> None:
+    def close(self, *, keep_default_group: bool = False) -> None:
+        """Revert this trainer's patches and destroy its process groups (see
+        :func:`~tim_megatron.trainer.parallel.teardown_parallel` for ``keep_default_group``)."""
         from tim_megatron.trainer.parallel import teardown_parallel
 
         for h in reversed(self._handles):
             h.revert()
         self._handles.clear()
-        teardown_parallel()
+        teardown_parallel(keep_default_group=keep_default_group)

@@ -116,12 +116,15 @@ def init_parallel(
     return env
 
 
-def teardown_parallel() -> None:
+def teardown_parallel(*, keep_default_group: bool = False) -> None:
+    """Destroy megatron-core's groups and (unless ``keep_default_group``) torch.distributed's default group.
+    Keeping it lets the next trainer of a launcher's ranks start in the same processes: a default group is made
+    once per launch (torchrun's store holds its keys), megatron-core's groups any number of times."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_default_group:
         dist.destroy_process_group()
 
 
