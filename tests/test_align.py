@@ -17,7 +17,7 @@ from tests.conftest import importable, require
 from tim_megatron.align.capture import Capture, sorted_topk
 from tim_megatron.align.compare import compare, last_rows, router_agreement
 from tim_megatron.align.report import write
-from tim_megatron.align.run import check_tokens, read_tokens, refuse
+from tim_megatron.align.run import AlignOptions, check_tokens, parse_sides, read_tokens, refuse
 from tim_megatron.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +122,25 @@ def test_the_report_holds_every_figure_a_table_and_a_plot(tmp_path):
     assert files["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_html_report_shows_an_alignment_kept_in_a_run_folder(tmp_path):
+    """tim report finds RUN/align/align.json (where the command a failed sync prints writes it) and shows the
+    sides, the first divergence, the table and the plot; a run without one has no such section."""
+    from tests.test_report import synthetic_run
+    from tim_megatron.report.build import build_report
+
+    run = synthetic_run(tmp_path / "runs", "aligned", growing=False, steps=12, dumps=False)
+    a = _capture("engine")
+    al = compare(a, _changed(a, ("mlp", 2), a.get("mlp", 2) * 1.5), tolerance=1e-5)
+    write(al, run / "align", sequences=2, meta={})
+    plain = synthetic_run(tmp_path / "runs", "plain", growing=False, steps=12, dumps=False)
+    page = (build_report([run, plain], tmp_path / "rep")["out"] / "index.html").read_text()
+    assert "Where the engine and the trainer part ways (tim align)" in page
+    assert "<h3>aligned: engine vs b</h3>" in page and "First divergence: <b>layer 2, experts</b>" in page
+    assert "<h3>plain" not in page and (tmp_path / "rep" / "align-0.png").read_bytes()[:4] == b"\x89PNG"
+    page = (build_report([plain], tmp_path / "rep2")["out"] / "index.html").read_text()
+    assert "tim align" not in page
+
+
 def test_bad_inputs_are_named(tmp_path):
     bad = tmp_path / "t.json"
     for content in ("{", "[]", "[[1]]", '[["a", 2]]'):
@@ -145,6 +164,14 @@ def test_bad_inputs_are_named(tmp_path):
     ):
         check_tokens([[1] * (longest + 1)], r)
     check_tokens([[0, vocab - 1]], r)
+    for text in ("engine", "engine,engine", "engine,trainer,hf", "engine,megatron"):
+        with pytest.raises(
+            ValueError, match=rf"--sides {text}: give two different sides.*engine, trainer, hf"
+        ):
+            parse_sides(text)
+    assert parse_sides("trainer, hf") == ("trainer", "hf")
+    with pytest.raises(ValueError, match="--fault-layer 1: the fault is planted in the engine.*trainer,hf"):
+        AlignOptions(fault_layer=1, sides=("trainer", "hf"))
 
 
 # --------------------------------------------------------------------------------- engine vs trainer

@@ -251,6 +251,19 @@ def test_align_finds_a_fault_planted_in_the_last_moe_layer(family):
 
 
 @pytest.mark.slow
+def test_align_against_hf_transformers_finds_no_divergence(family):
+    """tim align's third side, HF transformers in float32 (the reference), against the fp32 engine and the fp32
+    trainer: every layer's residual streams and router logits within 1e-5 (scaled), the same experts, the same
+    logprobs, no first divergence."""
+    for side in ("engine", "trainer"):
+        rep = family["single"][f"align_{side}_vs_hf"]
+        assert tuple(rep["sides"]) == (side, "hf")
+        assert rep["first_divergence"] is None, (side, rep["first_divergence"])
+        assert all(_max_component(ld) <= 1e-5 for ld in rep["layers"]), side
+        assert rep["head"]["max_abs"] <= 1e-5 and rep["tokens_differing_any_layer"] == 0, side
+
+
+@pytest.mark.slow
 def test_align_with_r3_leaves_no_router_disagreement(family):
     """R3 over a large fault in the first MoE layer's experts: the trainer routes with the engine's experts and no
     expert set differs in any layer; where a later MoE layer exists, routing itself it would have chosen other

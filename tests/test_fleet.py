@@ -140,7 +140,7 @@ def test_stale_engine_is_caught(tmp_path, kind):
     verdicts = [line for line in log.splitlines() if "does not hold the trainer's weights" in line]
     assert verdicts and all("rollout engine 1 does not hold" in v for v in verdicts), log[-5000:]
     assert not any("engine 0:" in v for v in verdicts)  # the good engine is not blamed
-    assert "to see which layer and component differ, run: tim align " in log and "recipe.yaml" in log
+    assert "to see which layer and component differ, run: tim align " in log and "recipe.yaml --out " in log
     print(f"{kind}: stopped after {res.seconds:.0f} s")
 
 

@@ -300,10 +300,11 @@ def _align_hint(e: Exception, rd: Path | None, *, world: int) -> str:
     if not isinstance(e, WeightSyncError) or rd is None:
         return ""
     return (
-        f"\nto see which layer and component differ, run: tim align {rd / 'recipe.yaml'}"
+        f"\nto see which layer and component differ, run: tim align {rd / 'recipe.yaml'} --out {rd / 'align'}"
         + (f" --nproc {world}" if world > 1 else "")
         + " "
-        "(the same dtypes and layout; --fault-layer N checks the tool on a planted fault)"
+        "(the same dtypes and layout; tim report on this run folder then shows it; --fault-layer N checks the "
+        "tool on a planted fault)"
     )
 
 
@@ -530,17 +531,33 @@ def align_cmd(
     nproc: int = typer.Option(
         1, "--nproc", help="processes on this machine (torchrun), for the recipe's layout"
     ),
+    sides: str = typer.Option(
+        "engine,trainer",
+        "--sides",
+        help="the two sides compared, from engine, trainer, hf (HF transformers in float32, the reference)",
+    ),
 ) -> None:
     """Where do the engine and the trainer part ways? Both record the same tokens layer by layer (residual stream
     after attention and after the MLP/MoE, router logits, experts and gates, final norm, logprobs); the report names
     the first layer and component above the tolerance."""
     import os
 
-    from tim_megatron.align.run import AlignOptions, align
+    from tim_megatron.align.run import AlignOptions, align, parse_sides
     from tim_megatron.recipe import RecipeError
 
     if nproc < 1 or prompts < 1 or tolerance <= 0:
         _fail(f"--nproc {nproc}, --prompts {prompts}, --tolerance {tolerance:g}: each must be positive")
+    try:  # every option checked before anything loads
+        options = AlignOptions(
+            tokens=tokens,
+            prompts=prompts,
+            tolerance=tolerance,
+            fault_layer=fault_layer,
+            fault_scale=fault_scale,
+            sides=parse_sides(sides),
+        )
+    except ValueError as e:
+        _fail(str(e))
     under_launcher = "RANK" in os.environ
     if under_launcher:  # a rank of torchrun: it dies with its launcher
         from tim_megatron.procs import die_with_parent
@@ -557,9 +574,6 @@ def align_cmd(
         raise typer.Exit(
             _relaunch(nproc, ["align", *_without_nproc(sys.argv[sys.argv.index("align") + 1 :])])
         )
-    options = AlignOptions(
-        tokens=tokens, prompts=prompts, tolerance=tolerance, fault_layer=fault_layer, fault_scale=fault_scale
-    )
     try:
         align(loaded, options, out=where, console=console)
     except ValueError as e:

@@ -218,6 +218,13 @@ def scenario_single(recipe_path: str, out: dict) -> None:
         float((torch.tensor(row[1:]) - hf_lp[i, 1 : len(row)]).abs().max()) for i, row in enumerate(scored)
     )
 
+    # tim align against the float32 reference (HF transformers), before any update: the engine, then the trainer.
+    from tim_megatron.align.run import AlignOptions, compare_sides
+
+    for side in ("engine", "trainer"):
+        hf_side = compare_sides(eng, tr, seqs, AlignOptions(sides=(side, "hf")), replay=False, hf=hf)
+        out[f"align_{side}_vs_hf"] = hf_side.as_dict()
+
     # An update, a stale engine that the check catches, a verified sync (re-prepacked experts included).
     from tim_megatron.algo.stats import Stats
     from tim_megatron.rollout.sync import WeightSync, manifest

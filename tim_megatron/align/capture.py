@@ -11,7 +11,8 @@ A :class:`Capture` holds, for every token of every sequence (rows in sequence or
 
 The trainer's record comes from forward hooks on megatron-core's modules (the decoder layers, each layer's
 ``pre_mlp_layernorm`` input, its router, the final layernorm), gathered over sequence-parallel ranks; the engine's
-from :mod:`patches.vllm.align_capture`. Neither copies a model's code.
+from :mod:`patches.vllm.align_capture`; the HF transformers model's (the float32 reference) from forward hooks on
+its decoder layers, ``post_attention_layernorm`` inputs, routers and final norm. None copies a model's code.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Capture:
     """One side's record (see the module docstring for the keys)."""
 
     side: str
-    """``engine`` or ``trainer``."""
+    """``engine``, ``trainer`` or ``hf``."""
     lengths: list[int]
     """Each sequence's length: the rows of sequence j are the ``lengths[j]`` rows after the earlier sequences'."""
     num_layers: int
@@ -197,4 +198,70 @@ def engine_capture(engine, sequences: list[list[int]], *, num_layers: int) -> Ca
             cap.add(part)
     finally:
         align_capture.uninstall(engine.llm)
+    return cap
+
+
+# ------------------------------------------------------------------------------------ HF transformers
+
+
+def hf_routers(layer) -> list:
+    """A HF decoder layer's MoE router: transformers 5 names its class ``...TopKRouter`` (``...TopkRouter`` for
+    GLM-4.5); it returns (router logits, top-k weights, top-k ids)."""
+    return [m for m in layer.modules() if type(m).__name__.lower().endswith("topkrouter")]
+
+
+def hf_capture(model, sequences: list[list[int]], *, dims) -> Capture:
+    """The HF transformers model's record of ``sequences`` (the reference: load it in float32), one forward each,
+    through forward hooks: each decoder layer's output, each ``post_attention_layernorm``'s input, the router's
+    logits, ids and weights (divided by ``dims.routed_scaling_factor``, which GLM-4.5's router applies inside),
+    the final norm, and the logprobs of the model's own logits."""
+    layers = list(model.model.layers)
+    rec: dict = {}
+
+    def put(key, t: torch.Tensor) -> None:
+        rec[key] = t.detach().reshape(-1, *t.shape[2:]) if t.dim() == 3 else t.detach()
+
+    def on_router(out, i):
+        logits, weights, ids = out
+        put(("router_logits", i), logits.float())
+        put(("topk", i), ids.long())
+        put(("gates", i), weights.float() / dims.routed_scaling_factor)
+
+    handles, routed = [], 0
+    for i, layer in enumerate(layers):
+        handles.append(
+            layer.register_forward_hook(lambda m, a, out, i=i: put(("mlp", i), _first(out).float()))
+        )
+        handles.append(
+            layer.post_attention_layernorm.register_forward_pre_hook(
+                lambda m, a, i=i: put(("attention", i), a[0].float())
+            )
+        )
+        for router in hf_routers(layer)[:1]:
+            routed += 1
+            handles.append(router.register_forward_hook(lambda m, a, out, i=i: on_router(out, i)))
+    handles.append(
+        model.model.norm.register_forward_hook(lambda m, a, out: put(("final_norm", 0), out.float()))
+    )
+    cap = Capture("hf", [len(s) for s in sequences], len(layers))
+    try:
+        if routed != dims.num_moe_layers:
+            raise RuntimeError(
+                f"tim align: {routed} of the HF model's layers have a router its hooks recognise (a module named "
+                f"...TopKRouter); the model has {dims.num_moe_layers} MoE layers"
+            )
+        for seq in sequences:
+            rec.clear()
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seq])).logits[0].float()
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+            part = {key: value.clone() for key, value in rec.items()}
+            for i in range(len(layers)):
+                if ("topk", i) in part:
+                    part[("topk", i)], part[("gates", i)] = sorted_topk(part[("topk", i)], part[("gates", i)])
+            part[("logprobs", 0)] = torch.cat([torch.zeros(1), lp])
+            cap.add(part)
+    finally:
+        for h in handles:
+            h.remove()
     return cap

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tim_megatron.align.capture import Capture, decoder_layers, engine_capture, trainer_capture
+from tim_megatron.align.capture import Capture, decoder_layers, engine_capture, hf_capture, trainer_capture
 from tim_megatron.align.compare import Alignment, compare
 from tim_megatron.recipe import LoadedRecipe
 
@@ -28,6 +28,30 @@ class AlignOptions:
     """Scale the engine's (only the engine's) expert weights of this decoder layer by ``1 + fault_scale`` before
     recording: a planted divergence the report must find (to certify the tool on a model)."""
     fault_scale: float = 1e-2
+    sides: tuple[str, str] = ("engine", "trainer")
+    """The two sides compared, from :data:`SIDES`: the vLLM engine, the Megatron trainer, and the HF transformers
+    model loaded in float32 (the reference; loaded whole on every rank, so for models that fit)."""
+
+    def __post_init__(self):
+        if self.fault_layer is not None and "engine" not in self.sides:
+            raise ValueError(
+                f"--fault-layer {self.fault_layer}: the fault is planted in the engine, which --sides "
+                f"{','.join(self.sides)} leaves out (allowed: --sides with engine)"
+            )
+
+
+SIDES = ("engine", "trainer", "hf")
+"""What ``tim align`` can compare, two at a time."""
+
+
+def parse_sides(text: str) -> tuple[str, str]:
+    """``--sides A,B``: two different names of :data:`SIDES`, named in the error otherwise."""
+    parts = tuple(p.strip() for p in text.split(","))
+    if len(parts) != 2 or parts[0] == parts[1] or not set(parts) <= set(SIDES):
+        raise ValueError(
+            f"--sides {text}: give two different sides, comma-separated, from {', '.join(SIDES)}"
+        )
+    return parts
 
 
 def check_tokens(seqs: list[list[int]], recipe) -> None:
@@ -121,29 +145,42 @@ def replay_of(engine_cap: Capture) -> list[torch.Tensor]:
     return out
 
 
-def compare_sides(engine, trainer, seqs, options: AlignOptions, *, replay: bool) -> Alignment:
-    """The comparison asked for, with the ones that make it readable beside it (in ``others``): before the planted
-    fault (the same engine without it), and without replay (the trainer routing itself) when R3 is on."""
+def compare_sides(engine, trainer, seqs, options: AlignOptions, *, replay: bool, hf=None) -> Alignment:
+    """The comparison of ``options.sides`` asked for, with the ones that make it readable beside it (in
+    ``others``): before the planted fault (the same sides without it), and without replay (the trainer routing
+    itself) when R3 is on. Under R3 the trainer replays the other side's experts (the engine's, or HF's)."""
+    first, second = options.sides
     layers = len(decoder_layers(trainer))
-    own = trainer_capture(trainer, seqs)  # the trainer routing with its own router
+
+    def record(side: str) -> Capture:
+        if side == "engine":
+            return engine_capture(engine, seqs, num_layers=layers)
+        if side == "hf":
+            return hf_capture(hf, seqs, dims=trainer.dims)
+        return trainer_capture(trainer, seqs)  # the trainer routing with its own router
+
     before = None
     if options.fault_layer is not None:
-        before = compare(engine_capture(engine, seqs, num_layers=layers), own, tolerance=options.tolerance)
+        before = compare(record(first), record(second), tolerance=options.tolerance)
         perturb_engine_experts(engine, trainer, layer=options.fault_layer, scale=options.fault_scale)
-    eng = engine_capture(engine, seqs, num_layers=layers)
-    r3 = replay and trainer.replay_enabled
-    tr = trainer_capture(trainer, seqs, replay=replay_of(eng)) if r3 else own
-    result = compare(eng, tr, tolerance=options.tolerance, skip_last=r3)
+    caps = {side: record(side) for side in options.sides}
+    r3 = replay and trainer.replay_enabled and "trainer" in options.sides
+    own = caps.get("trainer")
+    if r3:
+        other = second if first == "trainer" else first
+        caps["trainer"] = trainer_capture(trainer, seqs, replay=replay_of(caps[other]))
+    result = compare(caps[first], caps[second], tolerance=options.tolerance, skip_last=r3)
     if before is not None:
         result.others["before_fault"] = before.as_dict()
         result.notes.append(
             f"planted fault: the engine's experts of layer {options.fault_layer} scaled by {1 + options.fault_scale:g}"
         )
     if r3:
-        without = compare(eng, own, tolerance=options.tolerance, skip_last=True)
+        unreplayed = {**caps, "trainer": own}
+        without = compare(unreplayed[first], unreplayed[second], tolerance=options.tolerance, skip_last=True)
         result.others["without_replay"] = without.as_dict()
         result.notes.append(
-            "R3: the trainer routed with the engine's experts; each sequence's last token (routed to a placeholder "
+            f"R3: the trainer routed with the {other}'s experts; each sequence's last token (routed to a placeholder "
             "set under replay, its output feeding no logprob) is left out"
         )
     return result
@@ -169,10 +206,16 @@ def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=Non
     engine = build_rollout(r, trainer, model_path=path, tokenizer=prompts.tokenizer)
     if seqs is None:
         seqs = sampled(engine, prompts, options.prompts)
-    result = compare_sides(engine, trainer, seqs, options, replay=r.remedies.router_replay == "r3")
+    hf = None
+    if "hf" in options.sides:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    result = compare_sides(engine, trainer, seqs, options, replay=r.remedies.router_replay == "r3", hf=hf)
     if trainer.is_rank0:
         meta = {
             "recipe": loaded.name,
+            "sides": list(options.sides),
             "trainer_dtype": r.trainer_dtype,
             "rollout_dtype": r.rollout_dtype,
             "fp32_lm_head": r.remedies.fp32_lm_head,

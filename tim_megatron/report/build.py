@@ -18,7 +18,7 @@ import math
 import time
 from pathlib import Path
 
-from tim_megatron.report import plots
+from tim_megatron.report import align_section, plots
 from tim_megatron.report.analysis import WarningSettings, ranked, summarize
 from tim_megatron.report.plots import inside
 from tim_megatron.report.runs import load_runs, printable
@@ -97,9 +97,10 @@ def build_report(
         "surrogate": plots.surrogate_panel(runs, out) if runs else [],
     }
     no_dumps = [r.name for r in runs if not r.dumps]
+    aligned = align_section.section(runs, out, notices)
     notices = [printable(n) for n in notices]
     (inside(out, "index.html")).write_text(
-        _page(title or out.name, runs, rows, figs, notices, no_dumps, settings)
+        _page(title or out.name, runs, rows, figs, notices, no_dumps, settings, aligned)
     )
     inside(out, "report.json").write_text(
         json.dumps(
@@ -120,7 +121,7 @@ def _img(f: str, cap: str) -> str:
     return f'<figure><img src="{html.escape(f)}" alt="{html.escape(cap)}"></figure>'
 
 
-def _page(title, runs, rows, figs, notices, no_dumps, s: WarningSettings) -> str:
+def _page(title, runs, rows, figs, notices, no_dumps, s: WarningSettings, aligned: list[str]) -> str:
     e = html.escape
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{CSS}</style></head><body>"
@@ -162,6 +163,7 @@ def _page(title, runs, rows, figs, notices, no_dumps, s: WarningSettings) -> str
             parts.append(f"<div class='{cls}'>" + "".join(_img(f, c) for f, c in figs[key]) + "</div>")
         elif empty and key != "scatter":
             parts.append(f"<p class='muted'>{e(empty)}</p>")
+    parts.extend(aligned)  # already escaped
     parts.append("</body></html>")
     return "\n".join(parts)
 
