@@ -588,6 +588,22 @@ def test_a_sync_that_fails_verification_on_engine_1_of_two_nodes_is_no_go(two_no
         assert s["mbytes"] > 0 and s["seconds"] > 0 and s["max_abs_prob_diff"] >= s["p80_abs_prob_diff"]
     assert rep["phases"]["steps"]["state"] == "failed"
     assert f"NO-GO: {reason}" in res.stdout
+    # After the failed check the job ran tim align in its own processes: every o_proj of engine 1 is corrupted,
+    # so engine 1 parts from the trainer at layer 0's attention, by far more than the bf16 tolerance; engine 0,
+    # healthy, stays within it everywhere. The failing engine's first rank wrote RUN/align/ (tim report shows it).
+    assert rep["phases"]["align"]["state"] == "done"
+    aligned = rep["align"]
+    assert (aligned["engine"], aligned["where"], aligned["tolerance"]) == (1, "layer 0, attention", 5e-2)
+    assert (
+        f"tim align on this engine (tolerance 0.05): first divergence layer 0, attention ({aligned['folder']})"
+        in reason
+    )
+    per_rank = json.loads((Path(rep["run_dir"]) / "preflight" / "results" / "align.json").read_text())
+    by_engine = {d["engine"]: d["alignment"] for d in per_rank}
+    assert by_engine[0]["first_divergence"] is None, by_engine[0]
+    assert by_engine[1]["layers"][0]["attention"]["scaled"] > 10 * 5e-2
+    written = json.loads((Path(aligned["folder"]) / "align.json").read_text())
+    assert written["engine"] == 1 and written["where"] == "layer 0, attention"
 
 
 @pytest.mark.slurm

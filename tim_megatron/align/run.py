@@ -40,6 +40,20 @@ class AlignOptions:
             )
 
 
+HALF_PRECISION_TOLERANCE = {"bfloat16": 5e-2, "float16": 1e-2}
+"""What ``tim preflight``'s alignment judges when a side computes in half precision: a healthy bf16 engine's
+largest judged difference from the trainer on the tiny MoE is 1.6e-2 (the head, in nats); fp16 keeps 3 more
+mantissa bits. A broken transfer (a rotated or stale tensor) differs by order 1."""
+
+
+def tolerance_for(recipe) -> float:
+    """1e-5 when both sides compute in float32, else the half-precision tolerance of the coarser side."""
+    dtypes = {recipe.trainer_dtype, recipe.rollout_dtype}
+    if dtypes == {"float32"}:
+        return 1e-5
+    return max(HALF_PRECISION_TOLERANCE.get(d, 1e-5) for d in dtypes)
+
+
 SIDES = ("engine", "trainer", "hf")
 """What ``tim align`` can compare, two at a time."""
 

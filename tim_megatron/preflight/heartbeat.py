@@ -25,9 +25,10 @@ TIMEOUTS: dict[str, float] = {
     "bandwidth": 900.0,
     "setup": 1800.0,
     "steps": 1800.0,
+    "align": 900.0,
 }
 """Seconds each phase may take, in the order the job runs them (model: the checkpoint in place, downloaded or
-built; setup: trainer and engines load). The report at the end is bounded by the job's own time limit."""
+built; setup: trainer and engines load; align: only after a failed sync check). The report at the end is bounded by the job's own time limit."""
 PHASES = tuple(TIMEOUTS)
 
 

@@ -8,6 +8,8 @@
 4. bandwidth: all-reduce bus bandwidth within nodes, across nodes and in the TP, EP and DP groups;
 5. setup and steps: ``run_setup.setup`` (trainer, rollout engines, data) and two steps of ``loop.run_steps``,
    watched through the loop's hook by :class:`tim_megatron.preflight.steps.Records`;
+   align, only after a failed sync check: ``tim align``'s comparison of each rank's engine with the trainer, on
+   the probe sequences, written to ``RUN/align/`` by the failing engine's first rank;
 6. report: rank 0 assembles ``preflight.json``, judges it and prints the summary.
 
 Each phase writes this rank's heartbeat before and after it; a watchdog ends a phase that runs past its timeout.
@@ -201,12 +203,47 @@ class Job:
             # marks run.json itself (completed, or failed with the reason)
             run_steps(self.parts, loaded=self.loaded, run_dir=self.run_dir, observer=records)
         except Exception as e:
+            from tim_megatron.rollout.sync import WeightSyncError
+
             out["error"] = f"{type(e).__name__}: {e}"
+            if isinstance(e, WeightSyncError):
+                out["sync_failed_engines"] = e.engines
         wall = time.perf_counter() - t0
         out.update(records=records.as_dict(), memory=self.memory.result())
         if self.rank == 0 and "error" not in out:
             out["checkpoint"] = self._checkpoint(wall)
         return out
+
+    def align(self, failed: list[int]) -> dict:
+        """After a failed sync check: ``tim align``'s comparison of this rank's engine (as the failed sync left it)
+        with the trainer, on the probe sequences, in this job's processes. The first rank of a failing engine
+        writes ``RUN/align/`` (``tim report`` shows it); rank 0 reads it into the verdict."""
+        from tim_megatron.align.report import where as where_of
+        from tim_megatron.align.report import write
+        from tim_megatron.align.run import AlignOptions, compare_sides, refuse, tolerance_for
+
+        r, engine, trainer = self.loaded.recipe, self.parts.rollout, self.parts.trainer
+        try:
+            refuse(r)
+        except ValueError as e:
+            return {"skipped": str(e)}
+        options = AlignOptions(tolerance=tolerance_for(r))
+        result = compare_sides(
+            engine, trainer, self.parts.probe, options, replay=r.remedies.router_replay == "r3"
+        )
+        where = engine.describe()
+        writer = where["engine"] == min(failed) and where["rank"] == where["ranks"][0]
+        if writer:
+            meta = {"recipe": self.loaded.name, "engine": where["engine"], "written_by": "tim preflight"}
+            write(result, self.run_dir / "align", sequences=len(self.parts.probe), meta=meta)
+        return {
+            "engine": where["engine"],
+            "writer": writer,
+            "where": where_of(result),
+            "tolerance": options.tolerance,
+            "tokens_differing_any_layer": result.tokens_differing_any_layer,
+            "alignment": result.as_dict(),
+        }
 
     def _checkpoint(self, wall: float) -> dict:
         """The loop's final checkpoint: its size, and the time the run spent after its last step (the save and
@@ -244,7 +281,10 @@ class Job:
                 and ok(self.phase("bandwidth", self.bandwidth))
                 and ok(self.phase("setup", self.setup))
             ):
-                self.phase("steps", self.steps)
+                stepped = self.phase("steps", self.steps)
+                failed = sorted({e for d in stepped for e in d.get("sync_failed_engines", [])})
+                if failed:  # every rank has the same gathered results, so every rank takes this branch
+                    self.phase("align", lambda: self.align(failed))
         return self.report(rendezvous_ok=ok(up))
 
     def report(self, *, rendezvous_ok: bool) -> int:

@@ -8,7 +8,8 @@ No-go, each reason naming what failed and where:
   job, ranks per node, GPUs a node sees);
 * NCCL talking across nodes over sockets where InfiniBand exists, or a bus bandwidth below 10% of nominal;
 * a rollout engine that failed to load, does not fit, or produced nothing (named with its ranks);
-* a weight sync that failed verification (named by engine);
+* a weight sync that failed verification (named by engine; with `tim align`'s first divergence on that engine, which
+  the job runs after a failed check);
 * a device whose peak memory, extrapolated to the full recipe, is above 95% of its memory.
 
 Warnings (still go): a bus bandwidth between 10% and 50% of nominal; ``tim plan`` underestimating a device's
@@ -181,12 +182,21 @@ def _setup(report: dict) -> list[str]:
 
 def _syncs(report: dict) -> list[str]:
     out = []
+    aligned = report.get("align") or {}
     for s in report.get("syncs", []):
         if s.get("verdict") == "failed":
-            out.append(
+            reason = (
                 f"weight sync {s['sync']} failed verification ({s['check']}) on rollout engine {s['engine']} "
                 f"({_ranks(s['ranks'])}): {s.get('error', '')}"
             )
+            if aligned.get("engine") == s["engine"]:
+                reason += (
+                    f"; tim align on this engine (tolerance {aligned['tolerance']:g}): first divergence "
+                    f"{aligned['where']} ({aligned['folder']})"
+                )
+            elif "skipped" in aligned:
+                reason += f"; tim align did not run: {aligned['skipped']}"
+            out.append(reason)
     return out
 
 

@@ -228,6 +228,27 @@ def assemble(run_dir: Path, *, job: dict | None = None) -> dict:
         },
         "checkpoint": rank0.get("checkpoint"),
         "nccl_debug": _nccl_settings(run_dir),
+        "align": _align(run_dir, read_results(run_dir, "align")),
+    }
+
+
+def _align(run_dir: Path, results: list[dict] | None) -> dict | None:
+    """After a failed sync check: the failing engine's first divergence as ``tim align`` found it (its files in
+    ``RUN/align/``), or why it did not run; None when it was not asked for."""
+    if not results:
+        return None
+    skipped = next((d["skipped"] for d in results if "skipped" in d), None)
+    if skipped:
+        return {"skipped": skipped}
+    written = next((d for d in results if d.get("writer")), None)
+    if written is None:
+        return {"skipped": next((d["error"] for d in results if "error" in d), "no rank wrote an alignment")}
+    return {
+        "engine": written["engine"],
+        "where": written["where"],
+        "tolerance": written["tolerance"],
+        "tokens_differing_any_layer": written["tokens_differing_any_layer"],
+        "folder": str(Path(run_dir) / "align"),
     }
 
 
