@@ -49,6 +49,18 @@ def _run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subproc
     return res
 
 
+def _dims(recipe: str):
+    from tim_megatron.recipe import load_recipe
+
+    return load_recipe(ROOT / recipe).recipe.model.dims
+
+
+def load_recipe_name(recipe: str) -> str:
+    from tim_megatron.recipe import load_recipe
+
+    return load_recipe(ROOT / recipe).name
+
+
 def _tiny_checkpoint(recipe: str) -> Path:
     """Built once here, so the workers (and both torchrun ranks) only read it."""
     from tim_megatron.models.tiny import ensure_tiny_checkpoint
@@ -248,6 +260,26 @@ def test_align_finds_a_fault_planted_in_the_last_moe_layer(family):
     hit = planted["layers"][last]
     assert hit["attention"]["scaled"] <= 1e-5 and hit["router_logits"]["scaled"] <= 1e-5
     assert hit["block"]["scaled"] > 1e-4
+
+
+@pytest.mark.slow
+def test_tim_align_runs_on_the_tiny_recipe_and_writes_its_report(family):
+    """``tim align``'s own path (``align.run.align``: trainer and engine built from the recipe as it is, two sampled
+    responses) on the family's tiny recipe: align.json with every decoder layer, the table and the plot."""
+    out = family["out"] / "align-recipe"
+    rep = json.loads((out / "align.json").read_text())
+    dims = _dims(RECIPES[family["name"]])
+    assert rep["recipe"] == load_recipe_name(RECIPES[family["name"]]) and rep["sides"] == [
+        "engine",
+        "trainer",
+    ]
+    assert [ld["layer"] for ld in rep["layers"]] == list(range(dims.num_layers))
+    assert [ld["moe"] for ld in rep["layers"]] == [
+        i >= dims.first_k_dense_layers for i in range(dims.num_layers)
+    ]
+    assert rep["sequences"] == 2 and rep["tokens"] > 2 and rep["where"]
+    assert (out / "align.txt").read_text().startswith("tim align: engine vs trainer, 2 sequences")
+    assert (out / "align.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

@@ -265,6 +265,14 @@ def align_checks(eng, tr: MegatronTrainer, seqs: list[list[int]], dims) -> dict:
     }
 
 
+def align_recipe(recipe_path: str, out_dir: Path) -> None:
+    """What ``tim align RECIPE --prompts 2 --out OUT_DIR`` runs, in this process (after the scenario's own engine and
+    trainer are closed): the family's tiny recipe as it is, its engine sampling the sequences."""
+    from tim_megatron.align.run import AlignOptions, align
+
+    align(load_recipe(recipe_path), AlignOptions(prompts=2), out=out_dir)
+
+
 def _vllm_vs_trainer(eng, tr: MegatronTrainer, batch: SeqBatch, seqs: list[list[int]]) -> float:
     """Largest |logprob| difference between vLLM's scores and the trainer's on the fixed batch."""
     lp, _ = tr.logprobs(batch)
@@ -374,6 +382,7 @@ def main() -> None:
         out: dict = {}
         if scenario == "single":
             scenario_single(recipe_path, out)
+            align_recipe(recipe_path, out_dir / "align-recipe")
         else:  # the fixed batch that the family's single scenario chose
             seed = torch.load(out_dir / "single.pt", weights_only=False)["batch_seed"]
             scenario_parallel(recipe_path, out, seed=seed)
