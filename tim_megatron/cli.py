@@ -290,7 +290,20 @@ def _train(
             )
     except _user_errors() as e:
         _fail(f"{type(e).__name__}: {e}" + _align_hint(e, rd, world=world))
+    except Exception as e:
+        from tim_megatron.rollout.base import EngineStartError
+
+        if not (isinstance(e, EngineStartError) and e.kind == "fit"):
+            raise  # anything else keeps its traceback
+        _fail(f"the rollout engine does not fit in the memory it was given: {e}\n{ENGINE_FIT_FIX}")
     raise typer.Exit(_rank_exit(code))
+
+
+ENGINE_FIT_FIX = (
+    "fix: on a GPU raise rollout.gpu_memory_utilization (the engine's share of each GPU) or "
+    "rollout.tensor_parallel_size, or lower rollout.max_model_len; on CPU set rollout.cpu_kvcache_gib within the "
+    "machine's free memory (tim plan shows the budget)"
+)
 
 
 def _align_hint(e: Exception, rd: Path | None, *, world: int) -> str:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 _MLA = (
-    "it needs multi-head latent attention (MLA). megatron-core 0.16.1 builds MLA's core attention with separate "
-    "key and value head sizes, which only transformer-engine's attention accepts (the local DotProductAttention "
-    "fails with 'unexpected keyword argument k_channels'), and transformer-engine is CUDA-only, so the trainer "
-    "cannot run it on CPU and no test here could check it. vLLM's CPU MLA backend does run (for "
-    "kv_lora_rank + qk_rope_head_dim = 576 only). Missing piece: an MLA family module (weight table for "
-    "q_a/q_b/kv_a/kv_b projections, interleaved RoPE, group-limited routing) verified on a GPU with "
-    "transformer-engine"
+    "it needs multi-head latent attention (MLA) as a model family. The trainer's MLA attention runs on CPU "
+    "(megatron-core's MLASelfAttention with tim_megatron/trainer/mla.py's core attention; it equals HF "
+    "transformers' DeepSeek-V3 attention in float32, q-LoRA and YaRN included), but the family module is not "
+    "built: the config.json reader, the weight table (q_a/q_b/kv_a/kv_b projections, TP and EP splits), "
+    "group-limited routing, vLLM's CPU MLA engine (kv_lora_rank + qk_rope_head_dim = 576 only), FP8 checkpoints "
+    "and MLA's compressed KV cache in the plans"
 )
 
 REFUSED: dict[str, str] = {

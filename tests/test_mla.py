@@ -1,0 +1,63 @@
+"""Multi-head latent attention in the trainer on CPU (issue 26, first part): megatron-core's own
+``MLASelfAttention``, with tim_megatron.trainer.mla's core attention and the patch that lets it build without
+transformer-engine, against HF transformers' DeepSeek-V3 in float32, with and without q-LoRA, and with YaRN at
+positions beyond the original context. Run in a fresh process (tests/workers/mla_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import importable, require
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory) -> dict[str, dict]:
+    require(importable("megatron.core", "transformers"), "megatron-core and transformers")
+    out = tmp_path_factory.mktemp("mla") / "mla.json"
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tests/workers/mla_worker.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return {r["variant"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("variant", ["q_lora", "no_q_lora", "yarn"])
+def test_megatron_mla_equals_hf_deepseek_v3_in_fp32(mla, variant):
+    r = mla[variant]
+    # every tensor copied, none left over: q_a, q_a norm, q_b (or q), kv_a, kv_a norm, kv_b, o, two layer norms,
+    # the MLP's two, per layer; embeddings, final norm and head
+    assert r["tensors"] == (25 if variant != "no_q_lora" else 21)
+    assert r["logprob_max_abs_diff"] <= 1e-5, r
+    assert r["logits_max_abs_diff"] <= 1e-5 * max(1.0, r["logits_max_abs"]), r
+
+
+def test_yarn_is_compared_beyond_the_original_context_and_matters_there(mla):
+    """48 positions against an original context of 16; the same model with plain RoPE on the megatron side is off
+    by nats, so the comparison above does test YaRN (and attention is sharp enough to show a wrong encoding)."""
+    assert mla["yarn"]["length"] == 48 > 16
+    assert mla["yarn_vs_plain_rope"]["logprob_max_abs_diff"] > 0.1
+
+
+def test_the_mla_patch_is_version_guarded_and_refuses_where_transformer_engine_exists(monkeypatch):
+    import megatron.core.transformer.multi_latent_attention as m
+
+    from patches.guard import check_version
+    from patches.megatron import mla_without_te
+
+    check_version(mla_without_te.SPEC)  # the installed megatron-core is the verified one
+    monkeypatch.setattr(m, "TELinear", type("TELinear", (), {}))  # a real class: transformer-engine present
+    with pytest.raises(RuntimeError, match="must not be applied: TELinear is a real class"):
+        mla_without_te.apply()

@@ -1,0 +1,108 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight) in megatron-core without transformer-engine.
+
+megatron-core's ``MLASelfAttention`` (q_a/q_b with q-LoRA, kv_a with the compressed latent and the decoupled RoPE
+key, kv_b, the norms between them, RoPE or YaRN on the rope part only) is used as it is. What it cannot get from
+megatron-core's local modules is its core attention: it asks for key heads of ``qk_nope + qk_rope`` channels and
+value heads of ``v_head_dim`` channels, and the local ``DotProductAttention`` has one head size
+(``kv_channels``). :class:`LatentCoreAttention` is that core attention, on torch's own operations, given through
+the layer spec (no patch); with transformer-engine the same spec takes TE's attention, which accepts both sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tim_megatron.trainer.norm import SequenceParallelRMSNorm
+
+
+class LatentCoreAttention(torch.nn.Module):
+    """``softmax(q k^T * scale + causal mask) v`` per head, with key and value head sizes of their own.
+
+    Inputs as megatron-core's core attentions take them: query ``[sq, b, heads, k_channels]``, key
+    ``[sk, b, heads, k_channels]``, value ``[sk, b, heads, v_channels]`` (this rank's heads); returns
+    ``[sq, b, heads * v_channels]``. Scores and softmax in float32 (``attention_softmax_in_fp32``), the weighted sum
+    in the value's dtype. ``attention_mask`` (True = masked, megatron's convention) is applied on top of the
+    causal mask when given."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size = {config.context_parallel_size}: LatentCoreAttention runs on one "
+                "context-parallel rank (allowed: 1)"
+            )
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout = {dropout}: RL scores tokens exactly (allowed: 0)")
+        self.k_channels = k_channels or config.kv_channels
+        self.v_channels = v_channels or config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
+        self.current_max_attn_logits = None  # megatron-core's qk-clip bookkeeping reads it
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        **_unused,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("LatentCoreAttention takes neither packed sequences nor an attention bias")
+        sq, b, heads, _ = query.shape
+        sk = key.shape[0]
+        q = query.permute(1, 2, 0, 3).float()  # [b, heads, sq, k]
+        k = key.permute(1, 2, 3, 0).float()  # [b, heads, k, sk]
+        scores = torch.matmul(q, k) * self.scale  # [b, heads, sq, sk]
+        masked = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(sk - sq + 1)
+        if attention_mask is not None:
+            masked = masked | attention_mask.to(torch.bool)
+        scores = scores.masked_fill(masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        context = torch.matmul(probs, value.permute(1, 2, 0, 3))  # [b, heads, sq, v]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * self.v_channels)
+
+
+def mla_layer_spec(*, num_experts: int | None, use_te: bool):
+    """One MLA decoder layer spec: megatron-core's own (with the q and kv latent norms), and without
+    transformer-engine :class:`LatentCoreAttention` and the sequence-parallel RMSNorm the other families use."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True, multi_latent_attention=True
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=True,
+        multi_latent_attention=True,
+        normalization="RMSNorm",
+    )
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = LatentCoreAttention
+    attn.q_layernorm = SequenceParallelRMSNorm
+    attn.kv_layernorm = SequenceParallelRMSNorm
+    return spec
