@@ -61,3 +61,40 @@ def test_the_mla_patch_is_version_guarded_and_refuses_where_transformer_engine_e
     monkeypatch.setattr(m, "TELinear", type("TELinear", (), {}))  # a real class: transformer-engine present
     with pytest.raises(RuntimeError, match="must not be applied: TELinear is a real class"):
         mla_without_te.apply()
+
+
+def test_vllm_cpu_rope_rotates_every_head_of_a_3d_query_with_the_patch():
+    """vLLM 0.32's CPU rotary kernel mis-rotates ``[tokens, heads, size]`` tensors with more than one head (MLA's
+    query slice); with patches/vllm/cpu_rope_heads.py it equals vLLM's own ``forward_native``, also for a strided
+    slice written back in place."""
+    require(importable("vllm"), "vLLM")
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from patches.vllm import cpu_rope_heads
+
+    original = RotaryEmbedding.forward_cpu
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(
+            64,
+            max_position=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            is_neox_style=False,
+        )
+        g = torch.Generator().manual_seed(0)
+        pos = torch.arange(6)
+        full, key = torch.randn(6, 4, 96, generator=g), torch.randn(6, 1, 64, generator=g)
+        want_q, want_k = rope.forward_native(pos, full[..., 32:].clone(), key.clone())
+        bare = full.clone()
+        original(rope, pos, bare[..., 32:], key.clone())
+        assert (bare[..., 32:] - want_q).abs().max() > 1  # the kernel alone: wrong angles
+        try:
+            assert cpu_rope_heads.apply() in (True, False)
+            q, k = full.clone(), key.clone()
+            rope.forward_cpu(pos, q[..., 32:], k)
+            assert (q[..., 32:] - want_q).abs().max() < 1e-5 and (k - want_k).abs().max() < 1e-5
+            assert torch.equal(q[..., :32], full[..., :32])  # the rest of the row untouched
+        finally:
+            RotaryEmbedding.forward_cpu = original

@@ -361,8 +361,14 @@ def gating_weights(
 
 
 def scenario_parallel(recipe_path: str, out: dict, *, seed: int) -> None:
+    from tim_megatron.recipe import RecipeError
+
     for name, layout in (("tp2", ["parallel.tp=2"]), ("ep2", ["parallel.ep=2", "parallel.dp=2"])):
-        r = load_recipe(recipe_path, [*BASE, *layout]).recipe
+        try:
+            r = load_recipe(recipe_path, [*BASE, *layout]).recipe
+        except RecipeError as e:  # a layout the recipe refuses (MLA under TP): the refusal is the result
+            out[name] = {"refused": str(e)}
+            continue
         ck = ensure_tiny_checkpoint(
             r.model.dims, seed=r.model.tiny_seed, warmup_steps=r.model.tiny_warmup_steps, task=r.data.task
         )

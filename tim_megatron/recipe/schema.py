@@ -61,7 +61,7 @@ _MAX_EXPERTS = 4096
 _MAX_POSITIONS = 1 << 24
 
 
-FAMILIES = ("glm4_moe", "mixtral", "olmoe", "qwen3", "qwen3_moe")
+FAMILIES = ("deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen3", "qwen3_moe")
 """The model families the trainer implements: the registry names of tim_megatron/trainer/families (one module
 each; a test checks that the two agree). The schema names them itself so that it imports nothing above it."""
 
@@ -136,10 +136,48 @@ class ModelDims(Section):
     weights them by the score alone (GLM-4.5). The bias is loaded from the checkpoint and kept fixed in RL."""
     routed_scaling_factor: float = Field(1.0, gt=0, le=1000)
     """Multiplier on the routed experts' gating weights (``routed_scaling_factor``; GLM-4.5-Air: 1.0)."""
+    router_groups: int = Field(1, ge=1, le=_MAX_EXPERTS)
+    """Group-limited routing (``n_group``; DeepSeek-V3: 8): the experts in this many equal groups, and a token's
+    experts chosen only from its ``router_group_topk`` best groups (a group's score: the sum of its two best
+    expert scores, bias included). 1: no groups."""
+    router_group_topk: int = Field(1, ge=1, le=_MAX_EXPERTS)
+    """Groups a token's experts may come from (``topk_group``; DeepSeek-V3: 4)."""
+    kv_lora_rank: int = Field(0, ge=0, le=_MAX_WIDTH)
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight): width of the compressed key/value
+    latent that the KV cache holds (``kv_lora_rank``). 0: ordinary attention with heads of ``head_dim``."""
+    q_lora_rank: int = Field(0, ge=0, le=_MAX_WIDTH)
+    """MLA: width of the compressed query latent (``q_lora_rank``); 0: one query projection (DeepSeek-V2-Lite,
+    Moonlight)."""
+    qk_nope_head_dim: int = Field(0, ge=0, le=_MAX_HEAD_DIM)
+    """MLA: per-head query/key channels without position encoding (``qk_nope_head_dim``)."""
+    qk_rope_head_dim: int = Field(0, ge=0, le=_MAX_HEAD_DIM)
+    """MLA: per-head query/key channels that RoPE rotates; the key's are one head shared by all
+    (``qk_rope_head_dim``)."""
+    v_head_dim: int = Field(0, ge=0, le=_MAX_HEAD_DIM)
+    """MLA: per-head value channels (``v_head_dim``)."""
+    rope_scaling: Literal["none", "yarn"] = "none"
+    """RoPE scaling (``rope_scaling.type``): none, or YaRN (DeepSeek-V3, Kimi-K2) with the ``yarn_*`` fields."""
+    yarn_factor: float = Field(1.0, ge=1, le=1e6)
+    """YaRN: context extension factor (``rope_scaling.factor``)."""
+    yarn_original_max_position_embeddings: int = Field(0, ge=0, le=_MAX_POSITIONS)
+    """YaRN: the context the model was pretrained with (``rope_scaling.original_max_position_embeddings``)."""
+    yarn_beta_fast: float = Field(32.0, gt=0, le=1e6)
+    """YaRN: fast boundary of the frequency ramp (``rope_scaling.beta_fast``)."""
+    yarn_beta_slow: float = Field(1.0, gt=0, le=1e6)
+    """YaRN: slow boundary of the frequency ramp (``rope_scaling.beta_slow``)."""
+    yarn_mscale: float = Field(1.0, ge=0, le=1e6)
+    """YaRN: attention temperature coefficient of the rotary embedding (``rope_scaling.mscale``)."""
+    yarn_mscale_all_dim: float = Field(0.0, ge=0, le=1e6)
+    """YaRN: the coefficient that also scales the softmax (``rope_scaling.mscale_all_dim``; 0: none)."""
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` > 0)."""
+        return self.kv_lora_rank > 0
 
     @property
     def resolved_family(self) -> str:
@@ -173,12 +211,19 @@ def _check_dims(d: ModelDims) -> None:
             f"model.dims.family = {d.family!r} is not a known model family; allowed: {', '.join(FAMILIES)} "
             "(or leave it unset for Qwen3)",
         )
+    _check_mla(d)
     rot = d.head_dim * d.partial_rotary_factor
-    if rot != int(rot) or int(rot) % 2:
+    if not d.is_mla and (rot != int(rot) or int(rot) % 2):
         raise RecipeValueError(
             ["model.dims.partial_rotary_factor", "model.dims.head_dim"],
             f"partial_rotary_factor = {d.partial_rotary_factor} x head_dim = {d.head_dim} must be an even "
             "whole number of rotated channels",
+        )
+    if d.rope_scaling == "yarn" and (d.yarn_factor <= 1 or d.yarn_original_max_position_embeddings < 1):
+        raise RecipeValueError(
+            ["model.dims.yarn_factor", "model.dims.yarn_original_max_position_embeddings"],
+            f"rope_scaling = yarn needs yarn_factor > 1 (got {d.yarn_factor}) and "
+            f"yarn_original_max_position_embeddings >= 1 (got {d.yarn_original_max_position_embeddings})",
         )
     if not d.is_moe:
         moe_only = {
@@ -187,6 +232,7 @@ def _check_dims(d: ModelDims) -> None:
             "router_score": d.router_score != "softmax",
             "router_expert_bias": d.router_expert_bias,
             "routed_scaling_factor": d.routed_scaling_factor != 1.0,
+            "router_groups": d.router_groups != 1,
         }
         bad = [k for k, v in moe_only.items() if v]
         if bad:
@@ -209,6 +255,64 @@ def _check_dims(d: ModelDims) -> None:
         raise RecipeValueError(
             ["model.dims.router_score", "model.dims.norm_topk_prob"],
             "router_score = sigmoid needs norm_topk_prob = true (megatron-core renormalizes sigmoid top-k scores)",
+        )
+    _check_groups(d)
+
+
+def _check_groups(d: ModelDims) -> None:
+    """Group-limited routing as DeepSeek-V3 defines it (a group scored by its two best experts), which is what
+    megatron-core computes when top-k / group top-k = 2."""
+    keys = ["model.dims.router_groups", "model.dims.router_group_topk", "model.dims.num_experts"]
+    g, gk = d.router_groups, d.router_group_topk
+    if d.num_experts % g or gk > g:
+        raise RecipeValueError(
+            keys,
+            f"router_groups = {g} must divide num_experts = {d.num_experts}, and router_group_topk = {gk} must be "
+            f"at most router_groups",
+        )
+    if g > 1 and gk < g and d.num_experts_per_tok != 2 * gk:
+        raise RecipeValueError(
+            [*keys[:2], "model.dims.num_experts_per_tok"],
+            f"group-limited routing scores a group by its two best experts; megatron-core scores it by its best "
+            f"num_experts_per_tok / router_group_topk = {d.num_experts_per_tok} / {gk}, so the two agree only when "
+            f"num_experts_per_tok = 2 x router_group_topk (DeepSeek-V3: 8 = 2 x 4)",
+        )
+
+
+def _check_mla(d: ModelDims) -> None:
+    """MLA's head sizes are all set or all unset, and what the other attention features would change is off."""
+    mla = {
+        "qk_nope_head_dim": d.qk_nope_head_dim,
+        "qk_rope_head_dim": d.qk_rope_head_dim,
+        "v_head_dim": d.v_head_dim,
+    }
+    if not d.is_mla:
+        stray = [k for k, v in {**mla, "q_lora_rank": d.q_lora_rank}.items() if v]
+        if stray:
+            raise RecipeValueError(
+                [f"model.dims.{stray[0]}", "model.dims.kv_lora_rank"],
+                f"model.dims.{stray[0]} is a multi-head latent attention setting, but kv_lora_rank = 0; remove it",
+            )
+        return
+    unset = [k for k, v in mla.items() if not v]
+    if unset or d.qk_rope_head_dim % 2:
+        raise RecipeValueError(
+            ["model.dims.kv_lora_rank", *(f"model.dims.{k}" for k in unset or ["qk_rope_head_dim"])],
+            f"kv_lora_rank = {d.kv_lora_rank} (MLA) needs qk_nope_head_dim, qk_rope_head_dim (even) and v_head_dim "
+            f"above 0 (got {mla})",
+        )
+    other = {
+        "qk_norm": d.qk_norm != "none",
+        "attention_bias": d.attention_bias,
+        "partial_rotary_factor": d.partial_rotary_factor != 1.0,
+    }
+    bad = [k for k, v in other.items() if v]
+    if bad:
+        raise RecipeValueError(
+            [f"model.dims.{bad[0]}", "model.dims.kv_lora_rank"],
+            f"model.dims.{bad[0]} does not apply to multi-head latent attention (kv_lora_rank = {d.kv_lora_rank}); "
+            "allowed: qk_norm none, attention_bias false, partial_rotary_factor 1 (the latents have their own norms, "
+            "RoPE applies to qk_rope_head_dim)",
         )
 
 
@@ -985,6 +1089,21 @@ def _check_model_and_parallel(r: Recipe) -> None:
         raise RecipeValueError(
             ["parallel.tp", "model.dims.vocab_size"],
             f"parallel.tp = {p.tp} must divide model.dims.vocab_size = {d.vocab_size}",
+        )
+    if d.is_mla and p.tp > 1:
+        raise RecipeValueError(
+            ["parallel.tp", "model.dims.kv_lora_rank"],
+            f"parallel.tp = {p.tp} with multi-head latent attention (kv_lora_rank = {d.kv_lora_rank}): megatron-core "
+            "0.16.1's local MLA leaves the rotated key's gradient unreduced across tensor-parallel ranks (TP=2 "
+            "gradients off by 4e-2 against one process, forward exact); allowed: parallel.tp = 1 (use parallel.ep "
+            "and parallel.dp)",
+        )
+    if d.is_mla and r.diagnostics.vexact == "exact":
+        raise RecipeValueError(
+            ["diagnostics.vexact", "model.dims.kv_lora_rank"],
+            "diagnostics.vexact = exact with multi-head latent attention: exact mode's row-invariant kernels and "
+            "KV-cache sampler cover megatron-core's ordinary attention, not MLA's; allowed for MLA: "
+            "diagnostics.vexact = off",
         )
 
 

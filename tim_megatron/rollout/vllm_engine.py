@@ -113,6 +113,15 @@ def check_vllm_build(*, dist: str, version: str, on_gpu: bool, environ: Mapping[
 def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
     """Fail early, with the reason, for checkpoints vLLM cannot serve here."""
     cfg = check_model_files(model_path)
+    if cfg.get("kv_lora_rank"):  # multi-head latent attention: the cache holds the latent and the rotated key
+        latent, rope = cfg["kv_lora_rank"], cfg.get("qk_rope_head_dim")
+        if not on_gpu and (latent, rope) != (512, 64):
+            raise RolloutInputError(
+                f"rollout: kv_lora_rank = {latent}, qk_rope_head_dim = {rope}: vLLM's CPU MLA attention takes only "
+                "512 and 64 (a 576-wide cache entry, as DeepSeek-V2/V3 have); use model.dims.kv_lora_rank = 512 and "
+                "model.dims.qk_rope_head_dim = 64 for CPU runs"
+            )
+        return cfg
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if not on_gpu:
         sizes = cpu_head_sizes()
@@ -194,9 +203,10 @@ class VLLMEngine:
 
         kwargs = self._llm_arguments(vllm_version)
         if not self.on_gpu:
-            from patches.vllm import cpu_eager_token_rank
+            from patches.vllm import cpu_eager_token_rank, cpu_rope_heads
 
             cpu_eager_token_rank.apply()  # no Inductor compile at the first generation
+            cpu_rope_heads.apply()  # every head of a [tokens, heads, size] query rotated (MLA)
         t = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)

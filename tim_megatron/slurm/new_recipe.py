@@ -65,7 +65,7 @@ def new_recipe(
     )
     diff: dict = {
         "base": str(rel),
-        "model": {"path": model_path, "dims": dims.model_dump()},
+        "model": {"path": model_path, "dims": written_dims(dims)},
         "logging": {"wandb": {"project": f"tim-megatron-{name}"}},
     }
     source = load_recipe(src / "base.yaml").recipe
@@ -183,3 +183,31 @@ def _comment_text(text: str) -> str:
     """``text`` as one comment line: every character that is not printable (a newline, a carriage return,
     YAML's other line breaks, terminal escapes) is written as its escape, so a path cannot end the comment."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+OPTIONAL_FEATURES = (
+    "router_groups",
+    "router_group_topk",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_scaling",
+    "yarn_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_mscale",
+    "yarn_mscale_all_dim",
+)
+"""``model.dims`` fields of features only some families have (group-limited routing, multi-head latent attention,
+YaRN): written to a new recipe only when the model uses them."""
+
+
+def written_dims(dims) -> dict:
+    """``model.dims`` as a new recipe writes it: every field, less the optional features left at their defaults."""
+    defaults = type(dims)()
+    return {
+        k: v for k, v in dims.model_dump().items() if k not in OPTIONAL_FEATURES or v != getattr(defaults, k)
+    }

@@ -64,7 +64,11 @@ def split_params(d: ModelDims) -> tuple[int, int]:
 
 
 def kv_cache_bytes_per_token(d: ModelDims, *, rollout_tp: int, dtype: str) -> float:
-    """K and V of every layer for one token on one vLLM GPU (KV heads are replicated when TP exceeds them)."""
+    """K and V of every layer for one token on one vLLM GPU (KV heads are replicated when TP exceeds them). With
+    multi-head latent attention the cache holds one compressed latent and the shared rotated key per layer,
+    ``kv_lora_rank + qk_rope_head_dim`` wide, on every TP rank."""
+    if d.is_mla:
+        return d.num_layers * (d.kv_lora_rank + d.qk_rope_head_dim) * _BYTES[dtype]
     heads = max(math.ceil(d.num_key_value_heads / rollout_tp), 1)
     return 2 * d.num_layers * heads * d.head_dim * _BYTES[dtype]
 

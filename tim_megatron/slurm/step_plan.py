@@ -40,7 +40,8 @@ def forward_flops(recipe: Recipe) -> float:
     d = recipe.model.dims
     n = param_count(d).active - (0 if d.tie_word_embeddings else d.vocab_size * d.hidden_size)
     L = recipe.data.max_prompt_tokens + recipe.rollout.max_tokens
-    attention = 2 * d.num_layers * d.num_attention_heads * d.head_dim * L * L
+    width = (d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim) / 2 if d.is_mla else d.head_dim
+    attention = 2 * d.num_layers * d.num_attention_heads * width * L * L  # MLA: scores over q/k, sum over v
     return recipe.sequences_per_step * (2 * n * L + attention)
 
 

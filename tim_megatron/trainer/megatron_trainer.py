@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from patches.megatron import cpu_shims, invariant_kernels, no_te_router_gemm, router_replay
+from patches.megatron import cpu_shims, invariant_kernels, mla_without_te, no_te_router_gemm, router_replay
 from tim_megatron.algo.stats import Stats
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
@@ -113,6 +113,8 @@ class MegatronTrainer:
 
         if no_te_router_gemm.needed():
             self._handles.append(no_te_router_gemm.apply())
+        if self.dims.is_mla and mla_without_te.needed():
+            self._handles.append(mla_without_te.apply())
         self.env: DistEnv = init_parallel(
             recipe.parallel,
             seed=recipe.run.seed,

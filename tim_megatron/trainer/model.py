@@ -63,7 +63,7 @@ def recompute_kwargs(mode: str) -> dict:
 def transformer_config(
     dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismConfig, opts: BuildOptions
 ):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     from tim_megatron.trainer.families import get_family
 
@@ -88,7 +88,8 @@ def transformer_config(
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.etp,
         )
-    return TransformerConfig(
+    config_class = MLATransformerConfig if dims.is_mla else TransformerConfig
+    return config_class(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
         num_attention_heads=dims.num_attention_heads,

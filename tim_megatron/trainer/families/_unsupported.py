@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-_MLA = (
-    "it needs multi-head latent attention (MLA) as a model family. The trainer's MLA attention runs on CPU "
-    "(megatron-core's MLASelfAttention with tim_megatron/trainer/mla.py's core attention; it equals HF "
-    "transformers' DeepSeek-V3 attention in float32, q-LoRA and YaRN included), but the family module is not "
-    "built: the config.json reader, the weight table (q_a/q_b/kv_a/kv_b projections, TP and EP splits), "
-    "group-limited routing, vLLM's CPU MLA engine (kv_lora_rank + qk_rope_head_dim = 576 only), FP8 checkpoints "
-    "and MLA's compressed KV cache in the plans"
+_V2 = (
+    "DeepSeek-V2's router differs from V3's: softmax scores, and with groups (topk_method "
+    "group_limited_greedy) a group scored by its best expert, where megatron-core scores a group by the sum of its "
+    "best top-k / topk_group experts. Missing piece: a deepseek_v2 family module (V2-Lite, one group, needs only "
+    "the softmax router; the full V2 also a group score). DeepSeek-V3, Kimi-K2 and Moonlight "
+    "(DeepseekV3ForCausalLM) are supported"
 )
 
 REFUSED: dict[str, str] = {
-    "DeepseekV3ForCausalLM": f"DeepseekV3ForCausalLM (DeepSeek-V3, Moonlight) is not supported: {_MLA}",
-    "DeepseekV2ForCausalLM": f"DeepseekV2ForCausalLM (DeepSeek-V2) is not supported: {_MLA}",
+    "DeepseekV2ForCausalLM": f"DeepseekV2ForCausalLM (DeepSeek-V2) is not supported: {_V2}",
 }
 """HF architecture -> why it is refused."""
