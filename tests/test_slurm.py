@@ -62,14 +62,22 @@ def steps_logged(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in f.read_text().splitlines()] if f.exists() else []
 
 
-def test_make_submit_runs_the_tiny_recipe_to_completion(slurm, tmp_path):
-    job, run = submit_tiny(slurm, tmp_path, 2)
+# One two-rank job (TP=2, issue 11's failing layout, with forced odd and even widths) through the README's command;
+# a two-rank DP job runs through Slurm in test_preflight.py's go run, and DP=2 with forced widths in
+# test_loop.py::test_two_processes_over_gloo[dp2].
+def test_make_submit_runs_a_two_rank_tiny_job_to_completion(slurm, tmp_path):
+    from tests.test_loop import FORCED_WIDTHS, expected_widths
+
+    widths = expected_widths(2)
+    assert {w % 2 for w in widths} == {0, 1}, widths  # an odd and an even width, whatever is sampled
+    job, run = submit_tiny(slurm, tmp_path, 2, " ".join(["parallel.tp=2", *FORCED_WIDTHS]))
     assert slurm.wait(job) == "COMPLETED", job_log(run, job)
     assert steps_logged(run) == [1, 2]
     assert json.loads((run / "run.json").read_text())["status"] == "completed"
-    assert (run / "job.sbatch").exists() and list(
-        (run / "logs").glob(f"ranks-{job}/*/attempt_0/0/stdout.log")
-    )
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batch/width"] for r in rows] == widths
+    assert (run / "job.sbatch").exists()
+    assert len(list((run / "logs").glob(f"ranks-{job}/*/attempt_0/*/stdout.log"))) == 2  # one log per rank
     log = (run / "logs" / f"slurm-{job}.out").read_text()
     assert "tim-megatron job" in log
     logs = make("logs", slurm, JOB=job, ROOT=tmp_path)  # finds the run folder through run.json
@@ -97,22 +105,6 @@ def test_tiny_sweep_jobs_complete_with_one_sweep_id(slurm, tmp_path):
     assert len(sweep_ids) == 1 and next(iter(sweep_ids)).startswith("clipping-tiny-")
     names = {Path(run).parent.name for _, run in jobs}
     assert names == {"clipping-tiny-token-clip-0.2", "clipping-tiny-clip-higher-0.28", "clipping-tiny-gspo"}
-
-
-# TP=2 here (issue 11's failing layout); a two-rank DP job runs through Slurm in test_preflight.py's go run,
-# and DP=2 with forced widths in test_loop.py::test_two_processes_over_gloo[dp2].
-@pytest.mark.parametrize("layout", ["parallel.tp=2"])
-def test_two_rank_job_over_gloo(slurm, tmp_path, layout):
-    from tests.test_loop import FORCED_WIDTHS, expected_widths
-
-    widths = expected_widths(2)
-    assert {w % 2 for w in widths} == {0, 1}, widths  # an odd and an even width, whatever is sampled
-    job, run = submit_tiny(slurm, tmp_path, 2, " ".join([layout, *FORCED_WIDTHS]))
-    assert slurm.wait(job) == "COMPLETED", job_log(run, job)
-    assert steps_logged(run) == [1, 2]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["batch/width"] for r in rows] == widths
-    assert len(list((run / "logs").glob(f"ranks-{job}/*/attempt_0/*/stdout.log"))) == 2  # one log per rank
 
 
 def _running_until(run: Path, step: int, job: str, slurm, timeout=300) -> None:
