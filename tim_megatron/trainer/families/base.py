@@ -271,6 +271,27 @@ def hf_common(dims: ModelDims) -> dict[str, Any]:
     )
 
 
+def hf_shared_expert_moe(dims: ModelDims, family: str) -> dict[str, Any]:
+    """transformers config arguments of the GLM-4.5 / DeepSeek-V3 MoE layout: leading dense layers, routed
+    experts with a sigmoid router and routed scaling, shared experts counted in routed experts' widths."""
+    shared, rest = divmod(dims.shared_expert_intermediate_size, dims.moe_intermediate_size)
+    if rest:
+        raise ValueError(f"{family}'s shared expert width is a whole number of routed experts' widths")
+    return dict(
+        intermediate_size=dims.intermediate_size,
+        moe_intermediate_size=dims.moe_intermediate_size,
+        n_routed_experts=dims.num_experts,
+        num_experts_per_tok=dims.num_experts_per_tok,
+        n_shared_experts=shared,
+        first_k_dense_replace=dims.first_k_dense_layers,
+        routed_scaling_factor=dims.routed_scaling_factor,
+        norm_topk_prob=dims.norm_topk_prob,
+        n_group=dims.router_groups,
+        topk_group=dims.router_group_topk,
+        num_nextn_predict_layers=0,
+    )
+
+
 # ------------------------------------------------------------------------------------ megatron side
 
 

@@ -136,21 +136,9 @@ def hf_config(dims: ModelDims):
             "mscale_all_dim": dims.yarn_mscale_all_dim,
         }
     common["rope_parameters"] = rope
-    shared, rest = divmod(dims.shared_expert_intermediate_size, dims.moe_intermediate_size)
-    if rest:
-        raise ValueError("DeepSeek-V3's shared expert width is a whole number of routed experts' widths")
     return DeepseekV3Config(
         **common,
-        intermediate_size=dims.intermediate_size,
-        moe_intermediate_size=dims.moe_intermediate_size,
-        n_routed_experts=dims.num_experts,
-        num_experts_per_tok=dims.num_experts_per_tok,
-        n_shared_experts=shared,
-        first_k_dense_replace=dims.first_k_dense_layers,
-        routed_scaling_factor=dims.routed_scaling_factor,
-        norm_topk_prob=dims.norm_topk_prob,
-        n_group=dims.router_groups,
-        topk_group=dims.router_group_topk,
+        **base.hf_shared_expert_moe(dims, "DeepSeek-V3"),
         q_lora_rank=dims.q_lora_rank or None,
         kv_lora_rank=dims.kv_lora_rank,
         qk_nope_head_dim=dims.qk_nope_head_dim,
@@ -158,7 +146,6 @@ def hf_config(dims: ModelDims):
         v_head_dim=dims.v_head_dim,
         rope_interleave=True,
         attention_bias=False,
-        num_nextn_predict_layers=0,
         # transformers' DeepSeek-V3 always routes this way and no longer writes the keys; vLLM reads them (and
         # without them builds softmax scoring with no correction bias), as the published config.json has them
         topk_method="noaux_tc",

@@ -62,24 +62,11 @@ def hf_config(dims: ModelDims):
         **common["rope_parameters"],
         "partial_rotary_factor": dims.partial_rotary_factor,
     }
-    shared, rest = divmod(dims.shared_expert_intermediate_size, dims.moe_intermediate_size)
-    if rest:
-        raise ValueError("GLM-4.5's shared expert width is a whole number of routed experts' widths")
     return Glm4MoeConfig(
         **common,
-        intermediate_size=dims.intermediate_size,
-        moe_intermediate_size=dims.moe_intermediate_size,
-        n_routed_experts=dims.num_experts,
-        num_experts_per_tok=dims.num_experts_per_tok,
-        n_shared_experts=shared,
-        first_k_dense_replace=dims.first_k_dense_layers,
-        routed_scaling_factor=dims.routed_scaling_factor,
-        norm_topk_prob=dims.norm_topk_prob,
+        **base.hf_shared_expert_moe(dims, "GLM-4.5"),
         attention_bias=dims.attention_bias,
         use_qk_norm=dims.qk_norm == "per_head",
-        n_group=1,
-        topk_group=1,
-        num_nextn_predict_layers=0,
     )
 
 
