@@ -39,7 +39,11 @@ class Capture:
     tensors: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
     def add(self, part: dict[tuple[str, int], torch.Tensor]) -> None:
-        """Append one sequence's tensors (rows in position order) to the record."""
+        """Append one sequence's tensors (rows in position order) to the record, each layer's expert ids put in
+        ascending order with their gates (:func:`sorted_topk`), whatever order its side chose them in."""
+        part = dict(part)
+        for _, i in [key for key in part if key[0] == "topk"]:
+            part[("topk", i)], part[("gates", i)] = sorted_topk(part[("topk", i)].long(), part[("gates", i)])
         for key, value in part.items():
             have = self.tensors.get(key)
             self.tensors[key] = value if have is None else torch.cat([have, value])
@@ -135,11 +139,6 @@ def trainer_capture(
         with _trainer_hooks(trainer, rec), trainer.head_changed(temperature=1.0):
             lp, _ = trainer.logprobs(batch, routing="off" if replay is None else "replay")
         part = {key: _rows(value, n) for key, value in rec.items()}
-        for i in range(layers):
-            if ("topk", i) in part:
-                part[("topk", i)], part[("gates", i)] = sorted_topk(
-                    part[("topk", i)].long(), part[("gates", i)]
-                )
         part[("logprobs", 0)] = lp.logprobs[0, :n].float()
         cap.add(part)
     return cap
@@ -191,9 +190,6 @@ def engine_capture(engine, sequences: list[list[int]], *, num_layers: int) -> Ca
                     f"tim align: vLLM's model recorded no rows for {missing or ['the final norm']} of a "
                     f"{len(seq)}-token sequence (a layer its hooks do not reach)"
                 )
-            for i in range(num_layers):
-                if ("topk", i) in part:
-                    part[("topk", i)], part[("gates", i)] = sorted_topk(part[("topk", i)], part[("gates", i)])
             part[("logprobs", 0)] = torch.tensor(scores, dtype=torch.float32)
             cap.add(part)
     finally:
@@ -256,9 +252,6 @@ def hf_capture(model, sequences: list[list[int]], *, dims) -> Capture:
                 logits = model(input_ids=torch.tensor([seq])).logits[0].float()
             lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
             part = {key: value.clone() for key, value in rec.items()}
-            for i in range(len(layers)):
-                if ("topk", i) in part:
-                    part[("topk", i)], part[("gates", i)] = sorted_topk(part[("topk", i)], part[("gates", i)])
             part[("logprobs", 0)] = torch.cat([torch.zeros(1), lp])
             cap.add(part)
     finally:

@@ -359,6 +359,12 @@ def layer_specs(dims: ModelDims, use_te: bool) -> list:
             attn.k_layernorm = ModuleSpec(module=WholeProjectionRMSNorm, params={"projection": "k"})
         return spec
 
+    return per_layer(dims, one)
+
+
+def per_layer(dims: ModelDims, one: Callable[[int | None], Any]) -> list:
+    """One spec per layer from ``one(num_experts)``: ``one(None)`` for a dense layer (every layer of a dense
+    model, the leading ``first_k_dense_layers`` of an MoE one), ``one(num_experts)`` for an MoE layer."""
     if not dims.is_moe:
         return [one(None) for _ in range(dims.num_layers)]
     dense, moe = one(None), one(dims.num_experts)

@@ -184,9 +184,7 @@ def layer_specs(dims: ModelDims, use_te: bool) -> list:
     """One MLA layer spec per layer: a dense MLP for the leading dense layers, MoE for the rest."""
     from tim_megatron.trainer.mla import mla_layer_spec
 
-    dense = mla_layer_spec(num_experts=None, use_te=use_te)
-    moe = mla_layer_spec(num_experts=dims.num_experts, use_te=use_te)
-    return [moe if is_moe else dense for is_moe in dims.moe_layer_pattern]
+    return base.per_layer(dims, lambda num_experts: mla_layer_spec(num_experts=num_experts, use_te=use_te))
 
 
 def _attention_rules() -> tuple[Rule, ...]:
