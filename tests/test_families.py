@@ -50,18 +50,6 @@ def _run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subproc
     return res
 
 
-def _dims(recipe: str):
-    from tim_megatron.recipe import load_recipe
-
-    return load_recipe(ROOT / recipe).recipe.model.dims
-
-
-def load_recipe_name(recipe: str) -> str:
-    from tim_megatron.recipe import load_recipe
-
-    return load_recipe(ROOT / recipe).name
-
-
 def _tiny_checkpoint(recipe: str) -> Path:
     """Built once here, so the workers (and both torchrun ranks) only read it."""
     from tim_megatron.models.tiny import ensure_tiny_checkpoint
@@ -277,12 +265,12 @@ def test_tim_align_runs_on_the_tiny_recipe_and_writes_its_report(family):
     """``tim align``'s own path (``align.run.align``: trainer and engine built from the recipe as it is, two sampled
     responses) on the family's tiny recipe: align.json with every decoder layer, the table and the plot."""
     out = family["out"] / "align-recipe"
+    from tim_megatron.recipe import load_recipe
+
     rep = json.loads((out / "align.json").read_text())
-    dims = _dims(RECIPES[family["name"]])
-    assert rep["recipe"] == load_recipe_name(RECIPES[family["name"]]) and rep["sides"] == [
-        "engine",
-        "trainer",
-    ]
+    loaded = load_recipe(ROOT / RECIPES[family["name"]])
+    dims = loaded.recipe.model.dims
+    assert rep["recipe"] == loaded.name and rep["sides"] == ["engine", "trainer"]
     assert [ld["layer"] for ld in rep["layers"]] == list(range(dims.num_layers))
     assert [ld["moe"] for ld in rep["layers"]] == [
         i >= dims.first_k_dense_layers for i in range(dims.num_layers)
@@ -511,6 +499,17 @@ def test_deepseek_v3_config_reads_mla_groups_and_yarn():
             r"two best experts",
         ),
         ({"kv_lora_rank": 512, "qk_rope_head_dim": 63}, r"qk_rope_head_dim \(even\)"),
+        (
+            {
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4,
+                    "original_max_position_embeddings": 16,
+                    "mscale": "x",
+                }
+            },
+            r"rope_scaling: mscale = 'x': allowed: a finite number >= 0",
+        ),
     ],
 )
 def test_deepseek_v3_refusals_are_named(change, match):

@@ -134,10 +134,11 @@ class ConfigReader:
             raise self._fail(key, v, f"an integer >= {minimum}")
         return v
 
-    def float(self, key: str, default: Any = _REQUIRED) -> float:
+    def float(self, key: str, default: Any = _REQUIRED, *, zero_allowed: bool = False) -> float:
         v = self.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-            raise self._fail(key, v, "a finite number > 0")
+        number = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+        if not number or (v < 0 if zero_allowed else v <= 0):
+            raise self._fail(key, v, f"a finite number {'>=' if zero_allowed else '>'} 0")
         return float(v)
 
     def bool(self, key: str, default: bool) -> bool:
@@ -250,6 +251,14 @@ COMMON_KEYS = {
     "num_layers": "num_hidden_layers",
 }
 """ModelDims fields whose config.json key has another name (the rest share their name)."""
+
+SHARED_EXPERT_KEYS = {
+    **COMMON_KEYS,
+    "num_experts": "n_routed_experts",
+    "first_k_dense_layers": "first_k_dense_replace",
+    "shared_expert_intermediate_size": "n_shared_experts",
+}
+"""The same for the GLM-4.5 / DeepSeek-V3 MoE layout (:func:`hf_shared_expert_moe` writes these keys)."""
 
 
 def hf_common(dims: ModelDims) -> dict[str, Any]:

@@ -46,8 +46,8 @@ def _rope(r: base.ConfigReader) -> dict[str, Any]:
         yarn_original_max_position_embeddings=y.int("original_max_position_embeddings"),
         yarn_beta_fast=y.float("beta_fast", 32.0),
         yarn_beta_slow=y.float("beta_slow", 1.0),
-        yarn_mscale=float(scaling.get("mscale", 1.0) or 0.0),
-        yarn_mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0) or 0.0),
+        yarn_mscale=y.float("mscale", 1.0, zero_allowed=True),
+        yarn_mscale_all_dim=y.float("mscale_all_dim", 0.0, zero_allowed=True),
     )
     return out
 
@@ -107,14 +107,7 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
         v_head_dim=v,
         **_rope(r),
     )
-    keys = {
-        **base.COMMON_KEYS,
-        "num_experts": "n_routed_experts",
-        "first_k_dense_layers": "first_k_dense_replace",
-        "shared_expert_intermediate_size": "n_shared_experts",
-        "router_groups": "n_group",
-        "router_group_topk": "topk_group",
-    }
+    keys = {**base.SHARED_EXPERT_KEYS, "router_groups": "n_group", "router_group_topk": "topk_group"}
     return base.dims_from_fields(r, keys, **fields)
 
 

@@ -45,13 +45,7 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
         attention_bias=r.bool("attention_bias", False),
         qk_norm="per_head" if r.bool("use_qk_norm", False) else "none",
     )
-    keys = {
-        **base.COMMON_KEYS,
-        "num_experts": "n_routed_experts",
-        "first_k_dense_layers": "first_k_dense_replace",
-        "shared_expert_intermediate_size": "n_shared_experts",
-    }
-    return base.dims_from_fields(r, keys, **fields)
+    return base.dims_from_fields(r, base.SHARED_EXPERT_KEYS, **fields)
 
 
 def hf_config(dims: ModelDims):
