@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests" / "workers"))
 
 from megatron_worker import N, fixed_batch, gather_rows, loss_fn_for  # noqa: E402
 
+from patches.megatron import mla_tp_rope_grad  # noqa: E402
 from tim_megatron.algo.aggregation import local_denominator  # noqa: E402
 from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
@@ -377,6 +378,10 @@ def scenario_parallel(recipe_path: str, out: dict, *, seed: int) -> None:
         )  # re-initializes megatron's groups inside the same two processes
         out[name] = equivalence(tr, seed)
         out[name]["world_size"] = dist.get_world_size()
+        patched = [h for h in tr._handles if h.name == mla_tp_rope_grad.SPEC.name]
+        if patched:  # the same step without the patch: what megatron-core 0.16.1 computes on its own
+            patched[0].revert()
+            out[name]["unpatched"] = equivalence(tr, seed)
         del tr
 
 

@@ -1090,14 +1090,6 @@ def _check_model_and_parallel(r: Recipe) -> None:
             ["parallel.tp", "model.dims.vocab_size"],
             f"parallel.tp = {p.tp} must divide model.dims.vocab_size = {d.vocab_size}",
         )
-    if d.is_mla and p.tp > 1:
-        raise RecipeValueError(
-            ["parallel.tp", "model.dims.kv_lora_rank"],
-            f"parallel.tp = {p.tp} with multi-head latent attention (kv_lora_rank = {d.kv_lora_rank}): megatron-core "
-            "0.16.1's local MLA leaves the rotated key's gradient unreduced across tensor-parallel ranks (TP=2 "
-            "gradients off by 4e-2 against one process, forward exact); allowed: parallel.tp = 1 (use parallel.ep "
-            "and parallel.dp)",
-        )
     if d.is_mla and r.diagnostics.vexact == "exact":
         raise RecipeValueError(
             ["diagnostics.vexact", "model.dims.kv_lora_rank"],

@@ -31,7 +31,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from patches.megatron import cpu_shims, invariant_kernels, mla_without_te, no_te_router_gemm, router_replay
+from patches.megatron import (
+    cpu_shims,
+    invariant_kernels,
+    mla_tp_rope_grad,
+    mla_without_te,
+    no_te_router_gemm,
+    router_replay,
+)
 from tim_megatron.algo.stats import Stats
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
@@ -125,6 +132,8 @@ class MegatronTrainer:
 
         self.ps = ps
         self.tp = ps.get_tensor_model_parallel_world_size()
+        if self.dims.is_mla and self.tp > 1:  # the RoPE key's gradient, summed over TP ranks
+            self._handles.append(mla_tp_rope_grad.apply())
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.sequence_parallel = self.tp > 1
