@@ -32,7 +32,7 @@ help:
 	@echo "make status | make logs JOB=id | make cancel JOB=id                    the project's Slurm jobs"
 	@echo "make plan RECIPE=...                                                   per-GPU memory estimate"
 	@echo "make report [RUNS=\"runs/a/<t> runs/b/<t>\"] [SWEEP=<id>|<file>|latest]    report/<name>/index.html (default: the latest sweep)"
-	@echo "make new-recipe FROM=recipes/<model> NAME=<new> HF=<checkpoint or config.json>"
+	@echo "make new-recipe FROM=recipes/<model> NAME=<new> HF=<checkpoint or config.json> [NODES=<smallest cluster>]"
 	@echo "make doctor [RECIPE=...] [NODES=n] [OVERRIDES=\"k=v ...\"]                  is this machine ready? one line per check, exit 1 on a fail"
 	@echo "make preflight RECIPE=... [NODES=n] [OVERRIDES=\"k=v ...\"] [DRY_RUN=1] a short job with the recipe's layout: go / no-go, preflight.json"
 	@echo "make gpu-check                                                         the GPU path on one GPU, measured (says so and exits 0 without a GPU)"
@@ -98,7 +98,7 @@ plan: setup
 
 new-recipe: setup
 	@test -n $(call q,$(FROM)) -a -n $(call q,$(NAME)) -a -n $(call q,$(HF)) || { echo "make new-recipe needs FROM=recipes/<model> NAME=<new> HF=<path>"; exit 2; }
-	$(TIM) new-recipe $(call q,$(FROM)) $(call q,$(NAME)) $(call q,$(HF)) $(if $(RECIPES_ROOT),--recipes-root $(call q,$(RECIPES_ROOT)))
+	$(TIM) new-recipe $(call q,$(FROM)) $(call q,$(NAME)) $(call q,$(HF)) $(if $(RECIPES_ROOT),--recipes-root $(call q,$(RECIPES_ROOT))) $(if $(NODES),--min-nodes $(call q,$(NODES)))
 
 report: setup
 	$(TIM) report $(call qw,$(RUNS)) $(if $(RUNS),$(if $(SWEEP),--sweep $(call q,$(SWEEP))),--sweep $(call q,$(or $(SWEEP),latest))) $(if $(NAME),--name $(call q,$(NAME))) $(if $(ROOT),--root $(call q,$(ROOT)))

@@ -745,6 +745,9 @@ def new_recipe_cmd(
     recipes_root: Path = typer.Option(
         Path("recipes"), "--recipes-root", help="folder the new recipe folder goes into"
     ),
+    min_nodes: int = typer.Option(
+        None, "--min-nodes", help="smallest cluster the layout search tries (default: FROM's node count)"
+    ),
 ) -> None:
     """Copy a model's recipe folder for another HF MoE model; dimensions come from its config.json."""
     from tim_megatron.recipe import RecipeError, load_recipe
@@ -753,12 +756,29 @@ def new_recipe_cmd(
     from tim_megatron.trainer.hf_config import UnsupportedModelError
 
     try:
-        dest, files = new_recipe(src, name, hf, recipes_root=recipes_root)
+        dest, files = new_recipe(src, name, hf, recipes_root=recipes_root, min_nodes=min_nodes)
     except (RecipeError, UnsupportedModelError, FileNotFoundError) as e:
         _fail(str(e))
     console.print(f"wrote {dest}: {', '.join(files)}", highlight=False)
     loaded = load_recipe(dest / "base.yaml")
     print(format_plan(loaded.recipe, estimate(loaded.recipe), loaded.name))
+
+
+@app.command("dequantize")
+def dequantize_cmd(
+    src: Path = typer.Argument(..., help="block-FP8 HF checkpoint folder (DeepSeek-V3, Kimi-K2)"),
+    dst: Path = typer.Argument(..., help="new folder for the bfloat16 copy (must not exist)"),
+) -> None:
+    """Write a bfloat16 copy of a block-FP8 checkpoint: the weights vLLM serves and the trainer trains."""
+    from tim_megatron.trainer.hf_config import UnsupportedModelError
+    from tim_megatron.trainer.weights import WeightLoadError
+    from tim_megatron.trainer.weights.fp8 import convert_checkpoint
+
+    try:
+        n = convert_checkpoint(src, dst, to="bfloat16")
+    except (ValueError, FileExistsError, FileNotFoundError, UnsupportedModelError, WeightLoadError) as e:
+        _fail(str(e))
+    console.print(f"wrote {dst}: {n} tensors in bfloat16 (set model.path to it)", highlight=False)
 
 
 @app.command("report")

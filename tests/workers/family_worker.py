@@ -248,6 +248,33 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     out.update(r3_replay(tr, batch, mask, adv, routed, dims))
     eng.close()  # the engine first: it joined the trainer's process group
     tr.close()
+    if dims.is_mla:
+        out.update(fp8_load(r, ck, seed, out["logprobs"]))
+
+
+def fp8_load(r, ck: Path, seed: int, source_logprobs: torch.Tensor) -> dict:
+    """A block-FP8 copy of the checkpoint (DeepSeek-V3's published format, 128 x 128 blocks) in the trainer: it holds
+    exactly the dequantized weights, exports them in its own dtype under the source's names (no scales), and its
+    logprobs differ from the source's by FP8's error."""
+    import tempfile
+
+    from tim_megatron.trainer.weights import HFCheckpoint
+    from tim_megatron.trainer.weights.fp8 import convert_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        q = Path(tmp) / "fp8"
+        convert_checkpoint(ck, q, to="fp8", block=(128, 128))
+        tr = MegatronTrainer(r, model_path=q)
+        want = HFCheckpoint(q)
+        exported = {k: v.clone() for k, v in tr.export_hf()}
+        res = {
+            "fp8_export_names_equal": set(exported) == HFCheckpoint(ck).keys(),
+            "fp8_export_dtypes": sorted({str(v.dtype) for v in exported.values()}),
+            "fp8_weights_not_dequantized": sorted(k for k in exported if not torch.equal(exported[k], want.get(k))),
+            "fp8_vs_source_logprobs": float((equivalence(tr, seed)["logprobs"] - source_logprobs).abs().max()),
+        }
+        tr.close()
+    return res
 
 
 def align_checks(eng, tr: MegatronTrainer, seqs: list[list[int]], dims) -> dict:

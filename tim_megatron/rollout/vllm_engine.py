@@ -113,6 +113,14 @@ def check_vllm_build(*, dist: str, version: str, on_gpu: bool, environ: Mapping[
 def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
     """Fail early, with the reason, for checkpoints vLLM cannot serve here."""
     cfg = check_model_files(model_path)
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise RolloutInputError(
+            f"rollout: {model_path}: quantization_config.quant_method = {method!r}: the engine would serve quantized "
+            "weights while the trainer trains dequantized ones, a mismatch of its own; allowed: an unquantized "
+            f"checkpoint (fix: tim dequantize {model_path} <new folder>, then set model.path to it)"
+        )
     if cfg.get("kv_lora_rank"):  # multi-head latent attention: the cache holds the latent and the rotated key
         latent, rope = cfg["kv_lora_rank"], cfg.get("qk_rope_head_dim")
         if not on_gpu and (latent, rope) != (512, 64):

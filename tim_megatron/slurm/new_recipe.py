@@ -23,8 +23,15 @@ from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf, 
 
 
 def new_recipe(
-    src: str | Path, name: str, hf: str | Path, *, recipes_root: str | Path = "recipes"
+    src: str | Path,
+    name: str,
+    hf: str | Path,
+    *,
+    recipes_root: str | Path = "recipes",
+    min_nodes: int | None = None,
 ) -> tuple[Path, list[str]]:
+    """Write ``recipes_root/name`` from ``src`` for the model of ``hf`` (its dims, a layout that fits). The layout
+    search starts at ``min_nodes`` nodes (default: the source recipe's) and doubles."""
     from tim_megatron.slurm.plan import choose_layout
 
     src = Path(src)
@@ -81,7 +88,11 @@ def new_recipe(
         _write(t / "base.yaml", src, hf, diff, notes)
         # Search the layout with the new dimensions (from the source's cluster size up), then write it.
         probe = load_recipe(t / "base.yaml", _single_gpu_layout(t))
-        choice = choose_layout(probe.recipe)
+        if min_nodes is not None and min_nodes < 1:
+            raise RecipeError(
+                f"NODES={min_nodes}: allowed: an integer >= 1 (the smallest cluster the search tries)"
+            )
+        choice = choose_layout(probe.recipe, min_nodes=min_nodes)
         per_node = max(probe.recipe.cluster.gpus_per_node, 1)
         world = choice.nodes * per_node
         diff["parallel"] = {
@@ -94,6 +105,8 @@ def new_recipe(
             diff["cluster"] = {"nodes": choice.nodes}
         if choice.rollout_tp != probe.recipe.rollout.tensor_parallel_size:
             rollout["tensor_parallel_size"] = choice.rollout_tp
+        if choice.offload != probe.recipe.trainer.offload_during_rollout:
+            diff["trainer"] = {"offload_during_rollout": choice.offload}
         if choice.gpu_memory_utilization != probe.recipe.rollout.gpu_memory_utilization:
             rollout["gpu_memory_utilization"] = choice.gpu_memory_utilization
         if rollout:
@@ -102,6 +115,9 @@ def new_recipe(
         if not choice.fits:
             notes.append("NOTHING FITS up to the largest cluster tried: this is the smallest plan found.")
         _write(t / "base.yaml", src, hf, diff, notes)
+        for f in sorted(t.glob("*.yaml")):
+            if f.name != "base.yaml":
+                _fit_variant_share(f)
         checked = []
         for f in sorted(t.glob("*.yaml")):
             load_recipe(f)  # raises RecipeError naming the file and key
@@ -154,6 +170,28 @@ def _expert_tp(tp: int, ep: int, inherited: int | None) -> int | None:
     if ep > 1:
         return 1
     return None if inherited in (None, tp) else tp
+
+
+def _fit_variant_share(f: Path) -> None:
+    """A variant that sets its own ``rollout.gpu_memory_utilization`` (e.g. the H100 variant's larger share beside
+    offloaded state) gets the largest share that fits the new model, when its own does not; the line says so."""
+    from tim_megatron.slurm.plan import estimate, largest_utilization
+
+    text = f.read_text()
+    own = re.search(r"gpu_memory_utilization: *([0-9.]+)", text)
+    if own is None:
+        return
+    plan = estimate(load_recipe(f).recipe)
+    if plan.fits:
+        return
+    share = largest_utilization(plan)
+    if share <= 0 or share >= float(own.group(1)):
+        return
+    fitted = text[: own.start(1)] + f"{share:g}" + text[own.end(1) :]
+    note = f"# rollout.gpu_memory_utilization {own.group(1)} -> {share:g}: the largest vLLM share that fits this model\n"
+    f.write_text(note + fitted)
+    if not estimate(load_recipe(f).recipe).fits:
+        f.write_text(text)  # the share was not what kept it from fitting: left as it was
 
 
 def _single_gpu_layout(folder: Path) -> list[str]:

@@ -41,10 +41,13 @@ from tim_megatron.recipe.schema import GPU_MEMORY_GIB, ModelDims, Recipe
 GIB = 2**30
 HEADROOM = 0.95
 """Fraction of GPU memory a plan may use (the rest: CUDA context, NCCL buffers, fragmentation)."""
-MAX_NODES = 64
+MAX_NODES = 128
 """The layout search's largest cluster."""
-MAX_ROLLOUT_TP = 16
-"""Largest vLLM tensor-parallel size the search tries (beyond one node it needs a multi-node vLLM engine)."""
+USUAL_MAX_ROLLOUT_TP = 16
+"""Largest vLLM tensor-parallel size the search tries first (beyond one node it needs a multi-node vLLM engine)."""
+MAX_ROLLOUT_TP = 64
+"""Largest vLLM tensor-parallel size the search tries when nothing fits with :data:`USUAL_MAX_ROLLOUT_TP` (a bf16
+DeepSeek-V3 is 1.25 TiB of weights: 78 GiB per GPU at 16, 20 GiB at 64)."""
 MAX_GPU_MEMORY_UTILIZATION = 0.9
 """Largest vLLM memory share the search sets, and the largest :func:`largest_utilization` proposes."""
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -311,6 +314,8 @@ class LayoutChoice:
     plan: Plan
     tried: list[str] = field(default_factory=list)
     """One line per cluster size that did not fit, with its best layout's reasons."""
+    offload: str = "none"
+    """``trainer.offload_during_rollout`` the layout needs."""
 
     @property
     def fits(self) -> bool:
@@ -331,7 +336,7 @@ def _needed_utilization(recipe: Recipe, rollout_tp: int) -> float:
     )
 
 
-def _layouts(recipe: Recipe, nodes: int):
+def _layouts(recipe: Recipe, nodes: int, max_rollout_tp: int = USUAL_MAX_ROLLOUT_TP):
     """Candidate (tp, ep, rollout_tp) on ``nodes`` nodes: a single-node vLLM engine first, then small TP and small
     EP (less communication), then vLLM's size as ordered below. Each satisfies the recipe checks (divisibility of
     heads, experts, vocab and the minibatch)."""
@@ -342,7 +347,7 @@ def _layouts(recipe: Recipe, nodes: int):
     src = recipe.rollout.tensor_parallel_size
     valid = [
         t
-        for t in _powers_of_two(min(MAX_ROLLOUT_TP, world))
+        for t in _powers_of_two(min(max_rollout_tp, world))
         if d.num_attention_heads % t == 0 and d.vocab_size % t == 0
     ]
     # One engine serves every rollout, so its GPU count is the rollout throughput: the source's size first, then
@@ -358,7 +363,7 @@ def _layouts(recipe: Recipe, nodes: int):
             if tp > per_node or d.num_key_value_heads % tp or d.num_attention_heads % tp or d.vocab_size % tp:
                 continue
             dp = world // tp
-            if mb_seqs % dp:
+            if mb_seqs % dp or recipe.data.prompts_per_step % dp:  # each DP rank trains whole prompt groups
                 continue
             eps = [e for e in _powers_of_two(world) if d.num_experts % e == 0] if d.is_moe else [1]
             for ep in eps:
@@ -370,41 +375,67 @@ def _layouts(recipe: Recipe, nodes: int):
                     yield tp, ep, rtp
 
 
-def choose_layout(recipe: Recipe, *, max_nodes: int = MAX_NODES) -> LayoutChoice:
-    """The fewest nodes (from the recipe's, doubling) and on them the first layout of :func:`_layouts` that fits.
+def choose_layout(
+    recipe: Recipe, *, max_nodes: int = MAX_NODES, min_nodes: int | None = None
+) -> LayoutChoice:
+    """The fewest nodes (from ``min_nodes``, else the recipe's, doubling) and on them the first layout of
+    :func:`_layouts` that fits, with the recipe's ``trainer.offload_during_rollout`` and vLLM engines of at most
+    :data:`USUAL_MAX_ROLLOUT_TP` GPUs. When nothing fits up to ``max_nodes`` that way, the same search with engines
+    of up to :data:`MAX_ROLLOUT_TP` GPUs, then with each larger offload level in turn (wider engines span more
+    nodes over the network, and moving trainer state to host memory while vLLM generates costs transfer time each
+    step, so they are the later resorts).
 
-    When nothing fits up to ``max_nodes``, the layout with the smallest total on the largest cluster tried is
-    returned (``fits`` is False) and ``tried`` says why each size failed.
+    When nothing fits at all, the layout with the smallest total on the largest cluster tried is returned
+    (``fits`` is False) and ``tried`` says why each size failed.
     """
+    from tim_megatron.trainer.offload import LEVELS
+
     c = recipe.cluster
+    levels = list(LEVELS)
+    own = recipe.trainer.offload_during_rollout
     tried: list[str] = []
-    nodes = c.nodes
     best = None
-    while True:
-        best_here = None
-        for tp, ep, rtp in _layouts(recipe, nodes):
-            util = _needed_utilization(recipe, rtp)
-            plan = estimate(recipe, tp=tp, ep=ep, nodes=nodes, rollout_tp=rtp, gpu_memory_utilization=util)
-            choice = LayoutChoice(tp, ep, nodes, rtp, util, plan, tried)
-            if plan.fits:
-                return choice
-            if best_here is None or plan.total < best_here.plan.total:
-                best_here = choice
-        if best_here is not None:
-            best = best_here
-            b = best_here
-            tried.append(
-                f"{nodes} node(s) x {c.gpus_per_node} {c.gpu_type}: best tp={b.tp} ep={b.ep} rollout TP {b.rollout_tp} "
-                f"needs {b.plan.total / GIB:.1f} GiB per GPU: " + "; ".join(b.plan.problems())
+    passes = [(own, USUAL_MAX_ROLLOUT_TP)] + [(o, MAX_ROLLOUT_TP) for o in levels[levels.index(own) :]]
+    for offload, max_rtp in passes:
+        nodes = min_nodes or c.nodes
+        while True:
+            best_here = None
+            for tp, ep, rtp in _layouts(recipe, nodes, max_rtp):
+                util = _needed_utilization(recipe, rtp)
+                plan = estimate(
+                    recipe,
+                    tp=tp,
+                    ep=ep,
+                    nodes=nodes,
+                    rollout_tp=rtp,
+                    gpu_memory_utilization=util,
+                    offload=offload,
+                )
+                choice = LayoutChoice(tp, ep, nodes, rtp, util, plan, tried, offload)
+                if plan.fits:
+                    return choice
+                if best_here is None or plan.total < best_here.plan.total:
+                    best_here = choice
+            kept = ("" if offload == own else f", offload {offload}") + (
+                f", engines up to {max_rtp} GPUs" if max_rtp > USUAL_MAX_ROLLOUT_TP else ""
             )
-        else:
-            tried.append(f"{nodes} node(s): no layout divides the model and the minibatch")
-        if nodes * 2 > max_nodes or not c.gpus_per_node:
-            break
-        nodes *= 2
+            if best_here is not None:
+                if best is None or (best_here.nodes, -best_here.plan.total) > (best.nodes, -best.plan.total):
+                    best = best_here
+                b = best_here
+                tried.append(
+                    f"{nodes} node(s) x {c.gpus_per_node} {c.gpu_type}{kept}: best tp={b.tp} ep={b.ep} rollout TP "
+                    f"{b.rollout_tp} needs {b.plan.total / GIB:.1f} GiB per GPU: "
+                    + "; ".join(b.plan.problems())
+                )
+            else:
+                tried.append(f"{nodes} node(s){kept}: no layout divides the model and the minibatch")
+            if nodes * 2 > max_nodes or not c.gpus_per_node:
+                break
+            nodes *= 2
     if best is None:
         raise ValueError(
-            f"no tensor/expert-parallel layout divides the model and the minibatch on up to {nodes} node(s): "
+            f"no tensor/expert-parallel layout divides the model and the minibatch on up to {max_nodes} node(s): "
             + " | ".join(tried)
         )
     return best

@@ -55,14 +55,6 @@ def _rope(r: base.ConfigReader) -> dict[str, Any]:
 def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r = base.ConfigReader(cfg, ARCH)
     r.require_silu("MLPs and experts")
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise r.unsupported(
-            "quantization_config.quant_method",
-            method,
-            "quantized checkpoints are not loaded yet; allowed: a bf16 or fp32 checkpoint (no quantization_config)",
-        )
     scoring = r.get("scoring_func", "sigmoid")
     method = r.get("topk_method", "noaux_tc")
     if scoring != "sigmoid" or method != "noaux_tc":
@@ -255,6 +247,7 @@ FAMILY = base.Family(
     tiny_init=tiny_init,
     notes=(
         "the multi-token-prediction layers (num_nextn_predict_layers) are not loaded: RL never runs them",
-        "quantized (FP8) checkpoints are refused by name",
+        "block-FP8 checkpoints (DeepSeek-V3, Kimi-K2) load dequantized to the trainer's dtype; export and sync "
+        "write that dtype",
     ),
 )

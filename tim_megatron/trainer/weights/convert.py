@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.recipe.schema import ModelDims
+from tim_megatron.trainer.weights import fp8
 from tim_megatron.trainer.weights.mapping import Rule, canonical_name
 
 
@@ -76,12 +77,21 @@ def _hf_names(rule: Rule, idx: dict[str, int]) -> list[str]:
 
 
 class HFCheckpoint:
-    """Lazy access to the tensors of an HF safetensors checkpoint folder."""
+    """Lazy access to the tensors of an HF safetensors checkpoint folder. A block-FP8 checkpoint (DeepSeek-V3,
+    Kimi-K2; :mod:`.fp8`) reads as its dequantized float32 weights: its ``_scale_inv`` tensors are consumed by
+    :meth:`get` and are not among :meth:`keys`."""
 
     def __init__(self, folder: str | Path):
         from safetensors import safe_open
 
+        from tim_megatron.trainer.hf_config import read_hf_config
+
         self.folder = Path(folder)
+        config = self.folder / "config.json"
+        self.fp8: fp8.BlockFP8 | None = (
+            fp8.block_fp8_of(read_hf_config(config), where=str(config)) if config.exists() else None
+        )
+        """The checkpoint's block-FP8 format, None when it is not quantized."""
         index = self.folder / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -95,9 +105,11 @@ class HFCheckpoint:
         self._safe_open = safe_open
 
     def keys(self) -> set[str]:
-        return set(self.weight_map)
+        if self.fp8 is None:
+            return set(self.weight_map)
+        return {k for k in self.weight_map if not k.endswith(fp8.SCALE_SUFFIX)}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _raw(self, name: str) -> torch.Tensor:
         fname = self.weight_map.get(name)
         if fname is None:
             raise WeightLoadError(
@@ -106,6 +118,25 @@ class HFCheckpoint:
         if fname not in self._open:
             self._open[fname] = self._safe_open(self.folder / fname, "pt")
         return self._open[fname].get_tensor(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._raw(name)
+        if t.dtype != torch.float8_e4m3fn:
+            return t
+        if self.fp8 is None or name + fp8.SCALE_SUFFIX not in self.weight_map:
+            raise WeightLoadError(
+                f"{self.folder}: tensor {name!r} is float8_e4m3fn but "
+                + (
+                    "config.json has no quantization_config"
+                    if self.fp8 is None
+                    else f"its scales {name + fp8.SCALE_SUFFIX!r} are missing"
+                )
+                + " (allowed: block-FP8 weights with their _scale_inv, as DeepSeek-V3 publishes them)"
+            )
+        try:
+            return fp8.dequantize(t, self._raw(name + fp8.SCALE_SUFFIX), self.fp8.block, name=name)
+        except ValueError as e:
+            raise WeightLoadError(f"{self.folder}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------- combine / split
