@@ -187,7 +187,9 @@ def test_a_block_fp8_checkpoint_loads_into_the_trainer_dequantized(family):
     tensors against their source); the trainer holds the dequantized weights and exports unquantized ones."""
     s = family["single"]
     if family["name"] != "deepseek_v3":
-        assert "fp8_export_names_equal" not in s  # checked for the family whose checkpoints are published in FP8
+        assert (
+            "fp8_export_names_equal" not in s
+        )  # checked for the family whose checkpoints are published in FP8
         return
     assert s["fp8_weights_not_dequantized"] == []
     assert s["fp8_export_names_equal"] and s["fp8_export_dtypes"] == ["torch.float32"]  # the trainer's fp32
@@ -799,3 +801,35 @@ def test_glm_mtp_tensors_are_neither_loaded_nor_synced(tmp_path):
     }
     save_file({**tensors, **mtp}, str(ck / "model.safetensors"))
     assert manifest(ck) == plain and len(plain) == len(tensors)
+
+
+def test_plans_count_where_group_limited_routing_sends_a_token():
+    """DeepSeek-V3's 8 groups with 4 chosen: on EP=8 (a group per rank, DeepSeek's own node-limited layout) a token
+    reaches at most 4 ranks; on EP=256 a group spans 32 ranks and the limit no longer binds; one group changes
+    nothing."""
+    from tim_megatron.slurm.plan import dispatch_fanout
+    from tim_megatron.trainer.hf_config import dims_from_hf, read_hf_config
+
+    v3 = dims_from_hf(read_hf_config(DATA / "hf-configs" / "DeepSeek-V3"))
+    assert dispatch_fanout(v3, ep=8) == (4, 8)
+    assert dispatch_fanout(v3, ep=4) == (4, 4)  # two groups per rank: still at most 4 ranks
+    assert dispatch_fanout(v3, ep=256) == (8, 8)
+    kimi = dims_from_hf(read_hf_config(DATA / "hf-configs" / "Kimi-K2-Instruct"))
+    assert dispatch_fanout(kimi, ep=128) == (8, 8)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tim_megatron.cli",
+            "plan",
+            str(ROOT / "recipes/deepseek-v3/grpo.yaml"),
+            "parallel.ep=8",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert "within 4 of 8 groups: a token's experts on at most 4 of EP 8 ranks (8 without" in res.stdout, (
+        res.stdout
+    )

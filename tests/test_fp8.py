@@ -33,7 +33,9 @@ def test_quantize_matches_the_published_layout_and_stays_within_the_e4m3_error()
     err = (back - w).abs()
     assert bool((err <= block_error_bound(w, BLOCK)).all())
     assert float(err.max()) > 0  # it is a lossy format: the test compares against something real
-    with pytest.raises(ValueError, match=r"needs _scale_inv of shape \(2, 3\) for blocks \[128, 128\], got \(2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"needs _scale_inv of shape \(2, 3\) for blocks \[128, 128\], got \(2, 2\)"
+    ):
         dequantize(q, scale_inv[:, :2], BLOCK, name="w")
 
 
@@ -120,7 +122,9 @@ def test_dequantize_writes_bfloat16_that_transformers_loads(tiny_fp8, tmp_path):
     save_file(tensors, tmp_path / "resaved" / "model.safetensors", metadata={"format": "pt"})
     with torch.no_grad():
         ref = model(input_ids=ids).logits.log_softmax(-1)
-        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits.log_softmax(-1)
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(
+            input_ids=ids
+        ).logits.log_softmax(-1)
         expected = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved", dtype=torch.float32)
         want = expected(input_ids=ids).logits.log_softmax(-1)
     assert float((got - want).abs().max()) < 1e-5
@@ -157,5 +161,7 @@ def test_float8_weights_without_their_scales_are_named(tiny_fp8, tmp_path):
     name = "model.layers.0.self_attn.o_proj.weight"
     del tensors[name + "_scale_inv"]
     save_file(tensors, broken / "model.safetensors")
-    with pytest.raises(WeightLoadError, match=rf"{name}' is float8_e4m3fn but its scales .*_scale_inv' are missing"):
+    with pytest.raises(
+        WeightLoadError, match=rf"{name}' is float8_e4m3fn but its scales .*_scale_inv' are missing"
+    ):
         HFCheckpoint(broken).get(name)

@@ -270,8 +270,12 @@ def fp8_load(r, ck: Path, seed: int, source_logprobs: torch.Tensor) -> dict:
         res = {
             "fp8_export_names_equal": set(exported) == HFCheckpoint(ck).keys(),
             "fp8_export_dtypes": sorted({str(v.dtype) for v in exported.values()}),
-            "fp8_weights_not_dequantized": sorted(k for k in exported if not torch.equal(exported[k], want.get(k))),
-            "fp8_vs_source_logprobs": float((equivalence(tr, seed)["logprobs"] - source_logprobs).abs().max()),
+            "fp8_weights_not_dequantized": sorted(
+                k for k in exported if not torch.equal(exported[k], want.get(k))
+            ),
+            "fp8_vs_source_logprobs": float(
+                (equivalence(tr, seed)["logprobs"] - source_logprobs).abs().max()
+            ),
         }
         tr.close()
     return res

@@ -76,6 +76,20 @@ def kv_cache_bytes_per_token(d: ModelDims, *, rollout_tp: int, dtype: str) -> fl
     return 2 * d.num_layers * heads * d.head_dim * _BYTES[dtype]
 
 
+def dispatch_fanout(d: ModelDims, *, ep: int) -> tuple[int, int]:
+    """How many expert-parallel ranks one token's top-k experts can sit on: (with the model's group-limited routing,
+    without it). Experts are laid out in order, ``num_experts / ep`` per rank, and group ``g`` is experts
+    ``[g E / n_group, (g + 1) E / n_group)``: the token's experts lie in ``topk_group`` groups, which span
+    ``ep / n_group`` ranks each (or share ranks, when a rank holds whole groups). DeepSeek-V3 ties its 8 groups to
+    its 8 training nodes so that each token reaches at most 4 of them; a layout with another EP spreads a group over
+    more ranks or packs groups together."""
+    free = min(d.num_experts_per_tok, ep)
+    if d.router_groups <= 1:
+        return free, free
+    span = ep // d.router_groups if ep >= d.router_groups else 1
+    return min(d.num_experts_per_tok, d.router_group_topk * span, ep), free
+
+
 @dataclass
 class Plan:
     params: float
@@ -462,6 +476,14 @@ def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
         lines.append(f"  {'total per GPU':<32} {plan.total / GIB:9.2f} GiB (CPU: no GPU budget)")
         lines.extend(f"  DOES NOT RUN: {why}" for why in plan.problems())
         return "\n".join(lines)
+    d = recipe.model.dims
+    if d.is_moe and d.router_groups > 1:
+        grouped, free = dispatch_fanout(d, ep=p.ep)
+        lines.append(
+            f"  {'routing':<32} top-{d.num_experts_per_tok} of {d.num_experts} experts within "
+            f"{d.router_group_topk} of {d.router_groups} groups: a token's experts on at most {grouped} of EP "
+            f"{p.ep} ranks ({free} without the group limit)"
+        )
     lines.append(
         f"  {'vLLM':<32} TP {plan.rollout_tp}, gpu_memory_utilization {plan.gpu_memory_utilization:g}, "
         f"KV cache for one group {plan.kv_needed / GIB:.2f} GiB"
