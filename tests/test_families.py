@@ -6,7 +6,7 @@ family's tiny recipe for three steps (the library's ``train``). Each of the thre
 another, in the same process(es). Module-scoped fixtures run each once; the tests below only read their results.
 
 Plus the cheap checks: the registry, config.json reading with named errors, parameter counts against
-transformers, DeepSeek-V3's config.json reading (MLA, groups, YaRN) and refusals, DeepSeek-V2 refused by name.
+transformers, DeepSeek-V3's config.json reading (MLA, groups, YaRN) and refusals, DeepSeek-V2's router and refusals.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ WORKER = ROOT / "tests" / "workers" / "family_worker.py"
 DATA = ROOT / "tests" / "data"
 
 RECIPES = {
+    "deepseek_v2": "recipes/tiny-deepseek-v2/grpo.yaml",
     "deepseek_v3": "recipes/tiny-deepseek-v3/grpo.yaml",
     "qwen3_moe": "recipes/tiny-moe/grpo.yaml",
     "glm4_moe": "recipes/tiny-glm4-moe/grpo.yaml",
@@ -152,6 +153,9 @@ def test_fixed_batch_has_no_routing_near_tie(family):
     assert family["single"]["topk_margin"] >= 1e-4, family["single"]["topk_margin"]
 
 
+MLA = ("deepseek_v2", "deepseek_v3")
+"""The families with multi-head latent attention."""
+
 MEGATRON_VS_HF = {"deepseek_v3": 2e-5}
 """Families whose trainer logprobs are held to a looser float32 bound than 1e-5, with the measured figure: the
 tiny DeepSeek-V3's trainer differs from HF by 1.3e-5 (its MLA contracts over a 512-wide latent; vLLM's
@@ -186,10 +190,8 @@ def test_a_block_fp8_checkpoint_loads_into_the_trainer_dequantized(family):
     """Issue 26: DeepSeek-V3's FP8 format, made locally from the tiny checkpoint (tests/test_fp8.py checks the
     tensors against their source); the trainer holds the dequantized weights and exports unquantized ones."""
     s = family["single"]
-    if family["name"] != "deepseek_v3":
-        assert (
-            "fp8_export_names_equal" not in s
-        )  # checked for the family whose checkpoints are published in FP8
+    if family["name"] not in MLA:  # checked for the families whose checkpoints are published in FP8
+        assert "fp8_export_names_equal" not in s
         return
     assert s["fp8_weights_not_dequantized"] == []
     assert s["fp8_export_names_equal"] and s["fp8_export_dtypes"] == ["torch.float32"]  # the trainer's fp32
@@ -201,7 +203,7 @@ def test_a_block_fp8_checkpoint_loads_into_the_trainer_dequantized(family):
 def test_tp2_and_ep2_match_one_process(family, layout):
     one, par = family["single"], family["parallel"][layout]
     assert par["world_size"] == 2
-    if family["name"] == "deepseek_v3" and layout == "tp2":
+    if family["name"] in MLA and layout == "tp2":
         # patches/megatron/mla_tp_rope_grad.py is what makes MLA's TP=2 gradients right: without it the forward
         # is the same and the gradients below the MLA layers are off (megatron-core 0.16.1 on its own)
         bare = par["unpatched"]
@@ -564,12 +566,39 @@ def test_deepseek_v3_refusals_are_named(change, match):
         dims_from_hf(_deepseek_cfg(**change))
 
 
-def test_deepseek_v2_names_its_router_as_the_missing_piece():
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (
+            {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+            r"topk_method = 'group_limited_greedy' is not supported: allowed: greedy \(DeepSeek-V2-Lite\); "
+            r"group_limited_greedy scores a group by its best expert",
+        ),
+        (
+            {"norm_topk_prob": True},
+            r"norm_topk_prob = True is not supported: allowed: false \(DeepSeek-V2-Lite\)",
+        ),
+        ({"scoring_func": "sigmoid"}, r"scoring_func = 'sigmoid' is not supported: allowed: softmax"),
+    ],
+)
+def test_deepseek_v2_reads_the_lite_router_and_names_the_rest(change, match):
+    """DeepSeek-V2-Lite's router (softmax, greedy top-k, no renormalization) is built; DeepSeek-V2's group score is
+    refused by key."""
+    from tim_megatron.trainer.families import get_family
     from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf
 
-    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "kv_lora_rank": 512}
-    with pytest.raises(UnsupportedModelError, match=r"DeepseekV2ForCausalLM.*group_limited_greedy"):
-        dims_from_hf(cfg)
+    fam = get_family("deepseek_v2")
+    cfg = {**fam.hf_config(fam.tiny).to_dict(), "architectures": ["DeepseekV2ForCausalLM"]}
+    d = dims_from_hf(cfg)
+    assert (d.router_score, d.norm_topk_prob, d.router_expert_bias, d.q_lora_rank, d.is_mla) == (
+        "softmax",
+        False,
+        False,
+        0,
+        True,
+    )
+    with pytest.raises(UnsupportedModelError, match=match):
+        dims_from_hf({**cfg, **change})
 
 
 def test_mla_and_group_settings_are_checked_in_a_recipe():

@@ -61,7 +61,7 @@ _MAX_EXPERTS = 4096
 _MAX_POSITIONS = 1 << 24
 
 
-FAMILIES = ("deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen3", "qwen3_moe")
+FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen3", "qwen3_moe")
 """The model families the trainer implements: the registry names of tim_megatron/trainer/families (one module
 each; a test checks that the two agree). The schema names them itself so that it imports nothing above it."""
 

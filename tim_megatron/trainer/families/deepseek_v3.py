@@ -52,24 +52,16 @@ def _rope(r: base.ConfigReader) -> dict[str, Any]:
     return out
 
 
-def read_dims(cfg: dict[str, Any]) -> ModelDims:
-    r = base.ConfigReader(cfg, ARCH)
+def mla_fields(r: base.ConfigReader) -> dict[str, Any]:
+    """What DeepSeek-V2 and V3 share: MLA's sizes, RoPE or YaRN, the dense and shared-expert layers, the experts
+    (not the router's scoring)."""
     r.require_silu("MLPs and experts")
-    scoring = r.get("scoring_func", "sigmoid")
-    method = r.get("topk_method", "noaux_tc")
-    if scoring != "sigmoid" or method != "noaux_tc":
-        raise r.unsupported(
-            "topk_method",
-            f"{method} with scoring_func {scoring}",
-            "allowed: noaux_tc with sigmoid scoring (DeepSeek-V3, Kimi-K2, Moonlight)",
-        )
     if r.bool("attention_bias", False):
-        raise r.unsupported("attention_bias", True, "allowed: false (DeepSeek-V3's projections have no bias)")
+        raise r.unsupported("attention_bias", True, "allowed: false (DeepSeek's projections have no bias)")
     heads = r.int("num_attention_heads")
     nope, rope, v = r.int("qk_nope_head_dim"), r.int("qk_rope_head_dim"), r.int("v_head_dim")
     moe_inter = r.int("moe_intermediate_size")
-    fields: dict[str, Any] = dict(
-        family="deepseek_v3",
+    return dict(
         hidden_size=r.int("hidden_size"),
         num_layers=r.int("num_hidden_layers"),
         num_attention_heads=heads,
@@ -84,20 +76,36 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
         num_experts_per_tok=r.int("num_experts_per_tok"),
         moe_intermediate_size=moe_inter,
         intermediate_size=r.int("intermediate_size"),
-        norm_topk_prob=r.bool("norm_topk_prob", True),
         first_k_dense_layers=r.int("first_k_dense_replace", 0, minimum=0),
         shared_expert_intermediate_size=r.int("n_shared_experts", 0, minimum=0) * moe_inter,
-        router_score="sigmoid",
-        router_expert_bias=True,
         routed_scaling_factor=r.float("routed_scaling_factor", 1.0),
-        router_groups=r.int("n_group", 1),
-        router_group_topk=r.int("topk_group", 1),
         kv_lora_rank=r.int("kv_lora_rank"),
         q_lora_rank=r.int("q_lora_rank", 0, minimum=0),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
         v_head_dim=v,
         **_rope(r),
+    )
+
+
+def read_dims(cfg: dict[str, Any]) -> ModelDims:
+    r = base.ConfigReader(cfg, ARCH)
+    scoring = r.get("scoring_func", "sigmoid")
+    method = r.get("topk_method", "noaux_tc")
+    if scoring != "sigmoid" or method != "noaux_tc":
+        raise r.unsupported(
+            "topk_method",
+            f"{method} with scoring_func {scoring}",
+            "allowed: noaux_tc with sigmoid scoring (DeepSeek-V3, Kimi-K2, Moonlight)",
+        )
+    fields = mla_fields(r)
+    fields.update(
+        family="deepseek_v3",
+        norm_topk_prob=r.bool("norm_topk_prob", True),
+        router_score="sigmoid",
+        router_expert_bias=True,
+        router_groups=r.int("n_group", 1),
+        router_group_topk=r.int("topk_group", 1),
     )
     keys = {**base.SHARED_EXPERT_KEYS, "router_groups": "n_group", "router_group_topk": "topk_group"}
     return base.dims_from_fields(r, keys, **fields)
