@@ -44,7 +44,7 @@ def tiny_fp8(tmp_path_factory):
     """The tiny DeepSeek-V3 checkpoint and a block-FP8 copy of it."""
     from tim_megatron.models.tiny import ensure_tiny_checkpoint
     from tim_megatron.recipe import load_recipe
-    from tim_megatron.trainer.weights.fp8 import convert_checkpoint
+    from tim_megatron.trainer.weights.fp8_checkpoint import convert_checkpoint
 
     r = load_recipe(ROOT / "recipes/tiny-deepseek-v3/grpo.yaml").recipe
     src = ensure_tiny_checkpoint(
@@ -86,6 +86,11 @@ def test_tiny_fp8_checkpoint_loads_within_the_quantization_error_of_its_source(t
     assert quantized >= 20  # every attention projection, dense MLP, shared and routed expert of both layers
 
 
+def _dequantize_cli(src: Path, dst: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tim_megatron.cli", "dequantize", str(src), str(dst)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
 def test_dequantize_writes_bfloat16_that_transformers_loads(tiny_fp8, tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -95,13 +100,7 @@ def test_dequantize_writes_bfloat16_that_transformers_loads(tiny_fp8, tmp_path):
 
     src, dst = tiny_fp8
     out = tmp_path / "bf16"
-    res = subprocess.run(
-        [sys.executable, "-m", "tim_megatron.cli", "dequantize", str(dst), str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    res = _dequantize_cli(dst, out)
     assert res.returncode == 0, res.stdout + res.stderr
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["torch_dtype"] == "bfloat16"
@@ -129,13 +128,7 @@ def test_dequantize_writes_bfloat16_that_transformers_loads(tiny_fp8, tmp_path):
         want = expected(input_ids=ids).logits.log_softmax(-1)
     assert float((got - want).abs().max()) < 1e-5
     assert float((got - ref).abs().max()) > 1e-3  # the control: FP8 did change the model
-    again = subprocess.run(
-        [sys.executable, "-m", "tim_megatron.cli", "dequantize", str(dst), str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    again = _dequantize_cli(dst, out)
     assert again.returncode != 0 and "already exists; refusing to overwrite it" in again.stdout + again.stderr
     assert "Traceback" not in again.stdout + again.stderr
 

@@ -772,7 +772,7 @@ def dequantize_cmd(
     """Write a bfloat16 copy of a block-FP8 checkpoint: the weights vLLM serves and the trainer trains."""
     from tim_megatron.trainer.hf_config import UnsupportedModelError
     from tim_megatron.trainer.weights import WeightLoadError
-    from tim_megatron.trainer.weights.fp8 import convert_checkpoint
+    from tim_megatron.trainer.weights.fp8_checkpoint import convert_checkpoint
 
     try:
         n = convert_checkpoint(src, dst, to="bfloat16")

@@ -248,7 +248,7 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     out.update(r3_replay(tr, batch, mask, adv, routed, dims))
     eng.close()  # the engine first: it joined the trainer's process group
     tr.close()
-    if dims.is_mla:
+    if dims.resolved_family == "deepseek_v3":  # the family whose checkpoints are published in block FP8
         out.update(fp8_load(r, ck, seed, out["logprobs"]))
 
 
@@ -259,7 +259,7 @@ def fp8_load(r, ck: Path, seed: int, source_logprobs: torch.Tensor) -> dict:
     import tempfile
 
     from tim_megatron.trainer.weights import HFCheckpoint
-    from tim_megatron.trainer.weights.fp8 import convert_checkpoint
+    from tim_megatron.trainer.weights.fp8_checkpoint import convert_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         q = Path(tmp) / "fp8"

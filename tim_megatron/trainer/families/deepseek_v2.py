@@ -70,14 +70,7 @@ def hf_config(dims: ModelDims):
     return DeepseekV2Config(**kw)
 
 
-_MOE_AND_MLP = (
-    *base.dense_mlp_rules(),
-    *base.router_rules(expert_bias=False),
-    *base.expert_rules(),
-    *base.dense_mlp_rules("model.layers.{L}.mlp.shared_experts", "decoder.layers.{L}.mlp.shared_experts"),
-)
-
-WEIGHTS: tuple[Rule, ...] = (*base.ENDS, *deepseek_v3._attention_rules(), *_MOE_AND_MLP)
+WEIGHTS: tuple[Rule, ...] = deepseek_v3.weight_rules(expert_bias=False)
 
 
 FAMILY = base.Family(

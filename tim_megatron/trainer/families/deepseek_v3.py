@@ -202,14 +202,20 @@ def _attention_rules() -> tuple[Rule, ...]:
     )
 
 
-_MOE_AND_MLP = (
-    *base.dense_mlp_rules(),
-    *base.router_rules(expert_bias=True),
-    *base.expert_rules(),
-    *base.dense_mlp_rules("model.layers.{L}.mlp.shared_experts", "decoder.layers.{L}.mlp.shared_experts"),
-)
+def weight_rules(*, expert_bias: bool) -> tuple[Rule, ...]:
+    """DeepSeek's table: the ends, MLA, the leading dense MLPs, the router (with V3's correction bias or without,
+    as V2), the routed experts and the shared experts."""
+    return (
+        *base.ENDS,
+        *_attention_rules(),
+        *base.dense_mlp_rules(),
+        *base.router_rules(expert_bias=expert_bias),
+        *base.expert_rules(),
+        *base.dense_mlp_rules("model.layers.{L}.mlp.shared_experts", "decoder.layers.{L}.mlp.shared_experts"),
+    )
 
-WEIGHTS = (*base.ENDS, *_attention_rules(), *_MOE_AND_MLP)
+
+WEIGHTS = weight_rules(expert_bias=True)
 
 
 def tiny_init(model, seed: int) -> None:

@@ -9,7 +9,8 @@ router and its correction bias are stored unquantized.
 
 :func:`dequantize` is what loading does (to float32, then the trainer's dtype); export and sync write the
 trainer's own dtype, so nothing downstream sees FP8. :func:`quantize` writes the same format (tests build tiny
-FP8 checkpoints with it). Any other ``quantization_config`` is refused by key.
+FP8 checkpoints with it; :mod:`.fp8_checkpoint` converts whole checkpoints). Any other ``quantization_config``
+is refused by key.
 """
 
 from __future__ import annotations
@@ -126,8 +127,6 @@ def block_error_bound(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return torch.maximum(w.float().abs() * E4M3_RELATIVE_ERROR, scale * 2.0**-10)
 
 
-# ------------------------------------------------------------------------------------------- checkpoints
-
 _UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")
 """What DeepSeek-V3's FP8 release keeps unquantized: embeddings, the head, every norm, the router."""
 
@@ -135,86 +134,3 @@ _UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")
 def quantizable(name: str, t: torch.Tensor) -> bool:
     """A linear weight of the kind the published block-FP8 checkpoints store in FP8."""
     return t.dim() == 2 and name.endswith(".weight") and not any(k in name for k in _UNQUANTIZED)
-
-
-def _copy_side_files(src, dst, cfg: dict) -> None:
-    import json
-    import shutil
-    from pathlib import Path
-
-    src, dst = Path(src), Path(dst)
-    for f in src.iterdir():
-        if (
-            f.is_file()
-            and f.suffix != ".safetensors"
-            and f.name not in ("config.json", "model.safetensors.index.json")
-        ):
-            shutil.copy2(f, dst / f.name)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-def convert_checkpoint(src, dst, *, to: str, block: tuple[int, int] = (128, 128)) -> int:
-    """Write a copy of the HF checkpoint ``src`` at ``dst`` (which must not exist): ``to="fp8"`` quantizes its
-    linear weights in DeepSeek-V3's block-FP8 format; ``to="bfloat16"`` dequantizes a block-FP8 checkpoint (the
-    form vLLM serves and the trainer trains). Shard by shard, into a temporary folder renamed into place at the end,
-    so an interrupted conversion leaves nothing at ``dst``. Returns the number of tensors written."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    from tim_megatron.trainer.hf_config import read_hf_config
-    from tim_megatron.trainer.weights.convert import HFCheckpoint
-
-    if to not in ("fp8", "bfloat16"):
-        raise ValueError(f"to = {to!r}: allowed: fp8, bfloat16")
-    src, dst = Path(src), Path(dst)
-    if dst.exists():
-        raise FileExistsError(f"{dst} already exists; refusing to overwrite it (pick another folder)")
-    ck = HFCheckpoint(src)
-    cfg = read_hf_config(src)
-    if to == "fp8":
-        if ck.fp8 is not None:
-            raise ValueError(f"{src}: already block-FP8 (quantization_config is set)")
-        cfg["quantization_config"] = {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "weight_block_size": list(block),
-        }
-    else:
-        if ck.fp8 is None:
-            raise ValueError(
-                f"{src}: not a block-FP8 checkpoint (no quantization_config); nothing to dequantize"
-            )
-        cfg.pop("quantization_config")
-        cfg["torch_dtype"] = "bfloat16"
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    n = 0
-    shards: dict[str, list[str]] = {}
-    for name in sorted(ck.keys()):
-        shards.setdefault(ck.weight_map[name], []).append(name)
-    weight_map = {}
-    for shard, names in sorted(shards.items()):
-        out: dict[str, torch.Tensor] = {}
-        for name in names:
-            t = ck.get(name)
-            if to == "fp8" and quantizable(name, t):
-                out[name], out[name + SCALE_SUFFIX] = quantize(t, block)
-            elif to == "bfloat16" and name + SCALE_SUFFIX in ck.weight_map:  # dequantized by ck.get
-                out[name] = t.to(torch.bfloat16)
-            else:
-                out[name] = t.contiguous()
-        save_file(out, tmp / shard, metadata={"format": "pt"})
-        weight_map.update({k: shard for k in out})
-        n += len(out)
-    if len(shards) > 1 or (src / "model.safetensors.index.json").exists():
-        import json
-
-        index = {"metadata": {}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    _copy_side_files(src, tmp, cfg)
-    os.replace(tmp, dst)
-    return n
