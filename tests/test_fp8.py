@@ -158,3 +158,8 @@ def test_float8_weights_without_their_scales_are_named(tiny_fp8, tmp_path):
         WeightLoadError, match=rf"{name}' is float8_e4m3fn but its scales .*_scale_inv' are missing"
     ):
         HFCheckpoint(broken).get(name)
+    # tim dequantize stops on it, leaving neither the destination nor its temporary folder beside it
+    res = _dequantize_cli(broken, tmp_path / "out")
+    assert res.returncode != 0 and "_scale_inv' are missing" in res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]

@@ -30,10 +30,9 @@ def convert_checkpoint(src, dst, *, to: str, block: tuple[int, int] = (128, 128)
     form vLLM serves and the trainer trains). Shard by shard, into a temporary folder renamed into place at the end,
     so an interrupted conversion leaves nothing at ``dst``. Returns the number of tensors written."""
     import os
+    import shutil
     import tempfile
     from pathlib import Path
-
-    from safetensors.torch import save_file
 
     from tim_megatron.trainer.hf_config import read_hf_config
     from tim_megatron.trainer.weights.convert import HFCheckpoint
@@ -63,11 +62,29 @@ def convert_checkpoint(src, dst, *, to: str, block: tuple[int, int] = (128, 128)
         cfg["torch_dtype"] = "bfloat16"
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    n = 0
+    try:
+        n = _write_shards(
+            ck, tmp, to=to, block=block, indexed=(src / "model.safetensors.index.json").exists()
+        )
+        _copy_side_files(src, tmp, cfg)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing is left behind, at dst or beside it
+        raise
+    return n
+
+
+def _write_shards(ck, out_dir, *, to: str, block: tuple[int, int], indexed: bool) -> int:
+    """Each source shard converted into a shard of the same name in ``out_dir`` (one shard in memory at a time),
+    and the index when the source has one or there are several."""
+    import json
+
+    from safetensors.torch import save_file
+
     shards: dict[str, list[str]] = {}
     for name in sorted(ck.keys()):
         shards.setdefault(ck.weight_map[name], []).append(name)
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for shard, names in sorted(shards.items()):
         out: dict[str, torch.Tensor] = {}
         for name in names:
@@ -78,14 +95,9 @@ def convert_checkpoint(src, dst, *, to: str, block: tuple[int, int] = (128, 128)
                 out[name] = t.to(torch.bfloat16)
             else:
                 out[name] = t.contiguous()
-        save_file(out, tmp / shard, metadata={"format": "pt"})
+        save_file(out, out_dir / shard, metadata={"format": "pt"})
         weight_map.update({k: shard for k in out})
-        n += len(out)
-    if len(shards) > 1 or (src / "model.safetensors.index.json").exists():
-        import json
-
+    if len(shards) > 1 or indexed:
         index = {"metadata": {}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    _copy_side_files(src, tmp, cfg)
-    os.replace(tmp, dst)
-    return n
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return len(weight_map)
