@@ -868,3 +868,15 @@ def test_plans_count_where_group_limited_routing_sends_a_token():
     assert "within 4 of 8 groups: a token's experts on at most 4 of EP 8 ranks (8 without" in res.stdout, (
         res.stdout
     )
+
+
+def test_new_recipe_names_a_bad_node_count(recipes_root):
+    from tim_megatron.recipe import RecipeError
+    from tim_megatron.slurm.new_recipe import new_recipe
+
+    hf = DATA / "hf-configs" / "Moonlight-16B-A3B-Instruct"
+    with pytest.raises(
+        RecipeError, match=r"NODES=0: allowed: an integer >= 1 \(the smallest cluster the search"
+    ):
+        new_recipe(recipes_root / "qwen3-30b-a3b", "m", hf, recipes_root=recipes_root, min_nodes=0)
+    assert sorted(p.name for p in recipes_root.iterdir()) == ["qwen3-30b-a3b"]  # nothing written
