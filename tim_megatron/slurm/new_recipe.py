@@ -45,6 +45,10 @@ def new_recipe(
         raise RecipeError(
             f"FROM={src}: not a recipe folder (no base.yaml); allowed: a folder like recipes/qwen3-30b-a3b"
         )
+    if min_nodes is not None and min_nodes < 1:
+        raise RecipeError(
+            f"NODES={min_nodes}: allowed: an integer >= 1 (the smallest cluster the search tries)"
+        )
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{0,63}", name):
         raise RecipeError(
             f"NAME={name!r}: allowed: lowercase letters, digits, '.' and '-', starting with a letter or digit"
@@ -88,10 +92,6 @@ def new_recipe(
         _write(t / "base.yaml", src, hf, diff, notes)
         # Search the layout with the new dimensions (from the source's cluster size up), then write it.
         probe = load_recipe(t / "base.yaml", _single_gpu_layout(t))
-        if min_nodes is not None and min_nodes < 1:
-            raise RecipeError(
-                f"NODES={min_nodes}: allowed: an integer >= 1 (the smallest cluster the search tries)"
-            )
         choice = choose_layout(probe.recipe, min_nodes=min_nodes)
         per_node = max(probe.recipe.cluster.gpus_per_node, 1)
         world = choice.nodes * per_node
