@@ -350,7 +350,7 @@ def _needed_utilization(recipe: Recipe, rollout_tp: int) -> float:
     )
 
 
-def _layouts(recipe: Recipe, nodes: int, max_rollout_tp: int = USUAL_MAX_ROLLOUT_TP):
+def _layouts(recipe: Recipe, nodes: int, max_rollout_tp: int = USUAL_MAX_ROLLOUT_TP, min_rollout_tp: int = 1):
     """Candidate (tp, ep, rollout_tp) on ``nodes`` nodes: a single-node vLLM engine first, then small TP and small
     EP (less communication), then vLLM's size as ordered below. Each satisfies the recipe checks (divisibility of
     heads, experts, vocab and the minibatch)."""
@@ -362,6 +362,7 @@ def _layouts(recipe: Recipe, nodes: int, max_rollout_tp: int = USUAL_MAX_ROLLOUT
     valid = [
         t
         for t in _powers_of_two(min(max_rollout_tp, world))
+        if t >= min_rollout_tp
         if d.num_attention_heads % t == 0 and d.vocab_size % t == 0
     ]
     # One engine serves every rollout, so its GPU count is the rollout throughput: the source's size first, then
@@ -409,12 +410,18 @@ def choose_layout(
     own = recipe.trainer.offload_during_rollout
     tried: list[str] = []
     best = None
-    passes = [(own, USUAL_MAX_ROLLOUT_TP)] + [(o, MAX_ROLLOUT_TP) for o in levels[levels.index(own) :]]
-    for offload, max_rtp in passes:
+    # (offload, smallest and largest engine): the second pass tries only the wider engines, since the first has
+    # tried every narrower one with the same offload on every cluster size
+    passes = [(own, 1, USUAL_MAX_ROLLOUT_TP), (own, 2 * USUAL_MAX_ROLLOUT_TP, MAX_ROLLOUT_TP)]
+    passes += [(o, 1, MAX_ROLLOUT_TP) for o in levels[levels.index(own) + 1 :]]
+    for offload, min_rtp, max_rtp in passes:
         nodes = min_nodes or c.nodes
         while True:
+            if min_rtp > nodes * max(c.gpus_per_node, 1):  # no engine that wide on this few nodes
+                nodes *= 2
+                continue
             best_here = None
-            for tp, ep, rtp in _layouts(recipe, nodes, max_rtp):
+            for tp, ep, rtp in _layouts(recipe, nodes, max_rtp, min_rtp):
                 util = _needed_utilization(recipe, rtp)
                 plan = estimate(
                     recipe,
