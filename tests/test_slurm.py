@@ -121,16 +121,22 @@ def local_slurm_state(job, slurm):
     return m.group(1) if m else None
 
 
-def resume_to_the_end(cluster, run: Path, *, steps: int) -> None:
+def resume_to_the_end(cluster, run: Path, *, steps: int | None = None, recipe: list[str] = ()) -> None:
     """`tim submit --resume` of a stopped run: the new job starts after the latest checkpoint and logs every
-    step up to ``steps`` exactly once."""
+    step up to ``steps`` exactly once. With ``recipe`` (the recipe and its overrides, ``run.steps`` left out) the
+    run continues to two steps after its checkpoint under that recipe (``--allow-recipe-change``): a run long
+    enough that no job can finish before the test stops it ends soon after the resume."""
     from tim_megatron.trainer.checkpoint import latest_checkpoint
 
     ck = latest_checkpoint(run / "checkpoints")
     assert ck is not None
     saved = json.loads((ck / "state.json").read_text())["step"]
+    again = []
+    if recipe:
+        steps = saved + 2
+        again = [*recipe, f"run.steps={steps}", "--allow-recipe-change"]
     res = subprocess.run(
-        [*cluster.prefix, Path(sys.executable).parent / "tim", "submit", "--resume", str(run)],
+        [*cluster.prefix, Path(sys.executable).parent / "tim", "submit", *again, "--resume", str(run)],
         capture_output=True,
         text=True,
         env=cluster.env,
@@ -143,13 +149,19 @@ def resume_to_the_end(cluster, run: Path, *, steps: int) -> None:
 
 
 def test_scancel_checkpoints_and_resubmit_resumes(slurm, tmp_path):
-    job, run = submit_tiny(slurm, tmp_path, 25)
+    # 300 steps: `make cancel` starts make and tim before scancel, seconds on a loaded machine, and 25 steps
+    # of about 0.3 s once finished first. The resume goes on to two steps after the SIGTERM checkpoint.
+    job, run = submit_tiny(slurm, tmp_path, 300)
     _running_until(run, 3, job, slurm)
     assert make("cancel", slurm, JOB=job).returncode == 0
     assert slurm.wait(job) == "CANCELLED"
     meta = json.loads((run / "run.json").read_text())
     assert meta["status"] == "preempted", meta
-    resume_to_the_end(slurm, run, steps=25)
+    resume_to_the_end(
+        slurm, run, recipe=["recipes/tiny-moe/grpo.yaml", *FAST.split(), f"run.output_dir={tmp_path}"]
+    )
+    changes = json.loads((run / "run.json").read_text())["recipe_changes"]
+    assert [c["changes"] for c in changes] == [{"run.steps": [300, meta["checkpoint_step"] + 2]}], changes
 
 
 REQUEUE_HOLD_S = 3
@@ -173,7 +185,8 @@ def _skip_requeue_delay(job: str, slurm) -> None:
 
 
 def test_requeue_resumes_the_same_job(slurm, tmp_path):
-    job, run = submit_tiny(slurm, tmp_path, 25)
+    # Requeued at step 3 of 40: about ten seconds of steps left for scontrol to reach the job first.
+    job, run = submit_tiny(slurm, tmp_path, 40)
     _running_until(run, 3, job, slurm)
     subprocess.run(
         ["scontrol", "requeue", job], env=slurm.env, check=True, capture_output=True
@@ -183,7 +196,7 @@ def test_requeue_resumes_the_same_job(slurm, tmp_path):
         assert time.time() - t0 < 600, job_log(run, job)
         _skip_requeue_delay(job, slurm)
         time.sleep(2)
-    assert steps_logged(run) == list(range(1, 26))
+    assert steps_logged(run) == list(range(1, 41))
     assert "resumed_from" in (run / "run.json").read_text()
 
 
