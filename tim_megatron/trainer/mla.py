@@ -80,9 +80,28 @@ class LatentCoreAttention(torch.nn.Module):
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * self.v_channels)
 
 
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of MLA's latent norms (``q_a_layernorm``, ``kv_a_layernorm``) in DeepSeek's reference code and HF
+transformers: their RMSNorm's default, whatever ``rms_norm_eps`` (the decoder layers' norms) says."""
+
+
+class LatentRMSNorm(SequenceParallelRMSNorm):
+    """MLA's q and kv latent norm: :class:`SequenceParallelRMSNorm` with :data:`LATENT_NORM_EPS`.
+
+    megatron-core builds both with ``config.layernorm_epsilon`` (``rms_norm_eps``); for a checkpoint whose
+    ``rms_norm_eps`` is not 1e-6 (Moonlight-16B-A3B: 1e-5) that is another function than the model's own code,
+    by up to 1e-2 in logprob on the tiny DeepSeek models. The rollout engine's latent norms get the same epsilon
+    (``patches/vllm/mla_latent_norm_eps.py``)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs):
+        super().__init__(config, hidden_size, eps=LATENT_NORM_EPS, **kwargs)
+
+
 def mla_layer_spec(*, num_experts: int | None, use_te: bool):
     """One MLA decoder layer spec: megatron-core's own (with the q and kv latent norms), and without
-    transformer-engine :class:`LatentCoreAttention` and the sequence-parallel RMSNorm the other families use."""
+    transformer-engine :class:`LatentCoreAttention`, the sequence-parallel RMSNorm the other families use, and
+    :class:`LatentRMSNorm` for the latent norms. (With transformer-engine the latent norms are fused into the
+    up-projections with ``rms_norm_eps``: not yet matched to :data:`LATENT_NORM_EPS`.)"""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -103,6 +122,6 @@ def mla_layer_spec(*, num_experts: int | None, use_te: bool):
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = LatentCoreAttention
-    attn.q_layernorm = SequenceParallelRMSNorm
-    attn.kv_layernorm = SequenceParallelRMSNorm
+    attn.q_layernorm = LatentRMSNorm
+    attn.kv_layernorm = LatentRMSNorm
     return spec

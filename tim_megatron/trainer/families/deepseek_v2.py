@@ -92,6 +92,7 @@ FAMILY = base.Family(
             router_groups=1,
             router_group_topk=1,
             q_lora_rank=0,  # DeepSeek-V2-Lite's one query projection
+            rms_norm_eps=1e-5,  # Moonlight's: the latent norms keep 1e-6 (tim_megatron.trainer.mla.LatentRMSNorm)
         )
     ),
     ignored_hf=base.layer_beyond(),
