@@ -16,6 +16,18 @@ def available() -> bool:
     return all(shutil.which(b) for b in ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "squeue"))
 
 
+def first_job_id() -> int:
+    """Where a test cluster's job ids start: a random point in this pytest-xdist worker's own share of 1000-12000,
+    so that two workers' clusters never give two jobs one id, and so one rendezvous port (20000 + id, below 32768,
+    outside the kernel's ephemeral ports that other tests' free ports come from). A cluster submits far fewer
+    than the 500 ids left after its start."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1), index + 1)
+    share = 11000 // count
+    return 1000 + index * share + int.from_bytes(os.urandom(2), "big") % max(share - 500, 1)
+
+
 def _ports(n: int) -> list[int]:
     socks, ports = [], []
     for _ in range(n):
@@ -104,8 +116,8 @@ SchedulerType=sched/builtin
 ReturnToService=2
 JobRequeue=1
 # Job ids of its own: the job script's rendezvous port is 20000 + id % 20000, and other clusters on this
-# machine (other test sessions) would otherwise count from 1 too and collide on it.
-FirstJobId={1000 + int.from_bytes(os.urandom(2), "big") % 18000}
+# machine (the other pytest-xdist worker's, other test sessions) would otherwise count from 1 too and collide on it.
+FirstJobId={first_job_id()}
 KillWait=60
 MinJobAge=3600
 MpiDefault=none
@@ -251,7 +263,7 @@ JobRequeue=1
 KillWait=60
 MinJobAge=3600
 MpiDefault=none
-FirstJobId={1000 + int.from_bytes(os.urandom(2), "big") % 18000}
+FirstJobId={first_job_id()}
 {nodes}
 PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 """)
