@@ -145,3 +145,26 @@ def test_vllm_latent_norm_patch_sets_1e_6_for_deepseek_only_and_is_idempotent():
             assert patch.set_latent_eps(att, SimpleNamespace(model_type=model_type)) == 2
             assert att.q_a_layernorm.variance_epsilon == att.kv_a_layernorm.variance_epsilon == 1e-6
         assert patch.set_latent_eps(attention(q_lora=False), SimpleNamespace(model_type="deepseek_v2")) == 1
+
+
+def test_transformer_engines_fused_latent_norms_with_another_rms_norm_eps_are_named():
+    """The transformer-engine spec (GPU) fuses the latent norms into the up-projections with rms_norm_eps, which
+    cannot be set apart from the decoder norms': for Moonlight's 1e-5 that is said when the model is built, and
+    nothing is said for 1e-6. (Without transformer-engine, as here, building that spec then fails.)"""
+    import contextlib
+    import warnings
+
+    from tim_megatron.recipe import load_recipe
+    from tim_megatron.trainer.model import block_spec
+
+    def warned(recipe: str) -> list[str]:
+        dims = load_recipe(ROOT / recipe).recipe.model.dims
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with contextlib.suppress(Exception):  # the TE spec needs transformer-engine
+                block_spec(dims, True)
+        return [str(w.message) for w in caught if "latent norms" in str(w.message)]
+
+    moonlight_eps = warned("recipes/tiny-deepseek-v2/grpo.yaml")
+    assert len(moonlight_eps) == 1 and "rms_norm_eps = 1e-05 with transformer-engine" in moonlight_eps[0]
+    assert warned("recipes/tiny-deepseek-v3/grpo.yaml") == []

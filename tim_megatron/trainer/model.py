@@ -12,6 +12,7 @@ exist for a whole micro-batch.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,17 @@ def block_spec(dims: ModelDims, use_te: bool):
 
     from tim_megatron.trainer.families import get_family
 
+    if use_te:
+        from tim_megatron.trainer.mla import LATENT_NORM_EPS
+
+        if dims.is_mla and dims.rms_norm_eps != LATENT_NORM_EPS:
+            warnings.warn(
+                f"model.dims.rms_norm_eps = {dims.rms_norm_eps:g} with transformer-engine: its MLA latent norms "
+                f"(fused into the q and kv up-projections) take it, where DeepSeek's code and the rollout engine "
+                f"use {LATENT_NORM_EPS:g}; the trainer scores slightly other logprobs (run without "
+                "transformer-engine for the matched norms)",
+                stacklevel=2,
+            )
     specs = get_family(dims.resolved_family).layer_specs(dims, use_te)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
