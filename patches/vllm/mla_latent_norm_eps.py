@@ -15,10 +15,8 @@ before its model is built, on CPU and GPU; other models are left as they are.
 from __future__ import annotations
 
 from patches.guard import PatchSpec, check_version
+from tim_megatron.trainer.mla import LATENT_NORM_EPS
 from tim_megatron.versions import VLLM
-
-LATENT_NORM_EPS = 1e-6
-"""The epsilon of the latent norms in DeepSeek's reference code and HF transformers (their RMSNorm's default)."""
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 """HF ``model_type`` values whose latent norms are built with :data:`LATENT_NORM_EPS`."""

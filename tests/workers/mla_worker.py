@@ -211,8 +211,9 @@ def compare(name: str, spec: dict, *, megatron_rope_scaling="same", latent_eps: 
     gpt = megatron_model(spec["q_lora_rank"], scaling, eps)
     latent = [m for m in gpt.modules() if isinstance(m, LatentRMSNorm)]
     assert len(latent) == LAYERS * (2 if spec["q_lora_rank"] else 1), len(latent)
-    for m in latent:
-        m.eps = latent_eps if latent_eps is not None else m.eps
+    if latent_eps is not None:
+        for m in latent:
+            m.eps = latent_eps
     tensors = copy_weights(hf, gpt, spec["q_lora_rank"])
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, VOCAB, (2, spec["length"]), generator=g)
