@@ -1,7 +1,8 @@
 """Multi-head latent attention in the trainer on CPU (issue 26, first part): megatron-core's own
 ``MLASelfAttention``, with tim_megatron.trainer.mla's core attention and the patch that lets it build without
 transformer-engine, against HF transformers' DeepSeek-V3 in float32, with and without q-LoRA, and with YaRN at
-positions beyond the original context. Run in a fresh process (tests/workers/mla_worker.py)."""
+positions beyond the original context. Run in a fresh process (tests/workers/mla_worker.py). Plus the core
+attention on its own against float64, and the vLLM-side patches."""
 
 from __future__ import annotations
 
@@ -180,9 +181,9 @@ def test_latent_core_attention_is_causal_softmax_attention_with_its_own_value_si
     sum in float32)."""
     from types import SimpleNamespace
 
+    require(importable("megatron.core"), "megatron-core")
     from tim_megatron.trainer.mla import LatentCoreAttention
 
-    require(importable("megatron.core"), "megatron-core")
     cfg = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=96)
     att = LatentCoreAttention(cfg, 1, None, "self", k_channels=96, v_channels=32)
     g = torch.Generator().manual_seed(0)
