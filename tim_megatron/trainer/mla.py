@@ -97,7 +97,8 @@ class LatentRMSNorm(SequenceParallelRMSNorm):
     by up to 1e-2 in logprob on the tiny DeepSeek models. The rollout engine's latent norms get the same epsilon
     (``patches/vllm/mla_latent_norm_eps.py``)."""
 
-    def __init__(self, config, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs):
+    def __init__(self, config, hidden_size: int, eps: float | None = None, **kwargs):
+        # megatron-core passes its ``layernorm_epsilon`` (``rms_norm_eps``) as ``eps``: replaced, not used
         super().__init__(config, hidden_size, eps=LATENT_NORM_EPS, **kwargs)
 
 
