@@ -1,0 +1,102 @@
+"""tim_megatron.safe_files: nothing is written through a link, and nothing but a regular file inside the folder
+is read."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from tim_megatron import safe_files as sf
+
+
+def test_write_atomic_replaces_a_planted_link_and_leaves_its_target(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").symlink_to(victim)
+    sf.write_atomic(run / "run.json", "{}", root=run)
+    assert victim.read_text() == "keep"
+    assert not (run / "run.json").is_symlink() and (run / "run.json").read_text() == "{}"
+    assert sorted(p.name for p in run.iterdir()) == ["run.json"]  # no temporary file left
+
+
+def test_write_atomic_refuses_paths_outside_the_root_and_through_linked_folders(tmp_path):
+    run, other = tmp_path / "run", tmp_path / "other"
+    run.mkdir()
+    other.mkdir()
+    (run / "logs").symlink_to(other)
+    with pytest.raises(sf.UnsafePathError, match="symbolic link"):
+        sf.write_atomic(run / "logs" / "engine.log", "x", root=run)
+    with pytest.raises(sf.UnsafePathError, match="outside"):
+        sf.write_atomic(run / ".." / "other" / "x", "x", root=run)
+    assert list(other.iterdir()) == []
+
+
+def test_write_atomic_refuses_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(sf.UnsafePathError, match="FIFO"):
+        sf.write_atomic(tmp_path / "pipe", "x")
+
+
+def test_open_append_refuses_a_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(sf.UnsafePathError, match="symbolic link"):
+        sf.open_append(tmp_path / "metrics.jsonl")
+    assert victim.read_text() == "keep"
+    with sf.open_append(tmp_path / "new.jsonl") as f:
+        f.write("a\n")
+    assert (tmp_path / "new.jsonl").read_text() == "a\n"
+
+
+def test_open_regular_refuses_links_fifos_and_oversized_files_without_blocking(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("key")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "README.md").symlink_to(secret)
+    os.mkfifo(folder / "pipe")
+    (folder / "big").write_bytes(b"x" * 100)
+    with pytest.raises(sf.UnsafePathError, match="symbolic link"):
+        sf.read_text(folder / "README.md", root=folder)
+    result = {}
+
+    def read_fifo():
+        try:
+            sf.read_bytes(folder / "pipe", root=folder)
+        except sf.UnsafePathError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=read_fifo, daemon=True)
+    t.start()
+    t.join(5)
+    assert "FIFO" in result.get("error", ""), "reading a FIFO blocked or was not refused"
+    with pytest.raises(sf.UnsafePathError, match="100 bytes; allowed: at most 10"):
+        sf.read_bytes(folder / "big", max_bytes=10)
+    with pytest.raises(sf.UnsafePathError, match="outside"):
+        sf.read_bytes(folder / ".." / "secret", root=folder)
+    assert not sf.regular_file(folder / "README.md") and sf.regular_file(folder / "big", root=folder)
+
+
+def test_remove_owned_tree_needs_the_marker_and_a_real_folder(tmp_path):
+    root = tmp_path / "lab"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep")
+    (root / "linked").symlink_to(outside)
+    (root / "theirs").mkdir()
+    (root / "mine").mkdir()
+    (root / "mine" / ".owner").write_text("")
+    (root / "mine" / "link").symlink_to(outside)
+    with pytest.raises(sf.UnsafePathError, match="symbolic link"):
+        sf.remove_owned_tree(root / "linked", root=root, marker=".owner")
+    with pytest.raises(sf.UnsafePathError, match="has no .owner"):
+        sf.remove_owned_tree(root / "theirs", root=root, marker=".owner")
+    sf.remove_owned_tree(root / "mine", root=root, marker=".owner")
+    assert not (root / "mine").exists() and (root / "theirs").is_dir()
+    assert (outside / "precious").read_text() == "keep"
