@@ -159,6 +159,16 @@ MLA = ("deepseek_v2", "deepseek_v3")
 
 
 @pytest.mark.slow
+def test_the_engine_runs_the_cpu_kernels_it_names(family):
+    """Whatever the CPU: CPU_MLA for latent attention (vLLM alone picks AMX_MLA on an Intel CPU with AMX, which
+    refuses float32 and breaks the first reload), CPU_ATTN otherwise, the vector kernels, never AMX's."""
+    k = family["single"]["engine_kernels"]
+    assert k["attention_backends"] == ["CPU_MLA" if family["name"] in MLA else "CPU_ATTN"], k
+    assert k["moe_experts"] == ["CPUUnquantizedExperts"], k
+    assert "amx" not in k["attention_isa"], k
+
+
+@pytest.mark.slow
 def test_megatron_and_vllm_logprobs_equal_hf_transformers_in_fp32(family):
     s = family["single"]
     assert s["megatron_vs_hf"] < 1e-5, s["megatron_vs_hf"]

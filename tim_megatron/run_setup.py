@@ -143,7 +143,9 @@ def setup(
         stop = StopRequest()
         stop.install()
     path = model_path_for(r)
-    backend_for(r).check_model(path, on_gpu=torch.cuda.is_available())  # weights present, servable
+    backend_for(r).check_model(  # weights present, servable
+        path, on_gpu=torch.cuda.is_available(), tensor_parallel=r.rollout.tensor_parallel_size
+    )
     # bad data (and a prompt too long in this tokenizer) fails here, before any engine starts
     prompts = PromptSource(r.data, seed=r.run.seed, tokenizer=AutoTokenizer.from_pretrained(path))
     trainer = MegatronTrainer(r, model_path=path)
@@ -224,6 +226,10 @@ def fleet_description(rollout) -> list[str]:
     for k in range(rollout.layout.engines):
         ranks = [d for d in everyone if d["engine"] == k]
         where = ", ".join(f"rank {d['rank']} on {d['device']}" for d in ranks)
+        kernels = ranks[0].get("kernels") if ranks else None
+        if kernels:  # vLLM on CPU: the kernels it was told to run (tim_megatron/rollout/cpu_kernels.py)
+            moe = f", MoE {'/'.join(kernels['moe_experts'])}" if kernels["moe_experts"] else ""
+            where += f" (attention {'/'.join(kernels['attention_backends'])}{moe})"
         lines.append(f"  rollout engine {k} of {rollout.layout.engines}: {where}")
     return lines
 

@@ -199,6 +199,7 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     eng = VLLMEngine(
         r, model_path=ck, layout=FleetLayout(world=1, ranks_per_engine=1), num_moe_layers=tr.num_moe_layers()
     )
+    out["engine_kernels"] = eng.kernels
     seqs = [ids[i, : int(lengths[i])].tolist() for i in range(N)]
     groups, _ = eng.generate(seqs, step=0, n=1, max_tokens=1)
     k = dims.num_experts_per_tok

@@ -26,7 +26,7 @@ from tim_megatron.doctor.base import (
     run_checks,
     summary,
 )
-from tim_megatron.doctor.devices import check_cuda, check_gpus, check_nccl
+from tim_megatron.doctor.devices import check_cpu, check_cuda, check_gpus, check_nccl
 from tim_megatron.doctor.recipe_checks import check_model, check_plan, check_recipe
 from tim_megatron.doctor.services import check_hf_cache, check_slurm, check_wandb
 from tim_megatron.doctor.stack import (
@@ -45,6 +45,7 @@ CHECKS: tuple[Check, ...] = (
     check_python,
     check_torch,
     check_cuda,
+    check_cpu,
     check_gpus,
     check_nccl,
     check_megatron,

@@ -139,3 +139,53 @@ def check_nccl(ctx: Context) -> list[Outcome]:
         if ctx.environ.get(var, "0") not in ("", "0"):
             out.append(Outcome(f"nccl {var}", "warn", f"{var}={ctx.environ[var]}: {what}", f"unset {var}"))
     return out
+
+
+_CPU_PROBE = r"""
+import json, sys
+from tim_megatron.rollout.cpu_kernels import report
+arg = sys.argv[1]
+print("\n@@cpu@@" + json.dumps(report(mla=None if arg == "any" else arg == "mla")))
+"""
+
+
+def check_cpu(ctx: Context) -> list[Outcome]:
+    """The CPU's instruction-set features and the vLLM attention backend the engine names (CPU rollouts only):
+    vLLM alone would choose by instruction set (AMX or not), so the line shows both."""
+    import subprocess
+    import sys
+
+    from tim_megatron.doctor.base import cuda_available
+
+    if cuda_available():
+        return [Outcome("cpu", "ok", "rollouts run on the GPU (vLLM's CUDA backends)")]
+    r = recipe_of(ctx)
+    kind = "any" if r is None else ("mla" if r.model.dims.is_mla else "plain")
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", _CPU_PROBE, kind],
+            capture_output=True,
+            text=True,
+            timeout=ctx.timeout_s,
+            env=dict(ctx.environ),
+        )
+    except subprocess.TimeoutExpired:
+        return [Outcome("cpu", "warn", f"the CPU probe did not finish within {ctx.timeout_s:.0f} s")]
+    _, found, payload = res.stdout.rpartition("@@cpu@@")
+    if not found:
+        tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        return [Outcome("cpu", "fail", f"the CPU probe died (exit {res.returncode}): {tail}", "make setup")]
+    import json
+
+    d = json.loads(payload)
+    f = d["features"]
+    flags = ", ".join(f"{name} {'yes' if f[key] else 'no'}" for key, name in _FEATURES)
+    more = tuple(
+        f"{'MLA' if b['mla'] else 'other'} models: attention backend {b['named']} (named; vLLM alone would "
+        f"pick {b['vllm_alone']} on this CPU)"
+        for b in d["backends"]
+    )
+    return [Outcome("cpu", "ok", f"{f['cpu']}: {flags}; vLLM's AMX kernels not used", more=more)]
+
+
+_FEATURES = (("avx2", "AVX2"), ("avx512", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx", "AMX"))

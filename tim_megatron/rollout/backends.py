@@ -26,7 +26,8 @@ class Backend:
     build: Callable[..., object]
     """``build(recipe, trainer, model_path=, tokenizer=)``: this rank's engine."""
     check_model: Callable[..., None]
-    """``check_model(model_path, on_gpu=)``: raise, naming the reason, for a checkpoint it cannot serve."""
+    """``check_model(model_path, on_gpu=, tensor_parallel=)``: raise, naming the reason, for a checkpoint it cannot
+    serve with engines of ``tensor_parallel`` ranks."""
     own_copy: bool
     """For ``tim plan``: True when the engine holds its own copy of the weights (in ``rollout.dtype``, sharded by
     ``rollout.tensor_parallel_size``) and its KV cache inside the ``rollout.gpu_memory_utilization`` share of each
@@ -47,10 +48,10 @@ def _build_vllm(recipe, trainer, *, model_path: Path, tokenizer):
     )
 
 
-def _check_vllm(model_path: Path, *, on_gpu: bool) -> None:
+def _check_vllm(model_path: Path, *, on_gpu: bool, tensor_parallel: int = 1) -> None:
     from tim_megatron.rollout.vllm_engine import check_model_for_engine
 
-    check_model_for_engine(model_path, on_gpu=on_gpu)
+    check_model_for_engine(model_path, on_gpu=on_gpu, tensor_parallel=tensor_parallel)
 
 
 def _build_trainer(recipe, trainer, *, model_path: Path, tokenizer):
@@ -59,7 +60,7 @@ def _build_trainer(recipe, trainer, *, model_path: Path, tokenizer):
     return ExactSampler(trainer, eos_id=tokenizer.eos_token_id)
 
 
-def _check_trainer(model_path: Path, *, on_gpu: bool) -> None:
+def _check_trainer(model_path: Path, *, on_gpu: bool, tensor_parallel: int = 1) -> None:
     from tim_megatron.rollout.base import check_model_files
 
     check_model_files(model_path)  # the trainer reads the same files; no engine of its own to fit

@@ -14,6 +14,9 @@
 * Routed experts (R3): vLLM's native capture on GPU where available, else the CPU capture patch.
 * Weights: loaded in place from the trainer's export, by reference (same process, same device); verified by
   :mod:`tim_megatron.rollout.sync`.
+* CPU kernels: the attention backend is named (``CPU_MLA`` or ``CPU_ATTN``) and vLLM's AMX-only kernel choices take
+  the vector path, so every x86 CPU of the project's kind runs the same code; what runs is read back and checked
+  (:mod:`tim_megatron.rollout.cpu_kernels`).
 * Memory: ``sleep``/``wake_up`` release and retake accelerator memory around the trainer's work (GPU with
   ``rollout.sleep_between_steps``; vLLM makes them no-ops on CPU).
 
@@ -39,6 +42,7 @@ import torch
 
 from tim_megatron import versions
 from tim_megatron.recipe.schema import Recipe
+from tim_megatron.rollout import cpu_kernels
 from tim_megatron.rollout.base import (
     EngineStartError,
     FleetLayout,
@@ -110,8 +114,9 @@ def check_vllm_build(*, dist: str, version: str, on_gpu: bool, environ: Mapping[
     )
 
 
-def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
-    """Fail early, with the reason, for checkpoints vLLM cannot serve here."""
+def check_model_for_engine(model_path: str | Path, *, on_gpu: bool, tensor_parallel: int = 1) -> dict:
+    """Fail early, with the reason, for checkpoints vLLM cannot serve here (``tensor_parallel``: the engine's
+    ranks, which split each expert's width)."""
     cfg = check_model_files(model_path)
     quant = cfg.get("quantization_config")
     if quant:
@@ -129,15 +134,27 @@ def check_model_for_engine(model_path: str | Path, *, on_gpu: bool) -> dict:
                 "512 and 64 (a 576-wide cache entry, as DeepSeek-V2/V3 have); use model.dims.kv_lora_rank = 512 and "
                 "model.dims.qk_rope_head_dim = 64 for CPU runs"
             )
-        return cfg
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    else:
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        if not on_gpu:
+            sizes = cpu_head_sizes()
+            if head_dim not in sizes:
+                raise RolloutInputError(
+                    f"rollout: head_dim = {head_dim} is not supported by vLLM's CPU attention (supported: {sizes}); "
+                    "use model.dims.head_dim = 32 or more for CPU runs"
+                )
     if not on_gpu:
-        sizes = cpu_head_sizes()
-        if head_dim not in sizes:
-            raise RolloutInputError(
-                f"rollout: head_dim = {head_dim} is not supported by vLLM's CPU attention (supported: {sizes}); "
-                "use model.dims.head_dim = 32 or more for CPU runs"
+        from tim_megatron.trainer.hf_config import dims_from_hf
+
+        dims = dims_from_hf(cfg)
+        if dims.is_moe:
+            why = cpu_kernels.moe_shape_problem(
+                hidden_size=dims.hidden_size,
+                expert_width=dims.moe_intermediate_size,
+                tensor_parallel=tensor_parallel,
             )
+            if why:
+                raise RolloutInputError(f"rollout: {model_path}: {why}")
     return cfg
 
 
@@ -194,7 +211,9 @@ class VLLMEngine:
         note = check_vllm_build(dist=dist, version=vllm_version, on_gpu=self.on_gpu, environ=os.environ)
         if note:
             print(note, file=sys.stderr, flush=True)
-        self.hf_config = check_model_for_engine(self.model_path, on_gpu=self.on_gpu)
+        self.hf_config = check_model_for_engine(
+            self.model_path, on_gpu=self.on_gpu, tensor_parallel=layout.ranks_per_engine
+        )
         self.num_moe_layers = num_moe_layers
         self.capture = recipe.capture_routed_experts and num_moe_layers > 0
         self._native_capture = False
@@ -214,10 +233,11 @@ class VLLMEngine:
 
         mla_latent_norm_eps.apply()  # DeepSeek's latent norms with its own epsilon (no-op for other models)
         if not self.on_gpu:
-            from patches.vllm import cpu_eager_token_rank, cpu_rope_heads
+            from patches.vllm import cpu_eager_token_rank, cpu_portable_kernels, cpu_rope_heads
 
             cpu_eager_token_rank.apply()  # no Inductor compile at the first generation
             cpu_rope_heads.apply()  # every head of a [tokens, heads, size] query rotated (MLA)
+            cpu_portable_kernels.apply()  # the vector kernels on every x86 CPU, AMX or not
         t = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
@@ -225,6 +245,15 @@ class VLLMEngine:
             kind = "fit" if memory_error(e) else "load"
             raise EngineStartError(f"{type(e).__name__}: {e}", kind=kind) from e
         self.load_seconds = time.perf_counter() - t
+        self.kernels: dict = {}
+        """What the engine runs on CPU (:func:`tim_megatron.rollout.cpu_kernels.running_kernels`); empty on GPU."""
+        if not self.on_gpu:
+            self.kernels = cpu_kernels.running_kernels(self.llm)
+            try:
+                cpu_kernels.check_running(self.kernels, hf_config=self.hf_config)
+            except cpu_kernels.KernelChoiceError as e:
+                self.llm.llm_engine.engine_core.shutdown()
+                raise EngineStartError(str(e), kind="load") from e
         self.tokenizer = self.llm.get_tokenizer()
         if self.capture and not self._native_capture:
             from patches.vllm import routed_experts_capture
@@ -254,7 +283,10 @@ class VLLMEngine:
             # SPMD over the trainer's torch.distributed world: vLLM builds its groups from the existing one.
             kwargs["distributed_executor_backend"] = "external_launcher"
         if not self.on_gpu:
-            kwargs.update(gpu_memory_utilization=r.cpu_memory_utilization)  # on CPU it means host memory
+            kwargs.update(
+                gpu_memory_utilization=r.cpu_memory_utilization,  # on CPU it means host memory
+                attention_backend=cpu_kernels.attention_backend(self.hf_config),  # not vLLM's pick by ISA
+            )
         else:
             kwargs.update(
                 gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.sleep_between_steps
@@ -283,6 +315,7 @@ class VLLMEngine:
             "device": dev,
             "tensor_parallel_size": self.layout.ranks_per_engine,
             "load_seconds": round(self.load_seconds, 2),
+            "kernels": self.kernels,
         }
 
     # ------------------------------------------------------------------------------------ generation
