@@ -390,3 +390,130 @@ def test_a_config_json_that_is_not_a_file_is_a_named_error(kind, tmp_path):
     assert (
         f"HFConfigError: {hf / 'config.json'}: not a regular file; allowed: a config.json file" in res.stderr
     )
+
+
+# ------------------------------------------------------------------------------------------- variants
+
+TIM = str(Path(sys.executable).parent / "tim")
+
+
+def _tiny_config(family: str, **dims) -> dict:
+    """A tiny model's config.json of ``family`` with ``dims`` changed (e.g. a shorter max_position_embeddings)."""
+    from tim_megatron.trainer.families import get_family
+
+    fam = get_family(family)
+    cfg = fam.hf_config(fam.tiny.model_copy(update=dims)).to_dict()
+    cfg["architectures"] = list(fam.architectures)
+    return cfg
+
+
+def _new_recipe_cli(root: Path, name: str, hf: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [TIM, "new-recipe", str(root / "tiny-moe"), name, str(hf), "--recipes-root", str(root)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def _recipe_check(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [TIM, "recipe", "check", str(folder)], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
+@pytest.fixture
+def tiny_root(tmp_path):
+    root = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes" / "tiny-moe", root / "tiny-moe")
+    return root
+
+
+def test_new_recipe_fits_every_variant_to_a_model_with_fewer_positions(tiny_root, tmp_path):
+    """`tim new-recipe` from recipes/tiny-moe for a tiny MoE of 128 positions. Before: it failed on lab.yaml's
+    `rollout.max_model_len: 272` (variants were copied as they were; no folder). Now: lab.yaml's lengths are fitted
+    as base.yaml's are (max_model_len to the model's positions, max_tokens to what the prompts leave), the other
+    variants are copied unchanged, and every file passes `tim recipe check`."""
+    src = tiny_root / "tiny-moe"
+    hf = _hf(tmp_path / "hf", _tiny_config("qwen3_moe", max_position_embeddings=128))
+    res = _new_recipe_cli(tiny_root, "short", hf)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dest = tiny_root / "short"
+    assert _made(dest) == _made(src)
+    check = _recipe_check(dest)
+    assert check.returncode == 0 and f"{len(_made(src))}/{len(_made(src))} recipes valid" in check.stdout, (
+        check.stdout
+    )
+    lab = load_recipe(dest / "lab.yaml").recipe
+    source_lab = load_recipe(src / "lab.yaml").recipe
+    assert (lab.rollout.max_model_len, lab.rollout.max_tokens) == (128, 128 - lab.data.max_prompt_tokens)
+    assert (lab.rl, lab.data) == (source_lab.rl, source_lab.data)  # nothing else changed
+    assert "rollout.max_model_len 272 -> 128" in (dest / "lab.yaml").read_text()
+    assert "fitted lab.yaml: rollout.max_model_len 272 -> 128" in res.stdout
+    for same in ("countdown.yaml", "gspo.yaml", "vexact.yaml"):
+        assert (dest / same).read_text() == (src / same).read_text()
+    assert "left out" not in res.stdout
+
+
+def test_new_recipe_leaves_out_the_variants_the_model_cannot_run_and_names_them(tiny_root, tmp_path):
+    """The same for a tiny DeepSeek-V3 of 128 positions: the exact-mode variants (vexact.yaml and the three that
+    inherit from it) cannot run multi-head latent attention. Before: the whole command failed. Now: each is left
+    out with a line that says why, the header of base.yaml lists them, and the rest pass `tim recipe check`."""
+    src = tiny_root / "tiny-moe"
+    hf = _hf(tmp_path / "hf", _tiny_config("deepseek_v3", max_position_embeddings=128))
+    res = _new_recipe_cli(tiny_root, "ds", hf)
+    assert res.returncode == 0, res.stdout + res.stderr
+    dest = tiny_root / "ds"
+    left = {"vexact.yaml", "vexact-bias.yaml", "vexact-noise.yaml", "vexact-precision.yaml"}
+    assert set(_made(src)) - set(_made(dest)) == left
+    assert "left out vexact.yaml: " in res.stdout
+    assert "diagnostics.vexact = exact with multi-head latent attention" in res.stdout
+    for child in left - {"vexact.yaml"}:
+        assert f"left out {child}: it inherits from vexact.yaml, which was left out" in res.stdout
+    assert str(tiny_root / "ds.new-") not in res.stdout  # errors name the new folder, not the staging one
+    header = (dest / "base.yaml").read_text().split("base:")[0]
+    assert all(f"# left out {name}: " in header for name in left)
+    check = _recipe_check(dest)
+    assert check.returncode == 0 and f"{len(_made(dest))}/{len(_made(dest))} recipes valid" in check.stdout
+    assert load_recipe(dest / "lab.yaml").recipe.rollout.max_model_len == 128
+
+
+def test_new_recipe_from_a_source_with_more_gpus_than_prompts(tmp_path):
+    """`tim new-recipe` from recipes/deepseek-v3 (64 nodes x 8 GPUs, 128 prompts a step) for the published
+    DeepSeek-V3. Before: the layout search's probe put data parallelism over all 512 GPUs, which does not divide
+    128 prompts, and the command failed on that (`data.prompts_per_step = 128 must be a multiple of parallel.dp =
+    512`) whatever the model. Now: the probe takes tensor parallelism where needed, and the layout found is the
+    source's own."""
+    root = tmp_path / "recipes"
+    for name in ("deepseek-v3", "qwen3-30b-a3b"):  # the first inherits from the second
+        shutil.copytree(ROOT / "recipes" / name, root / name)
+    dest, checked = new_recipe(root / "deepseek-v3", "ds", CONFIGS / "DeepSeek-V3", recipes_root=root)
+    assert set(checked) == {p.name for p in (root / "deepseek-v3").glob("*.yaml")}
+    assert all(err is None for _, err in check_dir(dest))
+    new, old = (load_recipe(f).recipe for f in (dest / "grpo.yaml", root / "deepseek-v3" / "grpo.yaml"))
+    assert (new.parallel, new.cluster.nodes, new.model.dims) == (
+        old.parallel,
+        old.cluster.nodes,
+        old.model.dims,
+    )
+
+
+def test_a_variant_that_is_a_fifo_or_a_link_is_left_out_unread(tiny_root, tmp_path):
+    """A source folder whose `wait.yaml` is a FIFO and `elsewhere.yaml` a link to a recipe outside it. Before: the
+    command stopped with a traceback (`shutil.SpecialFileError: ... wait.yaml is a named pipe`), and without the
+    FIFO the link's target outside the folder was read and copied in. Now: neither is read; each is left out with
+    a line naming what it is, and the rest is written."""
+    src = tiny_root / "tiny-moe"
+    os.mkfifo(src / "wait.yaml")
+    outside = tmp_path / "outside.yaml"
+    outside.write_text("base: base.yaml\n")
+    (src / "elsewhere.yaml").symlink_to(outside)
+    hf = _hf(tmp_path / "hf", _tiny_config("qwen3_moe"))
+    res = _new_recipe_cli(tiny_root, "copy", hf, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "left out wait.yaml: not copied: " in res.stdout and "a FIFO" in res.stdout
+    assert "left out elsewhere.yaml: not copied: " in res.stdout and "symbolic link" in res.stdout
+    dest = tiny_root / "copy"
+    assert set(_made(src)) - set(_made(dest)) == {"wait.yaml", "elsewhere.yaml"}
+    assert _recipe_check(dest).returncode == 0

@@ -75,14 +75,9 @@ def recipe_check(
 
 
 def check_dir_single(path: Path):
-    from tim_megatron.recipe import RecipeError, load_recipe
-    from tim_megatron.recipe.sweep import is_sweep_file, load_sweep
+    from tim_megatron.recipe.check import check_file
 
-    try:
-        load_sweep(path) if is_sweep_file(path) else load_recipe(path)
-        return [(path, None)]
-    except RecipeError as e:
-        return [(path, str(e))]
+    return [(path, check_file(path))]
 
 
 @simulate_app.command("precision")

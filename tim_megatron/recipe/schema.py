@@ -261,7 +261,9 @@ def _check_dims(d: ModelDims) -> None:
 
 def _check_groups(d: ModelDims) -> None:
     """Group-limited routing as DeepSeek-V3 defines it (a group scored by its two best experts), which is what
-    megatron-core computes when top-k / group top-k = 2."""
+    megatron-core computes when top-k / group top-k = 2; and only where it can route at all: two experts per group
+    at least, and the chosen groups holding top-k experts or more (otherwise HF transformers and vLLM fail at the
+    first forward, or pick experts from groups they left out)."""
     keys = ["model.dims.router_groups", "model.dims.router_group_topk", "model.dims.num_experts"]
     g, gk = d.router_groups, d.router_group_topk
     if d.num_experts % g or gk > g:
@@ -269,6 +271,25 @@ def _check_groups(d: ModelDims) -> None:
             keys,
             f"router_groups = {g} must divide num_experts = {d.num_experts}, and router_group_topk = {gk} must be "
             f"at most router_groups",
+        )
+    per_group = d.num_experts // g
+    if (g > 1 or d.router_expert_bias) and per_group < 2:
+        # HF transformers and vLLM score every group (the whole expert set when there is one) by its top 2 even
+        # when every group is chosen: with one expert per group the first forward fails
+        raise RecipeValueError(
+            ["model.dims.router_groups", "model.dims.num_experts"],
+            f"router_groups = {g} splits num_experts = {d.num_experts} into groups of {per_group} expert: a group "
+            "is scored by the sum of its two best experts (HF transformers' and vLLM's DeepSeek-V3 and GLM-4.5 "
+            "routers, even with one group), so each group needs at least 2 experts; allowed: num_experts / "
+            "router_groups >= 2 "
+            + (f"(router_groups <= {d.num_experts // 2})" if d.num_experts >= 2 else "(num_experts >= 2)"),
+        )
+    if g > 1 and gk * per_group < d.num_experts_per_tok:
+        raise RecipeValueError(
+            [*keys[:2], "model.dims.num_experts", "model.dims.num_experts_per_tok"],
+            f"the router_group_topk = {gk} chosen groups hold {gk} x {per_group} = {gk * per_group} experts, fewer "
+            f"than num_experts_per_tok = {d.num_experts_per_tok} (the rest would be picked from the groups left "
+            "out); allowed: router_group_topk x num_experts / router_groups >= num_experts_per_tok",
         )
     if g > 1 and gk < g and d.num_experts_per_tok != 2 * gk:
         raise RecipeValueError(

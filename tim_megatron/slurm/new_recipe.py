@@ -4,8 +4,12 @@ The new folder's ``base.yaml`` is a short diff over the source folder's ``base.y
 dimensions read from ``config.json`` by its family (:mod:`tim_megatron.trainer.families`), and the layout
 :func:`tim_megatron.slurm.plan.choose_layout` finds for the source's GPU type: TP, EP, the node count (scaled up
 when the source's does not fit), vLLM's tensor-parallel size and memory share. The header says what was tried
-and why it did not fit. The variant files are copied as they are (they inherit from ``base.yaml`` in their own
-folder). Everything is validated before the folder appears; an existing folder is never overwritten.
+and why it did not fit. The variant files (the source folder's other YAML files, which inherit from ``base.yaml``
+in their own folder) are copied as they are where the new model runs them; where it does not, a variant's own
+lengths are fitted as ``base.yaml``'s are (``rollout.max_model_len`` to the model's positions, ``rollout.max_tokens``
+to what the prompts leave), and a variant that still does not validate (e.g. exact mode for a model with
+multi-head latent attention) is left out, with a line saying why, printed and in ``base.yaml``'s header.
+Everything written is validated before the folder appears; an existing folder is never overwritten.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from tim_megatron.recipe import RecipeError, load_recipe
-from tim_megatron.recipe.loader import yaml_load
+from tim_megatron.recipe.loader import MAX_YAML_BYTES, LoadedRecipe, yaml_load
+from tim_megatron.safe_files import UnsafePathError, copy_regular, read_text, write_atomic
 from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf, read_hf_config
 
 
@@ -29,9 +35,11 @@ def new_recipe(
     *,
     recipes_root: str | Path = "recipes",
     min_nodes: int | None = None,
+    say: Callable[[str], None] | None = print,
 ) -> tuple[Path, list[str]]:
     """Write ``recipes_root/name`` from ``src`` for the model of ``hf`` (its dims, a layout that fits). The layout
-    search starts at ``min_nodes`` nodes (default: the source recipe's) and doubles."""
+    search starts at ``min_nodes`` nodes (default: the source recipe's) and doubles. Returns the folder and the
+    files written; ``say`` gets one line per variant fitted or left out, once the folder is in place."""
     from tim_megatron.slurm.plan import choose_layout
 
     src = Path(src)
@@ -84,9 +92,15 @@ def new_recipe(
     # Staged beside the destination (the base: path is relative to it), validated, then copied into place.
     with tempfile.TemporaryDirectory(prefix=f"{name}.new-", dir=root) as tmp:
         t = Path(tmp)
+        left: dict[str, str] = {}
         for f in sorted(src.glob("*.yaml")):
             if f.name != "base.yaml":
-                shutil.copy(f, t / f.name)
+                try:  # a link, a FIFO or a device named *.yaml is not copied (nor read)
+                    copy_regular(f.name, f.name, src_root=src, dst_root=t, max_bytes=MAX_YAML_BYTES)
+                except UnsafePathError as e:
+                    left[f.name] = f"not copied: {e}"
+                except OSError as e:
+                    left[f.name] = f"not copied: {f} cannot be read ({e.strerror})"
         if rollout:
             diff["rollout"] = dict(rollout)
         _write(t / "base.yaml", src, hf, diff, notes)
@@ -115,14 +129,21 @@ def new_recipe(
         if not choice.fits:
             notes.append("NOTHING FITS up to the largest cluster tried: this is the smallest plan found.")
         _write(t / "base.yaml", src, hf, diff, notes)
+        fitted = _fit_variants(t, src, dims.max_position_embeddings, left)
         for f in sorted(t.glob("*.yaml")):
             if f.name != "base.yaml":
                 _fit_variant_share(f)
+        gone = [f"left out {k}: {_one_line(v, staged=t, dest=dest)}" for k, v in sorted(left.items())]
+        lines = [f"fitted {k}: {v}" for k, v in fitted.items()] + gone
+        if gone:
+            _write(t / "base.yaml", src, hf, diff, notes + gone)
         checked = []
         for f in sorted(t.glob("*.yaml")):
             load_recipe(f)  # raises RecipeError naming the file and key
             checked.append(f.name)
         _place(t, dest)
+    for line in lines if say else ():
+        say(line)
     return dest, checked
 
 
@@ -163,6 +184,88 @@ def _fit_context(src, max_positions: int) -> tuple[dict, list[str]]:
     return out, [note]
 
 
+def _fit_variants(staged: Path, src: Path, max_positions: int, left: dict[str, str]) -> dict[str, str]:
+    """Make each staged variant validate for the new model, or remove it and record why in ``left``. A variant is
+    taken after the files it inherits from (a variant of a variant left out is left out too). Returns what was
+    fitted, by file name."""
+    sources: dict[str, LoadedRecipe | RecipeError] = {}
+    for f in staged.glob("*.yaml"):
+        if f.name != "base.yaml":
+            try:
+                sources[f.name] = load_recipe(src / f.name)
+            except RecipeError as e:
+                sources[f.name] = e
+
+    def depth(name: str) -> int:
+        s = sources[name]
+        return len(s.chain) if isinstance(s, LoadedRecipe) else 0
+
+    fitted: dict[str, str] = {}
+    for name in sorted(sources, key=lambda n: (depth(n), n)):
+        try:
+            note = _fit_variant(staged / name, src, sources[name], max_positions, left)
+        except RecipeError as e:
+            left[name] = str(e)
+            (staged / name).unlink()
+            continue
+        if note:
+            fitted[name] = note
+    return fitted
+
+
+def _fit_variant(
+    f: Path, src: Path, source: LoadedRecipe | RecipeError, max_positions: int, left: dict[str, str]
+) -> str | None:
+    """None when the staged variant ``f`` validates as it is; else its lengths fitted as base.yaml's are (the
+    note says how). Raises :class:`RecipeError` saying why it cannot be made to validate."""
+    try:
+        load_recipe(f)
+        return None
+    except RecipeError as e:
+        problem = e
+    if isinstance(source, RecipeError):
+        raise RecipeError(f"it does not load in {src} either: {source}")
+    here = src.resolve()
+    gone = [p.name for p in source.chain if p.parent == here and p.name in left]
+    if gone:
+        raise RecipeError(f"it inherits from {gone[0]}, which was left out")
+    fit, notes = _fit_context(source.recipe, max_positions)
+    if not fit:
+        raise problem
+    text = read_text(f.name, root=f.parent, max_bytes=MAX_YAML_BYTES)
+    data = yaml_load(text)
+    if not isinstance(data, dict) or not isinstance(data.get("rollout") or {}, dict):
+        raise problem
+    data["rollout"] = {**(data.get("rollout") or {}), **fit}
+    write_atomic(
+        f.name,
+        _leading_comments(text)
+        + f"# {notes[0]}: fitted by tim new-recipe\n"
+        + yaml.safe_dump(data, sort_keys=False),
+        root=f.parent,
+    )
+    load_recipe(f)  # still invalid: RecipeError, and the variant is left out
+    return notes[0]
+
+
+def _leading_comments(text: str) -> str:
+    """The comment lines a YAML file starts with (what a variant says it is), kept when it is rewritten."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        out.append(line + "\n")
+    return "".join(out)
+
+
+def _one_line(message: str, *, staged: Path, dest: Path) -> str:
+    """A reason as one line, naming the new folder rather than the staging one."""
+    message = message.replace(str(staged.absolute()), str(dest.absolute())).replace(str(staged), str(dest))
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+    return (lines[0] if lines else "invalid") + more
+
+
 def _expert_tp(tp: int, ep: int, inherited: int | None) -> int | None:
     """The expert_tp the plan assumed (1 with expert parallelism, else tp), or None where the source's own value
     already gives it. Without expert parallelism it must equal tp, so a source's ``expert_tp: 1`` cannot be kept
@@ -195,12 +298,25 @@ def _fit_variant_share(f: Path) -> None:
 
 
 def _single_gpu_layout(folder: Path) -> list[str]:
-    """Overrides that make any dimensions load (the search then picks the real layout)."""
+    """Overrides that make any dimensions load on the cluster's whole world (the plan counts the vLLM engines on
+    it); the search then picks the real layout. Data parallelism over the world first; where that does not divide
+    the prompts of a step (a source of 64 nodes and 128 prompts), tensor parallelism takes a power of two of it."""
     c = load_recipe(
         folder / "base.yaml", ["parallel.tp=1", "parallel.ep=1", "parallel.expert_tp=null", "parallel.dp=1"]
     ).recipe.cluster
     world = c.nodes * max(c.gpus_per_node, 1)
-    return ["parallel.tp=1", "parallel.ep=1", "parallel.expert_tp=null", f"parallel.dp={world}"]
+
+    def layout(tp: int) -> list[str]:
+        return [f"parallel.tp={tp}", "parallel.ep=1", "parallel.expert_tp=null", f"parallel.dp={world // tp}"]
+
+    tp = 1
+    while world % tp == 0:
+        try:
+            load_recipe(folder / "base.yaml", layout(tp))
+            return layout(tp)
+        except RecipeError:
+            tp *= 2
+    return layout(1)  # the probe's own error names what does not divide
 
 
 def _write(path: Path, src: Path, hf: Path, diff: dict, notes: list[str]) -> None:

@@ -12,6 +12,10 @@ of ``n_group`` groups (``topk_method: noaux_tc``), and weighting by the renormal
 The trainer side is megatron-core's own ``MLASelfAttention`` with :mod:`tim_megatron.trainer.mla`'s core
 attention (no transformer-engine needed). Not loaded on purpose: the multi-token-prediction layers
 (``num_nextn_predict_layers``, stored after the last layer), as for GLM-4.5.
+
+Refused by key, because the engine and the trainer would not compute what HF transformers computes:
+``rope_interleave: false`` (RoPE in halves: megatron-core's MLA and vLLM rotate interleaved pairs) and
+``moe_layer_freq`` other than 1 (vLLM makes the layers between dense, HF transformers does not).
 """
 
 from __future__ import annotations
@@ -52,10 +56,42 @@ def _rope(r: base.ConfigReader) -> dict[str, Any]:
     return out
 
 
+def refuse_moe_layer_freq(r: base.ConfigReader) -> None:
+    """``moe_layer_freq`` other than 1 describes no single model: vLLM's DeepSeek (like DeepSeek's own modeling
+    code) gives experts only to the layers whose index is a multiple of it, HF transformers' DeepSeek-V2/V3 to
+    every layer from ``first_k_dense_replace`` on, as the trainer and the plan do."""
+    freq = r.int("moe_layer_freq", 1)
+    if freq != 1:
+        raise r.unsupported(
+            "moe_layer_freq",
+            freq,
+            "vLLM (and DeepSeek's own modeling code) give experts only to the layers whose index is a multiple of "
+            "it, HF transformers and the trainer to every layer from first_k_dense_replace on, so the engine and "
+            "the trainer would run different models; allowed: 1 (experts in every layer from "
+            "first_k_dense_replace on, as every published DeepSeek-V2/V3, Kimi-K2 and Moonlight config has)",
+        )
+
+
+def refuse_rope_halves(r: base.ConfigReader) -> None:
+    """``rope_interleave: false`` makes HF transformers' DeepSeek-V3 rotate the rope channels in halves
+    (``rotate_half``) instead of DeepSeek's interleaved pairs; megatron-core's MLA and vLLM's DeepSeek model always
+    rotate interleaved pairs, so such a checkpoint would be another model on both sides."""
+    if not r.bool("rope_interleave", True):
+        raise r.unsupported(
+            "rope_interleave",
+            False,
+            "HF transformers then rotates the rope channels in halves, while the trainer (megatron-core's MLA) and "
+            "vLLM's DeepSeek model rotate interleaved pairs, so both would compute another model; allowed: true "
+            "(the interleaved RoPE of DeepSeek's checkpoints), or no rope_interleave key (as in their published "
+            "config.json)",
+        )
+
+
 def mla_fields(r: base.ConfigReader) -> dict[str, Any]:
     """What DeepSeek-V2 and V3 share: MLA's sizes, RoPE or YaRN, the dense and shared-expert layers, the experts
     (not the router's scoring)."""
     r.require_silu("MLPs and experts")
+    refuse_moe_layer_freq(r)
     if r.bool("attention_bias", False):
         raise r.unsupported("attention_bias", True, "allowed: false (DeepSeek's projections have no bias)")
     heads = r.int("num_attention_heads")
@@ -98,6 +134,7 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
             f"{method} with scoring_func {scoring}",
             "allowed: noaux_tc with sigmoid scoring (DeepSeek-V3, Kimi-K2, Moonlight)",
         )
+    refuse_rope_halves(r)  # HF transformers' DeepSeek-V2 has no such key: it always rotates interleaved pairs
     fields = mla_fields(r)
     fields.update(
         family="deepseek_v3",

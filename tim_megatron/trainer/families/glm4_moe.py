@@ -28,11 +28,21 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
             n_group,
             f"group-limited routing (topk_group = {topk_group} of {n_group} groups) is not implemented",
         )
+    experts_key = r.key_of("n_routed_experts", "num_local_experts")
+    experts = r.int(experts_key)
+    if n_group > 1 and (experts % n_group or experts // n_group < 2):
+        # every group is chosen, but HF transformers and vLLM still score each by its two best experts
+        raise r.unsupported(
+            "n_group",
+            n_group,
+            f"{experts_key} = {experts} must split into n_group groups of at least 2 experts each (a group is "
+            f"scored by its two best); allowed: a divisor of {experts_key} up to {experts // 2}, or 1",
+        )
     moe_inter = r.int("moe_intermediate_size")
     fields = base.common_fields(r)
     fields.update(
         family="glm4_moe",
-        num_experts=r.int(r.key_of("n_routed_experts", "num_local_experts")),
+        num_experts=experts,
         num_experts_per_tok=r.int("num_experts_per_tok"),
         moe_intermediate_size=moe_inter,
         intermediate_size=r.int("intermediate_size"),
