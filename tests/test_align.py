@@ -95,6 +95,23 @@ def test_router_agreement_counts_choices_sets_and_gates_where_sets_agree():
     assert ids.tolist() == [[0, 5]] and gates[0].tolist() == pytest.approx([0.7, 0.3])
 
 
+def test_the_head_is_judged_like_the_layers_in_units_of_its_largest_entry():
+    """Logprobs of size up to 8 that differ by 2e-2 nats differ by 2.5e-3 of their size: within a tolerance of 1e-2,
+    as a layer's residual stream of that size and difference would be. Judged in raw nats (as before), the head was
+    blamed for a fault every layer kept within the tolerance."""
+    a = _capture("a")
+    lp = -8 * torch.rand(len(a.get("logprobs")), generator=torch.Generator().manual_seed(1))
+    lp[1] = -8.0  # the largest entry is exactly 8
+    base = _changed(a, ("logprobs", 0), lp)
+    shifted = _changed(a, ("logprobs", 0), lp - 2e-2)
+    al = compare(base, shifted, tolerance=1e-2)
+    assert al.head.max_abs == pytest.approx(2e-2, rel=1e-3) and al.head.scaled == pytest.approx(
+        2.5e-3, rel=1e-2
+    )
+    assert al.first_divergence is None, al.first_divergence
+    assert compare(base, shifted, tolerance=1e-3).first_divergence == {"layer": None, "component": "head"}
+
+
 def test_with_replay_each_sequences_last_row_is_left_out():
     assert last_rows([3, 2]).tolist() == [False, False, True, False, True]
     a = _capture("a", lengths=(3, 2))
@@ -210,17 +227,116 @@ def _components(ld: dict) -> list[float]:
     return [ld["attention"]["max_abs"], ld["block"]["max_abs"], ld["router_logits"]["max_abs"]]
 
 
+def _first_above(rep: dict, tolerance: float) -> dict | None:
+    """The first divergence the report's own figures give at ``tolerance``, in the order a layer computes."""
+    for ld in rep["layers"]:
+        order = [("attention", ld["attention"]["scaled"] > tolerance)]
+        if ld["moe"]:
+            order.append(
+                ("router", ld["router_logits"]["scaled"] > tolerance or ld["expert_set_differs"] > 0)
+            )
+        order.append(("experts" if ld["moe"] else "mlp", ld["block"]["scaled"] > tolerance))
+        hit = next((c for c, off in order if off), None)
+        if hit:
+            return {"layer": ld["layer"], "component": hit}
+    for c, x in (("final_norm", rep["final_norm"]["scaled"]), ("head", rep["head"]["scaled"])):
+        if x > tolerance:
+            return {"layer": None, "component": c}
+    return None
+
+
 @pytest.mark.slow
 def test_bf16_sides_differ_in_every_layer_and_the_report_says_where_it_starts(tmp_path):
-    """The tiny recipe as it is (bf16 on both sides), as the README's example runs it."""
+    """The tiny recipe as it is (bf16 on both sides), as the README's example runs it: the sides differ in every
+    layer, from layer 0's attention on (above float32's 1e-5); the tolerance is 4 x the floor measured here (HF
+    transformers in bf16 against float32 on the same tokens), printed with the floor, and the first divergence is
+    what the figures give at that tolerance."""
     rep = _align(tmp_path, "--tokens", str(_tokens(tmp_path)))
     assert (rep["trainer_dtype"], rep["rollout_dtype"]) == ("bfloat16", "bfloat16") and rep[
         "tokens"
     ] == 6 * 12
     assert all(ld["attention"]["max_abs"] > 0 and ld["block"]["max_abs"] > 0 for ld in rep["layers"])
-    assert rep["head"]["max_abs"] > 0 and rep["first_divergence"]["layer"] == 0, rep["where"]
+    assert rep["head"]["max_abs"] > 0 and _first_above(rep, 1e-5) == {"layer": 0, "component": "attention"}
+    rule = rep["tolerance_from"]
+    assert (rule["source"], rule["dtype"], rule["factor"]) == ("measured", "bfloat16", 4.0), rule
+    assert rule["floor"] > 1e-4 and rep["tolerance"] == pytest.approx(4.0 * rule["floor"])
+    assert rule["floor_at"] in judged_places(rep)
+    assert rep["first_divergence"] == _first_above(rep, rep["tolerance"]), rep["where"]
     table = (tmp_path / "align" / "align.txt").read_text()
-    assert table.count("\n") == 2 + 2 + 4 and f"first divergence: {rep['where']}" in table
+    assert f"= 4 x the floor {rule['floor']:.3g} measured on this machine" in table.splitlines()[1]
+    assert table.count("\n") == 3 + 2 + 4 and f"first divergence: {rep['where']}" in table
+
+
+def judged_places(rep: dict) -> set[str]:
+    """The places :func:`~tim_megatron.align.compare.judged` names, for a report's layers."""
+    places = {"final norm", "head"}
+    for ld in rep["layers"]:
+        places |= {
+            f"layer {ld['layer']}, attention",
+            f"layer {ld['layer']}, {'experts' if ld['moe'] else 'mlp'}",
+        }
+        if ld["moe"]:
+            places.add(f"layer {ld['layer']}, router logits")
+    return places
+
+
+@pytest.fixture(scope="module")
+def small_fault(tmp_path_factory):
+    """One fp32 run with a fault of 1% in layer 1's experts, judged at 2e-2 (the fault moves layer 1's residual
+    stream by about 4e-3 of its size, the final norm's output by about 1e-2, the head's logprobs by about 3e-2 nats,
+    2e-3 of their size), into an output folder where links to files outside it were planted first."""
+    tmp = tmp_path_factory.mktemp("small-fault")
+    out, outside = tmp / "align", tmp / "outside"
+    out.mkdir()
+    outside.mkdir()
+    planted = {}
+    for name in (".align.json.tmp", "align.png", "align.txt", "align.json"):
+        target = outside / f"secret-{name.strip('.')}"
+        target.write_text(f"not {name}: the user's own file\n")
+        (out / name).symlink_to(target)
+        planted[name] = target
+    rep = _align(
+        tmp,
+        *FP32,
+        "--tokens",
+        str(_tokens(tmp)),
+        "--fault-layer",
+        "1",
+        "--fault-scale",
+        "0.01",
+        "--tolerance",
+        "2e-2",
+    )
+    return {"rep": rep, "out": out, "planted": planted}
+
+
+@pytest.mark.slow
+def test_a_fault_below_the_layer_tolerance_is_not_blamed_on_the_head(small_fault):
+    """Before, the head was judged in raw nats: the fault that every layer keeps within 2e-2 reached the head as
+    3e-2 nats and the report named the head. Now the head is judged in units of its largest logprob, as the layers
+    are, and nothing is above the tolerance."""
+    rep = small_fault["rep"]
+    fault = rep["layers"][1]
+    assert rep["layers"][1]["attention"]["scaled"] <= 1e-5 and 1e-3 < fault["block"]["scaled"] < 2e-2
+    assert rep["final_norm"]["scaled"] < 2e-2 < rep["head"]["max_abs"]  # the case that was blamed on the head
+    assert rep["head"]["scaled"] < 2e-2
+    assert rep["first_divergence"] is None, rep["where"]
+    assert rep["others"]["before_fault"]["first_divergence"] is None
+    assert rep["tolerance"] == 2e-2 and rep["tolerance_from"]["source"] == "given"
+
+
+@pytest.mark.slow
+def test_links_planted_in_the_output_folder_are_replaced_not_written_through(small_fault):
+    """Before, ``align.json`` went through ``.align.json.tmp`` (a fixed name, written through a link there) and the
+    plot through ``align.png`` (savefig follows a link): the files the links pointed to were overwritten. Now each
+    file is a fresh temporary file renamed into place: the files outside are unchanged, the report's are real."""
+    out = small_fault["out"]
+    for name, target in small_fault["planted"].items():
+        assert target.read_text() == f"not {name}: the user's own file\n", name
+    for name in ("align.json", "align.txt", "align.png"):
+        assert not (out / name).is_symlink() and (out / name).is_file(), name
+    assert (out / "align.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / "align.json").read_text())["where"] == small_fault["rep"]["where"]
 
 
 @pytest.mark.slow

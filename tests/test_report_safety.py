@@ -387,3 +387,86 @@ def test_a_line_over_the_line_limit_is_skipped_without_being_held(tmp_path, monk
     problems: list[str] = []
     assert [r["step"] for r in read_metrics(f, problems)] == [1, 3]
     assert problems == [f"{f}:2: skipped a line of {len(long_line)} bytes (at most 1000)"]
+
+
+# ====================================================================================== tim align's files in a run
+
+
+def _aligned(folder: Path, *, where: str | None = None) -> Path:
+    """A real ``tim align`` report (align.json, align.txt, align.png) in ``folder``; ``where`` replaces the first
+    divergence's words in align.json and is appended to align.txt (a marker the page must or must not show)."""
+    from tests.test_align import _capture, _changed
+    from tim_megatron.align.compare import compare
+    from tim_megatron.align.report import write
+
+    a = _capture("engine")
+    files = write(
+        compare(a, _changed(a, ("mlp", 1), a.get("mlp", 1) + 1), tolerance=1e-5), folder, sequences=2, meta={}
+    )
+    if where is not None:
+        body = json.loads(files["json"].read_text())
+        files["json"].write_text(json.dumps({**body, "where": where}))
+        files["text"].write_text(files["text"].read_text() + where + "\n")
+    return folder
+
+
+def test_links_in_a_runs_align_folder_are_not_followed(tmp_path):
+    """``RUN/align/align.json``, ``align.txt`` and ``align.png`` as links to another report's files, and a run whose
+    ``align`` folder is a link: before, their text reached index.html and the linked PNG was copied as
+    ``align-N.png``. Now: none is read; each is a notice, and the run with real files keeps its section."""
+    from tim_megatron.report.build import build_report
+
+    secret = _aligned(tmp_path / "secret", where="SECRET-FROM-ELSEWHERE")
+    runs = tmp_path / "runs"
+    files = make_run(runs, "files-linked")
+    (files / "align").mkdir()
+    for name in ("align.json", "align.txt", "align.png"):
+        (files / "align" / name).symlink_to(secret / name)
+    folder = make_run(runs, "folder-linked")
+    (folder / "align").symlink_to(secret)
+    real = make_run(runs, "real")
+    _aligned(real / "align")
+    res = build_report([files, folder, real], tmp_path / "rep")
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert "SECRET-FROM-ELSEWHERE" not in page
+    assert (
+        "<h3>real: engine vs b</h3>" in page and "files-linked:" not in page and "folder-linked:" not in page
+    )
+    copied = sorted(p.name for p in (tmp_path / "rep").glob("align-*.png"))
+    assert (
+        len(copied) == 1
+        and (tmp_path / "rep" / copied[0]).read_bytes() == (real / "align" / "align.png").read_bytes()
+    )
+    text = "\n".join(res["notices"])
+    assert f"{files / 'align' / 'align.json'} is a symbolic link" in text, text
+    assert f"{folder / 'align'} is a symbolic link" in text, text
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[]",
+        '"a string"',
+        '{"tokens_differing_any_layer": "abc"}',
+        '{"sides": [1, 2], "tolerance": [0]}',
+        "[" * 100_000,
+    ],
+    ids=["list", "string", "share-not-a-number", "tolerance-a-list", "deep"],
+)
+def test_a_malformed_align_json_costs_only_its_section(tmp_path, content):
+    """Before: one run's malformed ``align/align.json`` (a list, a string, a share that is not a number, nesting
+    deeper than Python parses) stopped ``tim report`` for every run. Now: that section is left out with a notice
+    naming the file; both runs are in the report and the other run's alignment is shown."""
+    from tim_megatron.report.build import build_report
+
+    good = make_run(tmp_path / "runs", "good")
+    _aligned(good / "align")
+    bad = make_run(tmp_path / "runs", "bad")
+    (bad / "align").mkdir()
+    (bad / "align" / "align.json").write_text(content)
+    res = build_report([good, bad], tmp_path / "rep")
+    assert sorted(r["variant"] for r in res["rows"]) == ["bad", "good"]
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert "<h3>good: engine vs b</h3>" in page and "<h3>bad" not in page
+    named = [n for n in res["notices"] if str(bad / "align" / "align.json") in n]
+    assert len(named) == 1 and "left out of the report" in named[0], res["notices"]

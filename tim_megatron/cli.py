@@ -529,7 +529,12 @@ def align_cmd(
     out: Path | None = typer.Option(
         None, "--out", help="where align.json/.txt/.png go (default runs/align/NAME)"
     ),
-    tolerance: float = typer.Option(1e-5, "--tolerance", help="max |diff| above which a component diverged"),
+    tolerance: float | None = typer.Option(
+        None,
+        "--tolerance",
+        help="judged difference above which a component diverged (default: 1e-5 when every side computes in "
+        "float32, else 4 x the half-precision floor measured on this machine)",
+    ),
     fault_layer: int | None = typer.Option(
         None,
         "--fault-layer",
@@ -550,11 +555,11 @@ def align_cmd(
     the first layer and component above the tolerance."""
     import os
 
-    from tim_megatron.align.run import AlignOptions, align, parse_sides
+    from tim_megatron.align.run import AlignOptions, align, check_inputs, parse_sides
     from tim_megatron.recipe import RecipeError
 
-    if nproc < 1 or prompts < 1 or tolerance <= 0:
-        _fail(f"--nproc {nproc}, --prompts {prompts}, --tolerance {tolerance:g}: each must be positive")
+    if nproc < 1 or prompts < 1 or (tolerance is not None and not tolerance > 0):
+        _fail(f"--nproc {nproc}, --prompts {prompts}, --tolerance {tolerance}: each must be positive")
     try:  # every option checked before anything loads
         options = AlignOptions(
             tokens=tokens,
@@ -578,6 +583,10 @@ def align_cmd(
         _fail(str(e))
     _check_world(loaded.recipe.parallel, world, nproc=nproc, under_launcher=under_launcher)
     where = out or Path("runs") / "align" / loaded.name
+    try:  # the tokens and the output folder, before the launcher, the trainer or the engine starts
+        check_inputs(loaded.recipe, options, where)
+    except ValueError as e:
+        _fail(str(e))
     if nproc > 1 and not under_launcher:
         raise typer.Exit(
             _relaunch(nproc, ["align", *_without_nproc(sys.argv[sys.argv.index("align") + 1 :])])

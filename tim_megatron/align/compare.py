@@ -5,9 +5,11 @@ router's disagreement, and the first place a difference exceeds the tolerance. P
 Components are compared in the order a layer computes them: ``attention`` (the residual stream after attention),
 ``router`` (its logits, then the chosen expert sets), ``experts`` (the residual stream after a MoE block; ``mlp``
 after a dense one). Then ``final_norm`` and ``head`` (the logprobs, positions after the first of each sequence).
-The first divergence is the first of these, in that order, whose difference exceeds the tolerance (the max |diff|
-in units of the tensor's largest entry when that exceeds 1; for the head, in nats), or, for the router, whose
-expert set differs for any token.
+The first divergence is the first of these, in that order, whose difference exceeds the tolerance, or, for the
+router, whose expert set differs for any token. Every difference is judged by one rule, the head's logprobs
+included: the max |diff| in units of the tensor's largest entry when that exceeds 1 (:attr:`Diff.scaled`). Judged in
+raw nats, the head would be held to a stricter rule than the layers (a logprob of size 10 that differs by 1e-2 differs
+by 1e-3 of its size) and blamed for a fault that every layer before it keeps within the tolerance.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ class Diff:
     """mean |a - b| / mean |b|: the difference against the size of what is compared."""
     scaled: float
     """max |a - b| / max(1, max |b|): the largest difference in units of the largest entry when that exceeds 1
-    (a residual stream of size 50 carries fp32 rounding of about 5e-6). The tolerance applies to this, except for
-    the head, whose logprob differences are judged as they are (nats)."""
+    (a residual stream of size 50 carries fp32 rounding of about 5e-6). The tolerance applies to this, for every
+    component and the head alike."""
 
 
 @dataclass
@@ -67,6 +69,10 @@ class Alignment:
     others: dict[str, dict] = field(default_factory=dict)
     """Comparisons that explain this one, by name (``before_fault``: the engine before a planted fault;
     ``without_replay``: the trainer routing itself under R3), each as :meth:`as_dict` gives it."""
+    tolerance_from: dict | None = None
+    """How the tolerance was chosen (:class:`~tim_megatron.align.floor.Tolerance` as a dict: given, float32's, or
+    a multiple of the floor measured on this machine), as :func:`~tim_megatron.align.run.align` chose it; None
+    from a caller that judged with its own number."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -167,7 +173,7 @@ def compare(a: Capture, b: Capture, *, tolerance: float, skip_last: bool = False
                 {"layer": None, "component": c}
                 for c, off in (
                     ("final_norm", _over(norm.scaled, tolerance)),
-                    ("head", _over(head.max_abs, tolerance)),
+                    ("head", _over(head.scaled, tolerance)),
                 )
                 if off
             ),
@@ -183,3 +189,17 @@ def compare(a: Capture, b: Capture, *, tolerance: float, skip_last: bool = False
         tokens_differing_any_layer=None if any_differs is None else any_differs.double().mean().item(),
         first_divergence=first,
     )
+
+
+def judged(al: Alignment) -> dict[str, float]:
+    """Every difference the tolerance judges (:attr:`Diff.scaled`), by place, in the order a forward computes them:
+    ``layer i, attention``, ``layer i, router logits``, ``layer i, experts`` (or ``mlp``), ``final norm``, ``head``."""
+    out: dict[str, float] = {}
+    for ld in al.layers:
+        out[f"layer {ld.layer}, attention"] = ld.attention.scaled
+        if ld.router_logits is not None:
+            out[f"layer {ld.layer}, router logits"] = ld.router_logits.scaled
+        out[f"layer {ld.layer}, {'experts' if ld.moe else 'mlp'}"] = ld.block.scaled
+    out["final norm"] = al.final_norm.scaled
+    out["head"] = al.head.scaled
+    return out

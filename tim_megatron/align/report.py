@@ -1,14 +1,21 @@
 """What ``tim align`` writes: ``align.json`` (every figure), ``align.txt`` (the table it prints) and ``align.png``
-(max |diff| against layer, one line per component)."""
+(max |diff| against layer, one line per component).
+
+The output folder may be a run folder from elsewhere (``RUN/align``, as a failed sync check suggests): each file is
+replaced by an atomic rename of a fresh temporary file (:func:`~tim_megatron.safe_files.write_atomic`), so a link
+planted there is replaced, never written through."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from tim_megatron.align.compare import Alignment
+from tim_megatron.align.floor import Tolerance
 from tim_megatron.outcome import json_number
+from tim_megatron.safe_files import describe, save_figure, write_atomic
 
 FLOOR = 1e-12
 """Where an exact zero is drawn on the plot's log axis."""
@@ -32,10 +39,12 @@ def where(al: Alignment) -> str:
 def text(al: Alignment, *, sequences: int) -> str:
     a, b = al.sides
     lines = [
-        f"tim align: {a} vs {b}, {sequences} sequences, {al.tokens} tokens, tolerance {al.tolerance:g}",
+        f"tim align: {a} vs {b}, {sequences} sequences, {al.tokens} tokens, tolerance {al.tolerance:.3g}",
         f"  {'layer':>5}  {'attention':>9}  {'router':>9}  {'block':>9}  {'rel':>8}  "
         f"{'top-k':>6}  {'set':>6}  {'gate':>9}",
     ]
+    if al.tolerance_from is not None:
+        lines.insert(1, f"  {Tolerance(**al.tolerance_from).describe()}")
     for ld in al.layers:
         rl = ld.router_logits.max_abs if ld.router_logits else None
         lines.append(
@@ -45,11 +54,11 @@ def text(al: Alignment, *, sequences: int) -> str:
         )
     lines += [
         f"  final norm {_g(al.final_norm.max_abs)}, head |dlogp| max {_g(al.head.max_abs)} "
-        f"mean {_g(al.head.mean_abs)}",
+        f"mean {_g(al.head.mean_abs)} (judged {_g(al.head.scaled)})",
         "  columns: attention, router (logits) and block (after the MLP/MoE) are max |diff| of the residual "
         "stream / logits; rel: the block's mean |diff| / mean |value|; top-k: expert choices that differ; set: "
         "tokens whose expert set differs; gate: max gating-weight diff where the sets agree. Diverged: max |diff| "
-        "/ max(1, max |value|) above the tolerance (the head: |dlogp| above it), or an expert set differs",
+        "/ max(1, max |value|) above the tolerance (the head's |dlogp| too), or an expert set differs",
         f"  tokens whose expert set differs in at least one layer: {_pct(al.tokens_differing_any_layer)}",
         f"  first divergence: {where(al)}",
     ]
@@ -72,8 +81,8 @@ def _where(d: dict) -> str:
 
 def plot(al: Alignment, path: Path) -> Path:
     """The judged difference against layer, one line per component (max |diff| / max(1, max |value|); log scale,
-    exact zeros drawn at 1e-12), the tolerance dashed; the final norm and the head (|dlogp|, nats) as points after
-    the last layer."""
+    exact zeros drawn at 1e-12), the tolerance dashed; the final norm and the head (|dlogp| / max(1, max |logp|)) as
+    points after the last layer."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,7 +99,7 @@ def plot(al: Alignment, path: Path) -> Path:
         ax.plot(xs, [max(y, FLOOR) if not math.isnan(y) else y for y in ys], marker="o", label=name)
     end = len(xs)
     ax.scatter([end], [max(al.final_norm.scaled, FLOOR)], marker="s", color="tab:purple", label="final norm")
-    ax.scatter([end + 1], [max(al.head.max_abs, FLOOR)], marker="^", color="tab:red", label="head (|dlogp|)")
+    ax.scatter([end + 1], [max(al.head.scaled, FLOOR)], marker="^", color="tab:red", label="head (logprobs)")
     ax.set_xticks([*xs, end, end + 1], [*map(str, xs), "norm", "head"])
     ax.axhline(al.tolerance, linestyle="--", color="grey", linewidth=1, label=f"tolerance {al.tolerance:g}")
     ax.set_yscale("log")
@@ -99,9 +108,10 @@ def plot(al: Alignment, path: Path) -> Path:
     ax.set_title(f"{al.sides[0]} vs {al.sides[1]}: first divergence {where(al)}", fontsize=9)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, root=path.parent, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -114,19 +124,41 @@ def _finite(x):
     return json_number(x) if isinstance(x, float) else x
 
 
+def check_out(out: Path) -> Path:
+    """``out`` as a folder ``tim align`` can write its files in: created if missing, never a link, a file or a
+    special file; a file is created and removed in it to prove it (a mode check misses read-only mounts, and root).
+    Raises ``ValueError`` naming ``--out``, what it is and what is allowed."""
+    import tempfile
+
+    out = Path(out)
+    allowed = "allowed: a folder this user can write in (created if missing), not a link"
+    try:
+        kind = describe(out)
+    except OSError as e:  # a parent that is a file
+        raise ValueError(f"--out {out}: cannot be created ({e.strerror or e}); {allowed}") from None
+    if kind not in ("missing", "a folder"):
+        raise ValueError(f"--out {out} is {kind}; {allowed}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tim-align-probe.", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in it ({e.strerror or e}); {allowed}") from None
+    if describe(out) != "a folder":  # swapped for a link meanwhile
+        raise ValueError(f"--out {out} is {describe(out)}; {allowed}")
+    return out
+
+
 def write(al: Alignment, out: Path, *, sequences: int, meta: dict) -> dict[str, Path]:
-    """``align.json``, ``align.txt`` and ``align.png`` in ``out``; each written whole, then renamed."""
-    out.mkdir(parents=True, exist_ok=True)
+    """``align.json``, ``align.txt`` and ``align.png`` in ``out`` (:func:`check_out`); each written whole, then
+    renamed over whatever was there."""
+    out = check_out(out)
     body = _finite(
         {"schema": "tim-align/1", **meta, "sequences": sequences, **al.as_dict(), "where": where(al)}
     )
     files = {"json": out / "align.json", "text": out / "align.txt", "plot": out / "align.png"}
-    for key, content in (
-        ("json", json.dumps(body, indent=1)),
-        ("text", text(al, sequences=sequences) + "\n"),
-    ):
-        tmp = files[key].with_name(f".{files[key].name}.tmp")
-        tmp.write_text(content)
-        tmp.replace(files[key])
+    write_atomic(files["json"], json.dumps(body, indent=1), root=out, what="align.json")
+    write_atomic(files["text"], text(al, sequences=sequences) + "\n", root=out, what="align.txt")
     plot(al, files["plot"])
     return files

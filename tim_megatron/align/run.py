@@ -4,13 +4,14 @@ choose the token sequences, record both sides on them, compare, and write the re
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from tim_megatron.align.capture import Capture, decoder_layers, engine_capture, hf_capture, trainer_capture
 from tim_megatron.align.compare import Alignment, compare
+from tim_megatron.align.floor import measure_floor, tolerance_of
 from tim_megatron.recipe import LoadedRecipe
 
 
@@ -22,8 +23,9 @@ class AlignOptions:
     """A JSON file with a list of token-id lists to compare on; None: sample them with the engine."""
     prompts: int = 8
     """How many of step 1's prompts the engine samples one response for (when no ``tokens`` file is given)."""
-    tolerance: float = 1e-5
-    """The max |diff| above which a component counts as diverged."""
+    tolerance: float | None = 1e-5
+    """The judged difference above which a component counts as diverged; None: 1e-5 when every compared side
+    computes in float32, else a multiple of the floor measured on this machine (:mod:`~tim_megatron.align.floor`)."""
     fault_layer: int | None = None
     """Scale the engine's (only the engine's) expert weights of this decoder layer by ``1 + fault_scale`` before
     recording: a planted divergence the report must find (to certify the tool on a model)."""
@@ -41,9 +43,10 @@ class AlignOptions:
 
 
 HALF_PRECISION_TOLERANCE = {"bfloat16": 5e-2, "float16": 1e-2}
-"""What ``tim preflight``'s alignment judges when a side computes in half precision: a healthy bf16 engine's
-largest judged difference from the trainer on the four tiny families is the head's, 1.6e-2 nats (3.1e-2 for
-GLM-4.5's); fp16 keeps 3 more mantissa bits. A broken transfer (a rotated or stale tensor) differs by order 1."""
+"""What ``tim preflight``'s alignment judges when a side computes in half precision (fixed: ``tim align`` itself
+measures its floor on the running machine, :mod:`~tim_megatron.align.floor`). Set when the head was judged in raw
+nats, from healthy bf16 engines on the tiny families (the head's 1.6e-2 nats, 3.1e-2 for GLM-4.5's); fp16 keeps 3
+more mantissa bits. A broken transfer (a rotated or stale tensor) differs by order 1."""
 
 
 def tolerance_for(recipe) -> float:
@@ -68,6 +71,24 @@ def parse_sides(text: str) -> tuple[str, str]:
     return parts
 
 
+MIN_TOKENS = 5
+"""The shortest ``--tokens`` sequence: sequences of 2 to 4 tokens crashed vLLM's CPU attention with SIGILL (exit 132,
+no message) on an Intel AMX machine, where vLLM 0.32 takes its ``amx`` attention kernels in bfloat16 (AMX tiles of 16
+rows, in compiled code; its Python side, ``vllm/v1/attention/backends/cpu_attn.py``, states no length limit). They
+ran on an AMD EPYC (``vec`` kernels, float32 and bfloat16), so the limit here is the shortest length seen to crash,
+plus one."""
+
+
+def check_length(seqs: list[list[int]]) -> None:
+    """Every sequence at least :data:`MIN_TOKENS` long, named."""
+    for i, s in enumerate(seqs):
+        if len(s) < MIN_TOKENS:
+            raise ValueError(
+                f"--tokens: sequence {i} has {len(s)} tokens; tim align needs at least {MIN_TOKENS} (vLLM's CPU "
+                "attention crashes on shorter ones on some CPUs)"
+            )
+
+
 def check_tokens(seqs: list[list[int]], recipe) -> None:
     """Every id inside the vocabulary and every sequence within ``rollout.max_model_len``, named."""
     vocab, longest = recipe.model.dims.vocab_size, recipe.rollout.max_model_len
@@ -81,20 +102,43 @@ def check_tokens(seqs: list[list[int]], recipe) -> None:
             )
 
 
+MAX_TOKENS_FILE_BYTES = 64 << 20
+
+
 def read_tokens(path: Path) -> list[list[int]]:
-    """The sequences of a ``--tokens`` file: a JSON list of non-empty lists of token ids."""
+    """The sequences of a ``--tokens`` file: a JSON list of lists of 2 or more token ids (integers; ``true`` is not
+    one), read only when it is a regular file (a FIFO would block the command)."""
+    from tim_megatron.safe_files import read_text
+
     try:
-        seqs = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        seqs = json.loads(read_text(path, what="--tokens", max_bytes=MAX_TOKENS_FILE_BYTES))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as e:  # UnsafePathError is an OSError
         raise ValueError(f"--tokens {path}: not a readable JSON file ({e})") from None
-    if (
-        not isinstance(seqs, list)
-        or not seqs
-        or not all(isinstance(s, list) and len(s) >= 2 and all(isinstance(t, int) for t in s) for s in seqs)
-    ):
-        raise ValueError(
-            f"--tokens {path}: expected a JSON list of token-id lists of 2 or more ids each, e.g. [[1, 5, 9], ...]"
-        )
+    shape = "expected a JSON list of token-id lists of 2 or more ids each, e.g. [[1, 5, 9, 2, 7], ...]"
+    if not isinstance(seqs, list) or not seqs or not all(isinstance(s, list) and len(s) >= 2 for s in seqs):
+        raise ValueError(f"--tokens {path}: {shape}")
+    for i, s in enumerate(seqs):
+        for t in s:
+            if isinstance(t, bool) or not isinstance(t, int):  # JSON true is Python's True, an int
+                raise ValueError(
+                    f"--tokens {path}: sequence {i} holds {json.dumps(t)[:40]}, not a token id (an integer); {shape}"
+                )
+    return seqs
+
+
+def check_inputs(recipe, options: AlignOptions, out: Path) -> list[list[int]] | None:
+    """Everything ``tim align`` is given, checked before any work (no checkpoint built, no trainer or engine
+    started): what it cannot compare, the ``--tokens`` sequences (ids, vocabulary, lengths) and the ``--out`` folder
+    (created if missing). Returns the sequences (None: the engine samples them). Raises ``ValueError``, named."""
+    from tim_megatron.align.report import check_out
+
+    refuse(recipe)
+    seqs = None
+    if options.tokens is not None:
+        seqs = read_tokens(options.tokens)
+        check_tokens(seqs, recipe)
+        check_length(seqs)
+    check_out(out)
     return seqs
 
 
@@ -163,6 +207,8 @@ def compare_sides(engine, trainer, seqs, options: AlignOptions, *, replay: bool,
     """The comparison of ``options.sides`` asked for, with the ones that make it readable beside it (in
     ``others``): before the planted fault (the same sides without it), and without replay (the trainer routing
     itself) when R3 is on. Under R3 the trainer replays the other side's experts (the engine's, or HF's)."""
+    if options.tolerance is None:
+        raise ValueError("compare_sides: give a tolerance (align() measures one when none is given)")
     first, second = options.sides
     layers = len(decoder_layers(trainer))
 
@@ -201,7 +247,9 @@ def compare_sides(engine, trainer, seqs, options: AlignOptions, *, replay: bool,
 
 
 def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=None) -> Alignment:
-    """Record the engine and the trainer on the same sequences and compare them; rank 0 writes ``out``."""
+    """Check the inputs (:func:`check_inputs`), record both sides on the same sequences and compare them, judged
+    with ``options.tolerance`` or, when that is None, the tolerance :func:`~tim_megatron.align.floor.tolerance_of`
+    finds; rank 0 writes ``out``."""
     from transformers import AutoTokenizer
 
     from tim_megatron.align.report import text, write
@@ -210,22 +258,33 @@ def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=Non
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     r = loaded.recipe
-    refuse(r)
-    seqs = read_tokens(options.tokens) if options.tokens is not None else None
-    if seqs is not None:
-        check_tokens(seqs, r)
+    seqs = check_inputs(r, options, out)
     path = model_path_for(r)
     prompts = PromptSource(r.data, seed=r.run.seed, tokenizer=AutoTokenizer.from_pretrained(path))
     trainer = MegatronTrainer(r, model_path=path)
     engine = build_rollout(r, trainer, model_path=path, tokenizer=prompts.tokenizer)
     if seqs is None:
         seqs = sampled(engine, prompts, options.prompts)
+    tolerance = tolerance_of(
+        r,
+        options.sides,
+        given=options.tolerance,
+        measure=lambda dtype: measure_floor(path, seqs, dims=trainer.dims, dtype=dtype),
+    )
     hf = None
     if "hf" in options.sides:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    result = compare_sides(engine, trainer, seqs, options, replay=r.remedies.router_replay == "r3", hf=hf)
+    result = compare_sides(
+        engine,
+        trainer,
+        seqs,
+        replace(options, tolerance=tolerance.value),
+        replay=r.remedies.router_replay == "r3",
+        hf=hf,
+    )
+    result.tolerance_from = tolerance.as_dict()
     if trainer.is_rank0:
         meta = {
             "recipe": loaded.name,
