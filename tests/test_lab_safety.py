@@ -33,6 +33,14 @@ Attacks and faults (issue 21), each with what was tried, what happened before, a
 - Tracebacks list, lab ``dose``. Tried: ``dose: .nan``, ``.inf``, ``-.inf``, ``1.0e+400`` and a 400-digit integer.
   Before: accepted silently. Now: a named error (``arms[0].dose``, the
   value, "a finite number"). Test: ``test_a_dose_must_be_a_finite_number``.
+- A lab root from elsewhere. Tried: a seed folder that is a link to a folder outside the
+  root holding files, an arm folder that is a link to an empty folder outside, and a seed folder holding someone's
+  files (no ``lab.json``). Before: the lab took the lock in and emptied the outside folder, made its run folders
+  (and ran) in the other, and emptied the foreign folder. Now: a run folder that is, or lies under, a link is
+  refused by name before anything is made or read there, and a folder is emptied only when it holds the
+  ``lab.json`` only the lab writes; each refused seed counts as failed, its folder left as it was; the report's
+  collection does not read a run through a link. Tests: ``test_linked_and_foreign_run_folders_are_left_alone``,
+  ``test_the_report_reads_no_run_through_a_link``.
 - Tracebacks list, ``--only ' , '``. Tried: ``tim lab GRID --only ' , '`` and ``--only ''``. Before: ran
   nothing and said nothing (exit 0). Now: exit 2 with an error that lists the grid's arms.
   Test: ``test_only_naming_no_arm_is_an_error_listing_the_arms``.
@@ -363,3 +371,57 @@ def test_only_naming_no_arm_is_an_error_listing_the_arms(tmp_path, only):
     assert res.exit_code == 2, res.output
     assert "--only names no arm" in res.output and "its arms: a, b" in res.output
     assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+# ------------------------------------------------------------------------------- a lab root from elsewhere
+
+
+def test_linked_and_foreign_run_folders_are_left_alone(tmp_path):
+    from tim_megatron.lab.grid import load_grid, plan
+    from tim_megatron.lab.runner import run_grid
+
+    grid = load_grid(_grid(tmp_path, "arms: [{name: a}, {name: b}]\n", seeds="[1, 2, 3]"))
+    root = tmp_path / "runs"
+    outside = tmp_path / "outside"  # a folder of someone's, outside the root
+    outside.mkdir()
+    (outside / "notes.txt").write_text("mine")
+    (outside / "run.json").write_text(json.dumps({"status": "failed"}))  # looks like an unfinished run
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "seed1").symlink_to(outside, target_is_directory=True)
+    foreign = root / "a" / "seed2"  # under the root, never a run of the lab's
+    (foreign / "data").mkdir(parents=True)
+    (foreign / "data" / "table.csv").write_text("1,2\n")
+    elsewhere = tmp_path / "elsewhere"  # an arm folder that leads out of the root
+    elsewhere.mkdir()
+    (root / "b").symlink_to(elsewhere, target_is_directory=True)
+    lines: list[str] = []
+    records = run_grid(grid, plan(grid), root, python=_fake(tmp_path), log=lines.append)
+    status = {(r.arm, r.seed): r.status for r in records}
+    assert sorted(p.name for p in outside.iterdir()) == ["notes.txt", "run.json"]  # not even a lock file
+    assert (outside / "notes.txt").read_text() == "mine"
+    assert (foreign / "data" / "table.csv").read_text() == "1,2\n"
+    assert sorted(p.name for p in foreign.iterdir()) == ["data"]  # no lock file made there either
+    assert list(elsewhere.iterdir()) == []
+    assert status[("a", 1)].startswith("failed (refused: ") and "symbolic link" in status[("a", 1)], status
+    assert status[("a", 2)].startswith("failed (refused: ") and "no lab.json" in status[("a", 2)], status
+    for seed in (1, 2, 3):
+        assert status[("b", seed)].startswith("failed (refused: ") and "symbolic link" in status[("b", seed)]
+    assert status[("a", 3)] == "completed"  # the lab's own run folder beside them
+    assert not any("removing" in x for x in lines), lines
+
+
+def test_the_report_reads_no_run_through_a_link(tmp_path):
+    from tim_megatron.lab.grid import load_grid, plan
+    from tim_megatron.lab.main import collect
+    from tim_megatron.lab.runner import run_grid
+
+    grid = load_grid(_grid(tmp_path, "arms: [{name: a}]\n"))
+    made = tmp_path / "elsewhere"  # a completed lab run of the same grid, outside the root
+    assert (
+        run_grid(grid, plan(grid), made, python=_fake(tmp_path), log=lambda m: None)[0].status == "completed"
+    )
+    assert collect(grid, plan(grid), made).runs  # read where it is
+    root = tmp_path / "runs"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "seed1").symlink_to(made / "a" / "seed1", target_is_directory=True)
+    assert collect(grid, plan(grid), root).runs == {}

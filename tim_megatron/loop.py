@@ -21,6 +21,7 @@ from tim_megatron.rl import phases
 from tim_megatron.rl.batch import broadcast_object, cat_padded
 from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
 from tim_megatron.run_dir import RunDirNotWritable, record_step
+from tim_megatron.safe_files import write_atomic
 from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ def dump_tokens(*, recipe, trainer, run_dir: Path, step: int, batch, old, adv) -
     if trainer.is_rank0:
         write_dump(
             run_dir / "dumps" / f"step_{step:08d}.parquet",
+            root=run_dir,
             step=step,
             mask=rows["mask"],
             input_ids=rows["input_ids"],
@@ -305,7 +307,7 @@ class RunFolder:
             text = write_summary(
                 self.run_dir, rows, name=self.loaded.name, wall_seconds=seconds, events=events
             )
-            (self.run_dir / "events.json").write_text(json.dumps(events, indent=1))
+            write_atomic(self.run_dir / "events.json", json.dumps(events, indent=1), root=self.run_dir)
             mark_finished(
                 self.run_dir,
                 status,

@@ -15,6 +15,13 @@ It also guards what a run folder records: :func:`adopt_recipe` compares a recipe
 folder with the recorded one, :func:`check_target` keeps ``tim train --run-dir`` out of folders that are not
 run folders, and ``run.lock`` (:mod:`tim_megatron.run_lock`) keeps a second process out.
 
+A run folder can come from elsewhere (a copied run, a shared file system), so nothing here writes through a
+link or outside the folder: files are replaced by an atomic rename (:func:`tim_megatron.safe_files.write_atomic`:
+a link planted at ``run.json``, a temporary name or ``summary.txt`` is replaced, its target untouched), appended
+and lock files are opened without following links, and ``run.json`` and ``recipe.yaml`` are read only as regular
+files. At the start of an attempt :func:`unsafe_entries` refuses, by name, a link where a run writes a folder or
+appends, and a FIFO, socket or device anywhere a run reads or writes (a FIFO would block it forever).
+
 A folder that cannot be written is found when it happens: at the start of an attempt (``run.json`` and the
 subfolders a run writes), and at every step (rank 0 records the step reached in ``run.json``). The run then
 stops with :class:`RunDirNotWritable`, and ``failed`` is recorded when ``run.json`` can still be written;
@@ -36,6 +43,14 @@ from pathlib import Path
 from tim_megatron.recipe import LoadedRecipe, recipe_to_yaml
 from tim_megatron.recipe.loader import load_recipe
 from tim_megatron.run_lock import LOCK_FILE
+from tim_megatron.safe_files import (
+    UnsafePathError,
+    describe,
+    open_append,
+    read_text,
+    regular_file,
+    write_atomic,
+)
 from tim_megatron.stop import EXIT_PREEMPTED, StopDuringStartup
 
 RECIPE_FILE = "recipe.yaml"
@@ -50,6 +65,14 @@ BEFORE_RUN_FILES = frozenset(
 what ``tim lab`` puts there for the run it starts (its spec, core slot and log)."""
 WRITTEN_SUBFOLDERS = ("checkpoints", "dumps", "wandb")
 """Subfolders a run writes into, checked at the start of an attempt when they exist."""
+REAL_SUBFOLDERS = (*WRITTEN_SUBFOLDERS, "logs", "preflight")
+"""Subfolders a run writes into that must be real folders, not links out of the run folder."""
+REPLACED_FILES = (RESERVE_FILE, "summary.txt", "curves.png", "events.json")
+"""Files a run replaces by an atomic rename: a link there is replaced (never followed), a special file refused."""
+UNLINKED_FILES = ("metrics.jsonl", f".{META_FILE}.lock", LOCK_FILE, META_FILE, RECIPE_FILE)
+"""Files a run appends to, locks or reads back: regular files only, a link refused (it would be followed)."""
+MAX_META_BYTES = 16 * 2**20
+"""Largest ``run.json`` read (the project writes a few kB)."""
 DENIED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 IGNORED_CHANGES = ("run.output_dir",)
@@ -130,35 +153,50 @@ def write_resolved(loaded: LoadedRecipe, d: Path) -> None:
         "created": _now(),
         "status": "created",
     }
-    (d / META_FILE).write_text(json.dumps(meta, indent=1))
+    write_atomic(d / META_FILE, json.dumps(meta, indent=1), root=d, what="run record")
 
 
 def _write_recipe(loaded: LoadedRecipe, d: Path) -> None:
-    tmp = d / f".{RECIPE_FILE}.tmp"
-    tmp.write_text(
-        f"# resolved from {loaded.path} with overrides {loaded.overrides}\n" + recipe_to_yaml(loaded.recipe)
+    text = f"# resolved from {loaded.path} with overrides {loaded.overrides}\n" + recipe_to_yaml(
+        loaded.recipe
     )
-    tmp.replace(d / RECIPE_FILE)
+    write_atomic(d / RECIPE_FILE, text, root=d, what="run recipe")
+
+
+def _recipe_file(d: Path) -> Path:
+    """``d``'s recipe.yaml; :class:`RunDirError` unless it is a regular file (a link would read another file)."""
+    p = d / RECIPE_FILE
+    if not regular_file(p):
+        raise RunDirError(f"{d}: its {RECIPE_FILE} is {describe(p)}; a run folder's recipe is a regular file")
+    return p
 
 
 def load_run(d: str | Path) -> LoadedRecipe:
     """The recipe a run folder was started with (for ``tim train --resume``)."""
     d = Path(d)
-    if not (d / RECIPE_FILE).exists():
+    if not os.path.lexists(d / RECIPE_FILE):
         raise FileNotFoundError(f"{d} is not a run folder (no {RECIPE_FILE})")
-    loaded = load_recipe(d / RECIPE_FILE)
+    loaded = load_recipe(_recipe_file(d))
     meta = read_meta(d)
     loaded.name = meta.get("name", loaded.name)
     return loaded
 
 
 def read_meta(d: Path) -> dict:
+    """``run.json`` (empty when missing or not JSON); :class:`UnsafePathError` when it is a link or special file,
+    or larger than :data:`MAX_META_BYTES`."""
     p = Path(d) / META_FILE
     try:
-        meta = json.loads(p.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        meta = json.loads(read_text(p, max_bytes=MAX_META_BYTES, what="run record"))
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
     return meta if isinstance(meta, dict) else {}
+
+
+def _meta_if_readable(d: Path) -> dict:
+    with contextlib.suppress(OSError):
+        return read_meta(d)
+    return {}
 
 
 # ------------------------------------------------------------------------------------- recipe changes
@@ -204,10 +242,10 @@ def adopt_recipe(
     ``recipe_changes``. Shapes and the rank layout cannot change under a checkpoint, flag or not.
     """
     d = Path(d)
-    if not (d / RECIPE_FILE).exists():
+    if not os.path.lexists(d / RECIPE_FILE):
         write_resolved(loaded, d)
         return {}
-    recorded = load_recipe(d / RECIPE_FILE).recipe
+    recorded = load_recipe(_recipe_file(d)).recipe
     changes = recipe_changes(recorded, loaded.recipe)
     if not changes:
         return {}
@@ -290,20 +328,18 @@ def update_meta(d: Path, change, *, use_reserve: bool = True) -> dict:
     """
     d = Path(d)
     p = d / META_FILE
-    with open(d / f".{META_FILE}.lock", "a") as lock:
+    with open_append(d / f".{META_FILE}.lock", what="run record lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         meta = read_meta(d)
         change(meta)
         text = json.dumps(meta, indent=1)
-        tmp = d / f".{META_FILE}.tmp"
         try:
-            tmp.write_text(text)
+            write_atomic(p, text, root=d, what="run record")
         except OSError as e:
-            if e.errno != errno.ENOSPC or not use_reserve or not (d / RESERVE_FILE).exists():
+            if e.errno != errno.ENOSPC or not use_reserve or not os.path.lexists(d / RESERVE_FILE):
                 raise
             (d / RESERVE_FILE).unlink()
-            tmp.write_text(text)
-        tmp.replace(p)
+            write_atomic(p, text, root=d, what="run record")
     return meta
 
 
@@ -417,8 +453,8 @@ def unwritable_part(d: Path) -> str | None:
     a new file (None: all take one). A probe, not the mode bits: root writes through those, not through a
     read-only mount or an immutable folder."""
     for folder in (d, *(d / s for s in WRITTEN_SUBFOLDERS)):
-        if folder is not d and not folder.is_dir():
-            continue
+        if folder is not d and (folder.is_symlink() or not folder.is_dir()):
+            continue  # a link is refused by name (unsafe_entries): nothing is probed through it
         try:
             fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
         except OSError as e:
@@ -429,6 +465,46 @@ def unwritable_part(d: Path) -> str | None:
         with contextlib.suppress(OSError):
             os.unlink(probe)
     return None
+
+
+def unsafe_entries(d: Path) -> list[str]:
+    """``"<path> is <what>"`` for each place in run folder ``d`` a run would write or read through a link, or where
+    a special file would block or never end: a link at a subfolder it writes (:data:`REAL_SUBFOLDERS`), at a file
+    it appends to or reads back (:data:`UNLINKED_FILES`, ``logs/engine*.log``), a special file at a file it
+    replaces (:data:`REPLACED_FILES`), and anything but regular files and real folders under ``checkpoints/``.
+    Found without opening anything."""
+    bad = []
+
+    def kind(p: Path, allowed: tuple[str, ...]) -> None:
+        what = describe(p)
+        if what != "missing" and not what.startswith(allowed):
+            bad.append(f"{p} is {what}")
+
+    for name in REAL_SUBFOLDERS:
+        kind(d / name, ("a folder",))
+    for name in UNLINKED_FILES:
+        kind(d / name, ("a regular file",))
+    for name in REPLACED_FILES:
+        kind(d / name, ("a regular file", "a symbolic link"))
+    logs = d / "logs"
+    if logs.is_dir() and not logs.is_symlink():
+        for p in sorted(logs.glob("engine*.log")):
+            kind(p, ("a regular file",))
+    ckpts = d / "checkpoints"
+    if ckpts.is_dir() and not ckpts.is_symlink():
+        from tim_megatron.trainer.checkpoint_scan import special_entries
+
+        bad += [f"{ckpts}/{e.replace(': ', ' is ', 1)}" for e in special_entries(ckpts)]
+    return bad
+
+
+def _refused(d: Path, bad: list[str]) -> RunDirError:
+    shown = "; ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    return RunDirError(
+        f"run folder {d} refused: {shown}. A run writes and reads only regular files and real folders inside its "
+        "folder (a link would write or read another file, a FIFO would block); remove or replace these, then "
+        "start again"
+    )
 
 
 def _write_denied(err: BaseException, d: Path) -> str | None:
@@ -470,6 +546,8 @@ def attempt(d: Path, *, writer: bool = True):
 
         try:
             update_meta(d, start)
+        except UnsafePathError as e:
+            raise RunDirError(f"{e}; nothing ran (run.json could not record this)") from e
         except OSError as e:
             if e.errno not in DENIED_ERRNOS:
                 raise
@@ -478,6 +556,8 @@ def attempt(d: Path, *, writer: bool = True):
                 f"Make {d} writable (or give another folder), then start again."
             ) from e
     try:
+        if writer and (unsafe := unsafe_entries(d)):
+            raise _refused(d, unsafe)
         if writer and (bad := unwritable_part(d)):
             raise RunDirNotWritable(f"cannot write in {bad}: a run writes there; nothing ran")
         yield
@@ -499,7 +579,7 @@ def attempt(d: Path, *, writer: bool = True):
             try:
                 mark_failed(d, f"{why}: {failure_reason(e)}" if why else e)
             except OSError as w:  # the original error matters more than the record
-                meta = read_meta(d)  # the loop may have recorded it already (with the space reserved for it)
+                meta = _meta_if_readable(d)  # the loop may have recorded it already (with the space reserved)
                 if meta.get("status") != "failed" or meta.get("attempt") != attempt_id():
                     unrecorded = w.strerror or str(w)
         if not writer:
@@ -507,7 +587,7 @@ def attempt(d: Path, *, writer: bool = True):
         elif unrecorded is None:
             record = "run.json records the failure. "
         else:
-            status = read_meta(d).get("status")
+            status = _meta_if_readable(d).get("status")
             record = (
                 f"run.json could not be written either ({unrecorded}): its status ({status}) is out of date. "
             )
@@ -527,6 +607,10 @@ def attempt(d: Path, *, writer: bool = True):
                 f"{cause}\n{record}Make {d} and its subfolders writable, then resume from the last "
                 f"checkpoint: tim train --resume {d}"
             ) from e
+        if isinstance(e, UnsafePathError):  # a link or special file met while the run wrote or read
+            raise RunDirError(
+                f"{e}\n{record}Remove or replace it, then resume: tim train --resume {d}"
+            ) from e
         raise
     finally:
         if writer:
@@ -542,7 +626,7 @@ def settle_launcher_exit(d: Path, code: int, *, attempt_before: str | None, stop
     of their own (``attempt_before`` unchanged: stopped or failed before it) or left it ``running`` leave
     the record to us: ``preempted`` when we passed them a stop signal (``stopped_by``), else ``failed``.
     """
-    meta = read_meta(d)
+    meta = _meta_if_readable(d)
     status = meta.get("status") if meta.get("attempt") != attempt_before else None
     if status == "completed":
         return 0
@@ -563,9 +647,6 @@ def settle_launcher_exit(d: Path, code: int, *, attempt_before: str | None, stop
 
 def _reserve(d: Path) -> None:
     p = d / RESERVE_FILE
-    with contextlib.suppress(OSError):
-        if not p.exists() or p.stat().st_size < RESERVE_BYTES:
-            with open(p, "wb") as f:
-                f.write(b"\0" * RESERVE_BYTES)
-                f.flush()
-                os.fsync(f.fileno())
+    with contextlib.suppress(OSError):  # a link there is replaced, not written through
+        if not regular_file(p) or p.stat().st_size < RESERVE_BYTES:
+            write_atomic(p, b"\0" * RESERVE_BYTES, root=d)

@@ -10,6 +10,10 @@ whose launcher ancestor already holds the lock goes on without taking it.
 
 :func:`claim` is for a process that removes or reuses folders it does not run itself (``tim lab``): it takes
 the lock or names the holder, ancestors included, and hands the lock to the run it starts.
+
+The lock file is opened without following a link (``O_NOFOLLOW``) and without waiting on a FIFO
+(``O_NONBLOCK``), and used only when it is a regular file: a run folder from elsewhere could otherwise have the
+holder's record written over any file a link there names.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tim_megatron.safe_files import UnsafePathError
+from tim_megatron.safe_files import describe as describe_path
 
 LOCK_FILE = "run.lock"
 
@@ -74,9 +82,22 @@ def _holder(fd: int) -> dict:
     return {}
 
 
+def _not_a_lock(path: Path) -> UnsafePathError:
+    return UnsafePathError(f"lock file {path} is {describe_path(path)}; allowed: a regular file")
+
+
 def _lock(path: Path) -> tuple[int | None, dict]:
-    """``(our descriptor, {})`` when we took ``path``'s lock, ``(None, the holder's record)`` when another has it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """``(our descriptor, {})`` when we took ``path``'s lock, ``(None, the holder's record)`` when another has it;
+    :class:`UnsafePathError` when ``path`` is a link or anything but a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if describe_path(path) not in ("missing", "a regular file"):
+            raise _not_a_lock(path) from e
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -9,7 +9,7 @@ from tim_megatron.lab.claims import LabData, verdicts
 from tim_megatron.lab.detectors import detector_table, load_traces
 from tim_megatron.lab.grid import Grid, GridError, load_grid, plan
 from tim_megatron.lab.report import write_report
-from tim_megatron.lab.runner import is_complete, run_dir, run_grid, run_spec
+from tim_megatron.lab.runner import foreign, is_complete, run_dir, run_grid, run_spec
 from tim_megatron.lab.runstats import run_stats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,14 +29,15 @@ def resolve_grid(name: str) -> Path:
 
 
 def collect(grid: Grid, plans, root: Path) -> LabData:
-    """Every completed run of the grid (made with the grid's current overrides) and its statistics."""
+    """Every completed run of the grid (made with the grid's current overrides) and its statistics; a run folder
+    that is a link, or lies under one, is not read (it may lead out of ``root``)."""
     runs: dict[str, dict] = {}
     for p in plans:
         if not p.runnable:
             continue
         for seed in grid.seeds:
             d = run_dir(root, p.arm.name, seed)
-            if is_complete(d, run_spec(grid, p, seed)):
+            if foreign(root, d) is None and is_complete(d, run_spec(grid, p, seed)):
                 stats = run_stats(d, arm=p.arm.name, seed=seed, window=grid.collapse_window)
                 runs.setdefault(p.arm.name, {})[seed] = stats
     return LabData(grid=grid, plans={p.arm.name: p for p in plans}, runs=runs)

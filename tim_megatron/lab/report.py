@@ -7,15 +7,18 @@
 * ``tables.md``: the verdict, arm and detector tables in Markdown, for ``docs/lab-results.md`` (so that no
   number there is typed by hand).
 
-Figures follow ``tim_megatron/report/plots.py``: one PNG per metric, labelled axes, written only inside the
-output folder, text never read as mathtext.
+Figures follow ``tim_megatron/report/plots.py``: one PNG per metric, labelled axes, text never read as mathtext.
+Every file is written only inside the output folder and replaces what is there by an atomic rename: a link planted
+in an output folder from elsewhere is replaced, never written through.
 """
 
 from __future__ import annotations
 
 import csv
 import html
+import io
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -27,7 +30,8 @@ from tim_megatron.lab.detectors import TUNE_GRID, Evaluation
 from tim_megatron.lab.runstats import HIGH_BUCKET, LOW_BUCKETS, P, RunStats, pooled_bucket, run_rows, series
 from tim_megatron.lab.stats import mean_ci
 from tim_megatron.report.build import CSS
-from tim_megatron.report.plots import _label, _plt, inside, slug
+from tim_megatron.report.plots import _label, _plt, slug
+from tim_megatron.safe_files import check_inside, save_figure, write_atomic
 
 CURVES = (
     ("reward/mean", "Training reward", "mean reward", "linear"),
@@ -91,7 +95,7 @@ def curve_panels(lab: LabData, out: Path) -> list[tuple[str, str]]:
         _label(ax, title, ylabel)
         ax.legend(loc="best", fontsize=7, framealpha=0.85)
         name = f"curve_{slug(key)}.png"
-        fig.savefig(inside(out, name))
+        save_figure(fig, inside(out, name), root=out)
         plt.close(fig)
         made.append((name, f"{title}: mean over seeds, band = lowest to highest seed"))
     return made
@@ -164,14 +168,22 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def inside(out: Path, name: str) -> Path:
+    """``out / name``, refused (:class:`tim_megatron.safe_files.UnsafePathError`) unless it lies directly inside
+    ``out``; whatever is there is replaced, never followed."""
+    target = check_inside(out, name, what="report file")
+    if target.parent != Path(os.path.abspath(out)):
+        raise ValueError(f"report file {name!r} would be written outside {out}")
+    return target
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        if not rows:
-            f.write("")
-            return
+    f = io.StringIO(newline="")
+    if rows:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows([{k: _fmt(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows])
+    write_atomic(path, f.getvalue(), root=path.parent, what="report file")
 
 
 def _table(rows: list[dict], cols: list[str] | None = None) -> str:
@@ -234,7 +246,7 @@ def write_tables_md(
         "## Early-warning detectors",
         markdown_table(det, tuple(det[0]) if det else ("rule",)),
     ]
-    path.write_text("\n\n".join(parts) + "\n")
+    write_atomic(path, "\n\n".join(parts) + "\n", root=path.parent, what="report file")
 
 
 def write_report(
@@ -344,7 +356,7 @@ def write_report(
         )
     parts.append("</body></html>")
     page = inside(out, "index.html")
-    page.write_text("\n".join(parts))
+    write_atomic(page, "\n".join(parts), root=out, what="report file")
     return page
 
 

@@ -15,6 +15,12 @@ descriptor, so the folder is never free between the lab's claim and the run's en
 takes it through :func:`tim_megatron.run_lock.hold`'s ancestor rule. The lock file itself is never removed:
 a new file would be a new lock.
 
+A lab root can come from elsewhere. A run folder is used only when it and the folders above it, up to the root,
+are real folders (a linked seed folder would have the lab read, and empty, a folder outside the root), and it is
+emptied only when it carries ``lab.json``, which only the lab writes: a folder the lab did not make is refused by
+name and left as it is (its run counts as failed). ``lab.json``, ``slot.json`` and ``train.log`` are written
+without following a link.
+
 Runs die with the lab. Each runs in its own session (a terminal's Ctrl-C reaches the lab alone); on SIGINT or
 SIGTERM the lab sends SIGTERM to every run's process group, SIGKILL after a grace period, and exits; a lab
 killed outright takes its runs with it through the kernel's parent-death signal.
@@ -52,8 +58,19 @@ from tim_megatron.procs import bound_to_parent
 from tim_megatron.recipe import RecipeError, load_recipe, recipe_to_yaml
 from tim_megatron.run_dir import RECIPE_FILE
 from tim_megatron.run_lock import LOCK_FILE, RunFolderBusy, RunLock, claim, describe
+from tim_megatron.safe_files import (
+    UnsafePathError,
+    check_inside,
+    open_append,
+    read_text,
+    regular_file,
+    write_atomic,
+)
+from tim_megatron.safe_files import describe as describe_path
 
 LAB_FILE = "lab.json"
+"""The run's spec, written only by the lab: the mark of a run folder the lab made (and so may empty)."""
+MAX_LAB_FILE_BYTES = 1 << 20
 LAB_LOCK = "lab.lock"
 """The lock a running ``tim lab`` holds in its root folder."""
 STOP_GRACE_S = 10.0
@@ -84,6 +101,19 @@ class RunRecord:
 
 def run_dir(root: Path, arm: str, seed: int) -> Path:
     return root / arm / f"seed{seed}"
+
+
+def foreign(root: Path, d: Path) -> str | None:
+    """Why run folder ``d`` under ``root`` is not the lab's to use (None: it is, or it does not exist yet): a
+    link at it or at a folder between it and ``root``, or something other than a folder."""
+    try:
+        check_inside(root, d, what="run folder")
+    except UnsafePathError as e:
+        return str(e)
+    what = describe_path(d)
+    if what not in ("missing", "a folder"):
+        return f"run folder {d} is {what}; allowed: a real folder inside {root}"
+    return None
 
 
 def recipe_hash(base: Path, overrides: list[str]) -> str:
@@ -125,19 +155,38 @@ def is_complete(d: Path, spec: dict) -> bool:
     recorded none, or from before the schema gained a key) the recipe the run itself recorded, resolved under
     today's schema, has it. Paths and override lists do not matter, only the recipe they resolve to."""
     meta = run_meta(d)  # bounded, regular files only: a lab root may hold folders from elsewhere
-    if meta.get("status") != "completed" or not (d / "metrics.jsonl").exists():
+    if meta.get("status") != "completed" or not regular_file(d / "metrics.jsonl"):
         return False
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        if json.loads((d / LAB_FILE).read_text()).get("recipe_sha256") == spec["recipe_sha256"]:
+    with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
+        lab = json.loads(read_text(d / LAB_FILE, max_bytes=MAX_LAB_FILE_BYTES, what="lab spec"))
+        if lab.get("recipe_sha256") == spec["recipe_sha256"]:
             return True
+    if not regular_file(d / RECIPE_FILE):  # a link would read another file; a FIFO would block
+        return False
     try:
         return recipe_hash(d / RECIPE_FILE, []) == spec["recipe_sha256"]
     except (OSError, RecipeError):
         return False
 
 
+def _not_ours(d: Path) -> str | None:
+    """Why the existing folder ``d`` is not one the lab made (None: it is, it is empty but for its lock, or it does
+    not exist): it holds files and no ``lab.json``."""
+    if not d.is_dir() or d.is_symlink() or regular_file(d / LAB_FILE):
+        return None
+    if not any(e.name != LOCK_FILE for e in d.iterdir()):
+        return None
+    return (
+        f"{d} holds files and no {LAB_FILE}, so tim lab did not make it, and it removes only run folders it made. "
+        "Move it away (or give another --root) to run this seed"
+    )
+
+
 def _empty(d: Path) -> None:
-    """Remove everything in ``d`` but its lock file (which we hold: a new file would be a new, free lock)."""
+    """Remove everything in ``d`` but its lock file (which we hold: a new file would be a new, free lock). Only for
+    a real folder of the lab's (:func:`foreign`, ``lab.json``): links inside are removed, never followed."""
+    if d.is_symlink() or not regular_file(d / LAB_FILE):
+        raise UnsafePathError(f"run folder {d} has no {LAB_FILE} of the lab's; it is not emptied")
     for entry in d.iterdir():
         if entry.name == LOCK_FILE:
             continue
@@ -208,6 +257,14 @@ def _prepare(grid, plans, root, only, seeds, python, claims, log) -> tuple[list[
             records.append(RunRecord(p.arm.name, seed, d, "not run"))
             continue
         spec = run_spec(grid, p, seed)
+        # Before anything is made or read there: a link out of the root is never followed, and in a folder
+        # of someone's not even a lock file is made (one a tim train left is taken: its run may be live).
+        linked = foreign(root, d)
+        why = linked or _not_ours(d)
+        if linked or (why and not regular_file(d / LOCK_FILE)):
+            log(f"{tag}: refused, left as it is: {why}")
+            records.append(RunRecord(p.arm.name, seed, d, f"failed (refused: {why})"))
+            continue
         d.mkdir(parents=True, exist_ok=True)
         try:
             lock = claim(d)
@@ -215,10 +272,19 @@ def _prepare(grid, plans, root, only, seeds, python, claims, log) -> tuple[list[
             log(f"{tag}: busy, skipped: {e}")
             records.append(RunRecord(p.arm.name, seed, d, f"busy (in use by {describe(e.holder)})"))
             continue
+        except UnsafePathError as e:  # run.lock is a link or a special file
+            log(f"{tag}: refused, left as it is: {e}")
+            records.append(RunRecord(p.arm.name, seed, d, f"failed (refused: {e})"))
+            continue
         if is_complete(d, spec):
             lock.release()
             log(f"{tag}: reused {d}")
             records.append(RunRecord(p.arm.name, seed, d, "reused"))
+            continue
+        if why:  # a run folder of someone's (a tim train --run-dir): the lab removes only what it made
+            lock.release()
+            log(f"{tag}: refused, left as it is: {why}")
+            records.append(RunRecord(p.arm.name, seed, d, f"failed (refused: {why})"))
             continue
         claims[d] = lock
         if any(e.name != LOCK_FILE for e in d.iterdir()):
@@ -248,8 +314,8 @@ def _run_pending(pending, slots, timeout_s, claims, flight, log) -> list[RunReco
         slot = free.get()
         try:
             env = slot_env(slot) if slot is not None else {}
-            (d / LAB_FILE).write_text(json.dumps(spec, indent=1))
-            (d / "slot.json").write_text(json.dumps({"jobs": len(slots), **env}))
+            write_atomic(d / LAB_FILE, json.dumps(spec, indent=1), root=d, what="lab spec")
+            write_atomic(d / "slot.json", json.dumps({"jobs": len(slots), **env}), root=d, what="core slot")
             t0 = time.perf_counter()
             pinned = ["taskset", "--cpu-list", ",".join(map(str, slot)), *cmd] if slot is not None else cmd
             status = _call(pinned, d / "train.log", timeout_s, env, flight, claims[d].fd)
@@ -326,7 +392,7 @@ def _call(
     lock_fd: int,
 ) -> str:
     env = {**os.environ, **extra_env, "WANDB_MODE": "disabled"}
-    with open(log_path, "w") as out:
+    with open_append(log_path, what="run log") as out:  # a fresh file: the folder was emptied
         with flight.guard:
             if flight.stopping:
                 return "not run (the lab was stopped)"

@@ -4,6 +4,9 @@ Columns: step, seq (the global row: prompt x group size + sample), prompt, sampl
 that generated it), finish (0 stop, 1 length, 2 other), position, token_id, pi_train (trainer, old weights),
 pi_infer (rollout engine), pi_old (the old policy the loss used: pi_train, or pi_infer in bypass mode),
 advantage, reward, and optionally routed_experts (rollout's expert ids, ``layers x top_k`` flattened).
+
+A dump is written in memory, then replaces its file by an atomic rename, inside the run folder when one is
+given: a link planted at its name or at ``dumps/`` is never written through.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tim_megatron.safe_files import check_inside, write_atomic
 
 
 def write_dump(
@@ -32,7 +37,9 @@ def write_dump(
     routed: torch.Tensor | None = None,
     max_tokens: int = 200_000,
     seed: int = 0,
+    root: Path | None = None,
 ) -> int:
+    """Write the step's tokens to ``path`` (inside folder ``root`` when given); returns the number of rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -67,8 +74,10 @@ def write_dump(
             routed[:, seq, pos - 1].permute(1, 0, 2).reshape(seq.numel(), -1).numpy().astype(np.int16)
         )  # experts that produced the token
         table = table.append_column("routed_experts", pa.array(list(r), type=pa.list_(pa.int16())))
+    if root is not None:
+        check_inside(root, path, what="token dump")  # before the folder is made: dumps/ may be a link
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf)
+    write_atomic(path, buf.getvalue().to_pybytes(), root=root, what="token dump")
     return seq.numel()

@@ -22,6 +22,9 @@ as failures. While a run lasts (:func:`routed`, around ``loop.train``):
 The console names the file when the run starts and, at its end, says how many warnings the file received.
 Each rank writes its own file: ``engine.log`` for rank 0, ``engine.rank<N>.log`` for rank N; only rank 0
 prints the two lines. Everything is put back when the run ends.
+
+The file is appended to without following a link, in a ``logs/`` folder that must be a real folder inside the
+run folder: a run folder from elsewhere cannot have the libraries' output appended to another file.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import sys
 import warnings
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
+
+from tim_megatron.safe_files import check_inside, open_append
 
 ENGINE_LOGGER = "vllm"
 """The logger vLLM logs through (its modules log to children of it)."""
@@ -47,8 +52,10 @@ CONSOLE_FORMAT = "%(levelname)s %(name)s:%(lineno)d %(message)s"
 
 
 def log_file(run_dir: Path, rank: int) -> Path:
-    """This rank's file: ``logs/engine.log`` for rank 0, ``logs/engine.rank<N>.log`` for the others."""
-    return run_dir / "logs" / ("engine.log" if rank == 0 else f"engine.rank{rank}.log")
+    """This rank's file: ``logs/engine.log`` for rank 0, ``logs/engine.rank<N>.log`` for the others;
+    :class:`tim_megatron.safe_files.UnsafePathError` if ``logs`` is a link."""
+    name = "engine.log" if rank == 0 else f"engine.rank{rank}.log"
+    return check_inside(run_dir, Path("logs") / name, what="engine log")
 
 
 def is_project_warning(category: type[Warning], filename: str) -> bool:
@@ -78,6 +85,12 @@ class EngineLogFile(logging.FileHandler):
         self.setFormatter(logging.Formatter(FILE_FORMAT))
         self.warnings = 0
         """Records at WARNING (not ERROR or above) written since the run started."""
+
+    def _open(self):
+        """The file, appended to; a link or special file there is refused, not followed."""
+        f = open_append(self.baseFilename, what="engine log")
+        f.reconfigure(encoding=self.encoding, errors=self.errors)
+        return f
 
     def emit(self, record: logging.LogRecord) -> None:
         super().emit(record)

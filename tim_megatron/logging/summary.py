@@ -1,9 +1,14 @@
-"""End-of-run artifacts: a PNG of reward and the main mismatch curves, and a short text summary."""
+"""End-of-run artifacts: a PNG of reward and the main mismatch curves, and a short text summary.
+
+Both replace what the run folder holds under their names by an atomic rename, so a link planted there (a run
+folder from elsewhere) is replaced, never written through."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+
+from tim_megatron.safe_files import save_figure, write_atomic
 
 CURVES = (
     ("reward/mean", "reward (mean)"),
@@ -45,7 +50,7 @@ def write_summary(
         if not xs:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.suptitle(f"{name}: reward and training-inference mismatch", fontsize=12)
-    fig.savefig(run_dir / "curves.png", dpi=110)
+    save_figure(fig, run_dir / "curves.png", root=run_dir, dpi=110)
     plt.close(fig)
 
     def first_last(key):
@@ -70,5 +75,5 @@ def write_summary(
         + (", ".join(f"{e['kind']} at step {e['step']} ({e['metric']})" for e in events) or "none"),
     ]
     text = "\n".join(lines) + "\n"
-    (run_dir / "summary.txt").write_text(text)
+    write_atomic(run_dir / "summary.txt", text, root=run_dir, what="run summary")
     return text

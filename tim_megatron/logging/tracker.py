@@ -1,4 +1,8 @@
-"""Metrics sinks: ``metrics.jsonl`` (always), wandb (offline without an API key), and the console."""
+"""Metrics sinks: ``metrics.jsonl`` (always), wandb (offline without an API key), and the console.
+
+``metrics.jsonl`` is appended to without following a link, and a resumed run trims it only when it is a regular
+file, rewritten by an atomic rename: a link planted there (a run folder from elsewhere) is refused by name,
+neither read nor written through."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import BinaryIO
 
 from tim_megatron.logging.untrusted import UnreadableFile, open_regular, printable, shown
 from tim_megatron.recipe.schema import Recipe
+from tim_megatron.safe_files import open_append, read_bytes, write_atomic
 
 SUMMARY_KEYS = (
     ("reward", "reward/mean", "{:.3f}"),
@@ -72,22 +77,25 @@ def unreachable(url: str, *, timeout: float) -> str | None:
 
 
 def truncate_jsonl(path: Path, *, after_step: int) -> int:
-    """Drop lines of steps > ``after_step`` (written after the checkpoint a resumed run restarts from)."""
-    if not path.exists():
+    """Drop lines of steps > ``after_step`` (written after the checkpoint a resumed run restarts from).
+
+    :class:`tim_megatron.safe_files.UnsafePathError` if ``path`` is a link or special file, or larger than
+    :data:`MAX_METRICS_BYTES`."""
+    if not os.path.lexists(path):
         return 0
     keep, dropped = [], 0
-    for line in path.read_text().splitlines():
+    text = read_bytes(path, max_bytes=MAX_METRICS_BYTES, what="metrics file").decode(errors="replace")
+    for line in text.splitlines():
         try:
-            if json.loads(line).get("step", 0) > after_step:
-                dropped += 1
-                continue
-        except json.JSONDecodeError:
+            row = json.loads(line)
+        except (ValueError, RecursionError):  # a line cut by a crash, a huge integer, deep nesting
+            row = None
+        step = row.get("step", 0) if isinstance(row, dict) else None
+        if not isinstance(step, int) or step > after_step:
             dropped += 1
             continue
         keep.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(k + "\n" for k in keep), root=path.parent, what="metrics file")
     return dropped
 
 
@@ -99,7 +107,7 @@ class Tracker:
         self.run_dir = run_dir
         self.enabled = enabled
         self.console = console
-        self.jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115 - open for the run
+        self.jsonl = open_append(run_dir / "metrics.jsonl", what="metrics file") if enabled else None
         self.wandb = None
         if enabled:
             self.wandb = self._wandb(name, run_id)

@@ -5,6 +5,9 @@ atomically at every phase change: the phase, its state (``running``, ``done``, `
 started and ended, and the error of a failed phase. A :class:`Watchdog` thread per rank marks a phase that runs
 past its timeout and calls the job's handler (which writes the verdict and ends the rank); the submitting side
 reads the same files when a job ends without a verdict.
+
+A file is replaced by an atomic rename inside the run folder (a link planted at its name or at ``preflight/`` is
+never written through), and read back only when it is a regular file (a FIFO would block the reader).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from tim_megatron.safe_files import check_inside, read_text, write_atomic
 
 TIMEOUTS: dict[str, float] = {
     "model": 3600.0,
@@ -36,18 +41,24 @@ def ranks_folder(run_dir: Path) -> Path:
     return Path(run_dir) / "preflight" / "ranks"
 
 
-def write_json(path: Path, data) -> None:
-    """Atomic: a reader never sees half a file."""
+MAX_HEARTBEAT_BYTES = 1 << 20
+"""Largest rank file read back (a rank writes about a kB)."""
+
+
+def write_json(path: Path, data, *, root: Path | None = None) -> None:
+    """Atomic: a reader never sees half a file, and a link at ``path`` is replaced, not followed. With ``root``
+    (the run folder), ``path`` and the folders up to it must lie inside it, none of them a link."""
+    if root is not None:
+        check_inside(root, path, what="preflight file")  # before any folder is made through a link
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data, indent=1, default=str), root=root, what="preflight file")
 
 
 class Heartbeat:
     """This rank's record of its phases."""
 
     def __init__(self, run_dir: Path, *, rank: int, host: str, timeouts: dict[str, float] | None = None):
+        self.run_dir = Path(run_dir)
         self.path = ranks_folder(run_dir) / f"rank-{rank:05d}.json"
         self.timeouts = dict(TIMEOUTS if timeouts is None else timeouts)
         self.record = {"rank": rank, "host": host, "pid": os.getpid(), "current": None, "phases": {}}
@@ -56,7 +67,7 @@ class Heartbeat:
 
     def _write(self) -> None:
         self.record["updated"] = time.time()
-        write_json(self.path, self.record)
+        write_json(self.path, self.record, root=self.run_dir)
 
     @property
     def current(self) -> tuple[str, float] | None:
@@ -137,8 +148,10 @@ def read_heartbeats(run_dir: Path) -> list[dict]:
     """Every rank's record, by rank (unreadable files are skipped: a rank killed mid-write left a temp file)."""
     out = []
     for f in sorted(ranks_folder(run_dir).glob("rank-*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            out.append(json.loads(f.read_text()))
+        with contextlib.suppress(OSError, ValueError, RecursionError):
+            rec = json.loads(read_text(f, max_bytes=MAX_HEARTBEAT_BYTES, what="heartbeat"))
+            if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+                out.append(rec)
     return sorted(out, key=lambda r: r["rank"])
 
 

@@ -18,6 +18,11 @@ deleted counts as corrupt; one written before checksums existed loads only when 
 
 Nothing in a checkpoint can run code when loaded: the RNG state is tensors plus JSON (``rng/rank<N>.safetensors``),
 and every pickle that megatron-core or torch would read is checked first (:mod:`.checkpoint_scan`).
+
+A checkpoints folder can come from elsewhere, so a checkpoint is read only when it holds regular files and real
+folders alone (a FIFO would block the load forever, a link would read someone else's file): anything else is
+refused by name (:func:`refuse_special`) before any file is opened. Writing never follows a link: ``latest`` is
+replaced by an atomic rename, and a link where a step folder goes is removed, not followed.
 """
 
 from __future__ import annotations
@@ -36,13 +41,16 @@ import torch.distributed as dist
 from patches.megatron import distopt_checkpoint
 from patches.megatron.cpu_shims import cuda_placement_to_cpu
 from tim_megatron.integrity import IntegrityWarning, sha256_file
-from tim_megatron.trainer.checkpoint_scan import scan_checkpoint
+from tim_megatron.safe_files import describe, read_text, regular_file, write_atomic
+from tim_megatron.trainer.checkpoint_scan import scan_checkpoint, special_entries
 from tim_megatron.trainer.model import unwrap
 
 LATEST = "latest"
 CHECKSUMS = "checksums.json"
 CHECKSUMS_KEY = "checksums"
 """The key in ``state.json`` that says the checkpoint's files have checksums."""
+MAX_JSON_BYTES = 64 * 2**20
+"""Largest ``state.json`` or ``checksums.json`` read (the 30B model's checksums take a few MB)."""
 
 
 class CheckpointError(RuntimeError):
@@ -63,11 +71,35 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` with ``text`` (a link there is replaced, never written through)."""
+    write_atomic(path, text)
+
+
+def _read_json(path: Path):
+    return json.loads(read_text(path, max_bytes=MAX_JSON_BYTES, what="checkpoint file"))
+
+
+def refuse_special(folder: str | Path) -> None:
+    """:class:`CheckpointError` naming every entry of checkpoint ``folder`` that is not a regular file or a real
+    folder (a FIFO, socket, device or link), found without opening anything."""
+    folder = Path(folder)
+    if folder.is_symlink() or not folder.is_dir():
+        raise CheckpointError(f"checkpoint {folder} is {describe(folder)}; allowed: a real folder")
+    found = special_entries(folder)
+    if found:
+        raise CheckpointError(
+            f"checkpoint {folder} refused: {'; '.join(found[:4])}"
+            + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+            + ". A checkpoint holds only regular files and folders; nothing in it was read."
+        )
+
+
+def _refuse_special_marker(root: Path) -> None:
+    marker = root / LATEST
+    if os.path.lexists(marker) and not regular_file(marker):
+        raise CheckpointError(
+            f"{marker} is {describe(marker)}; allowed: a regular file naming the newest step folder"
+        )
 
 
 def complete_checkpoints(root: str | Path) -> list[Path]:
@@ -77,9 +109,9 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
         return []
     done = sorted((p for p in root.glob("step_*") if (p / "state.json").exists()), reverse=True)
     marker = root / LATEST
-    try:
-        named = root / marker.read_text().strip() if marker.exists() else None
-    except (OSError, UnicodeDecodeError):
+    try:  # a link or FIFO there is not read (latest_good_checkpoint refuses it by name)
+        named = root / read_text(marker, max_bytes=4096).strip() if marker.exists() else None
+    except (OSError, UnicodeDecodeError, ValueError):
         named = None
     if named in done:
         done.remove(named)
@@ -130,14 +162,14 @@ def write_checksums(folder: Path) -> dict:
     }
     table = {k: v for part in _gather(mine) for k, v in part.items()}
     if _rank() == 0:
-        (folder / CHECKSUMS).write_text(json.dumps({"algorithm": "sha256", "files": table}, indent=1))
+        write_atomic(folder / CHECKSUMS, json.dumps({"algorithm": "sha256", "files": table}, indent=1))
     return table
 
 
 def _written_with_checksums(folder: Path) -> bool:
     """Whether ``state.json`` says checksums were written (every checkpoint since they exist says so)."""
     try:
-        meta = json.loads((folder / "state.json").read_text())
+        meta = _read_json(folder / "state.json")
     except (OSError, ValueError):
         return True  # unreadable: the missing checksums are a fault, not an old format
     return not isinstance(meta, dict) or CHECKSUMS_KEY in meta
@@ -147,11 +179,13 @@ def verify_checkpoint(folder: str | Path) -> list[str]:
     """Problems found in ``folder`` against its ``checksums.json`` (empty: intact). Same answer on every rank.
 
     A checkpoint written before checksums existed gives one problem starting with ``unverified``; one whose
-    ``checksums.json`` went missing later is corrupt.
+    ``checksums.json`` went missing later is corrupt. :class:`CheckpointError` (before any file is opened) if the
+    folder holds anything but regular files and folders.
     """
     folder = Path(folder)
+    refuse_special(folder)
     try:
-        table = json.loads((folder / CHECKSUMS).read_text())["files"]
+        table = _read_json(folder / CHECKSUMS)["files"]
         if not isinstance(table, dict):
             raise ValueError("no file table")
     except FileNotFoundError:
@@ -177,9 +211,13 @@ def verify_checkpoint(folder: str | Path) -> list[str]:
 def latest_good_checkpoint(root: str | Path, *, trust_unverified: bool = False) -> Path | None:
     """The newest checkpoint that passes :func:`verify_checkpoint`; corrupt ones are skipped with a warning.
 
-    None when there is no checkpoint at all; :class:`CheckpointError` when every one is corrupt, or when the
-    newest readable one predates checksums and ``trust_unverified`` is not given.
+    None when there is no checkpoint at all; :class:`CheckpointError` when every one is corrupt, when the
+    newest readable one predates checksums and ``trust_unverified`` is not given, or when ``latest`` or a
+    checkpoint holds a link or special file (:func:`refuse_special`).
     """
+    if Path(root).is_symlink():
+        raise CheckpointError(f"{root} is {describe(root)}; allowed: a real folder inside the run folder")
+    _refuse_special_marker(Path(root))
     tried = []
     for p in complete_checkpoints(root):
         problems = verify_checkpoint(p)
@@ -302,8 +340,12 @@ def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: 
     final = step_dir(root, step)
     tmp = root / f".tmp_{final.name}"
     if _rank() == 0:
+        if root.is_symlink():
+            raise CheckpointError(
+                f"{root} is {describe(root)}; a run writes its checkpoints in a real folder"
+            )
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         tmp.mkdir()
     _barrier()
     with cuda_placement_to_cpu():
@@ -320,37 +362,48 @@ def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: 
             "model_dims": trainer.recipe.model.dims.model_dump(mode="json"),
             CHECKSUMS_KEY: CHECKSUMS,
         }
-        (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+        write_atomic(tmp / "state.json", json.dumps(meta, indent=1))
     _barrier()
     write_checksums(tmp)
     if _rank() == 0:
         _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        _remove(final, ignore_errors=False)
         os.replace(tmp, final)
-        atomic_write_text(root / LATEST, final.name)
+        write_atomic(root / LATEST, final.name, root=root)
         older = sorted(p for p in root.glob("step_*") if p != final)
         for old in older[: max(len(older) - (keep - 1), 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     _barrier()
     return final
+
+
+def _remove(p: Path, *, ignore_errors: bool = True) -> None:
+    """Remove ``p`` in the checkpoints folder: a link is unlinked, never followed; a real folder is deleted (the
+    links inside it too, not what they point to)."""
+    if p.is_symlink() or (os.path.lexists(p) and not p.is_dir()):
+        p.unlink()
+    elif p.exists():
+        shutil.rmtree(p, ignore_errors=ignore_errors)
 
 
 def _fsync_tree(folder: Path) -> None:
     """Data on disk before the rename publishes the checkpoint (a power loss leaves no torn files)."""
     for p in folder.rglob("*"):
-        if p.is_file():
+        if regular_file(p):
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
 
 
 def refuse_unsafe(path: str | Path) -> None:
-    """:class:`CheckpointError` if any file of checkpoint ``path`` could run code when loaded."""
+    """:class:`CheckpointError` if any file of checkpoint ``path`` could run code when loaded, or is not a regular
+    file (:func:`refuse_special`)."""
+    refuse_special(path)
     unsafe = scan_checkpoint(path)
     if unsafe:
         raise CheckpointError(
-            f"checkpoint {path} refused: loading it could run code ({'; '.join(unsafe[:4])}). A checkpoint "
-            "this project wrote holds only tensors and plain data; do not load this folder."
+            f"checkpoint {path} refused: loading it could run code or read past its files "
+            f"({'; '.join(unsafe[:4])}). A checkpoint this project wrote holds only tensors and plain data, at "
+            "the places its index declares; do not load this folder."
         )
 
 
@@ -359,7 +412,11 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    meta = json.loads((path / "state.json").read_text())
+    refuse_special(path)
+    try:
+        meta = _read_json(path / "state.json")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: state.json is unreadable ({e})") from None
     world = dist.get_world_size() if dist.is_initialized() else 1
     if meta.get("world_size", 1) != world:
         raise CheckpointError(

@@ -14,6 +14,12 @@ loader that allows only plain data, and a file that names anything else is refus
 * Tensor items are read by torch with ``weights_only=True`` already; items stored with a transform
   (compression, encryption) are refused, since this project never writes them.
 
+Before any of that, the folder may hold only regular files and real folders (:func:`special_entries`): a FIFO
+would block every reader forever, a device would never end, and a link would let the folder's author pick
+which of the reader's files gets read. Every index item's declared offset and length (tensors' too) are
+checked against its data file's size before anything is read (:func:`_item_range`), so an index cannot ask for
+a petabyte.
+
 After the scan, megatron-core and torch read the same bytes with their own loaders, so they can only build
 what the scan allowed. What stays trusted: the installed libraries, and a folder that is not changed while a
 load is in progress.
@@ -22,11 +28,15 @@ load is in progress.
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import stat
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from tim_megatron.safe_files import UnsafePathError, describe, open_regular
 
 METADATA_GLOBALS = frozenset(
     {
@@ -66,6 +76,9 @@ generator state is an array of uint32)."""
 
 MAX_METADATA_BYTES = 256 * 2**20
 """A ``.metadata`` index larger than this is refused before it is read (the 30B model's is a few MB)."""
+MAX_ITEM_BYTES = 256 * 2**20
+"""A byte item (a non-tensor object in a ``*.distcp`` file: common state, a few kB) declaring more is refused
+before it is read."""
 
 
 class UnsafeCheckpointError(RuntimeError):
@@ -79,11 +92,30 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def special_entries(folder: str | Path) -> list[str]:
+    """``"<relative path>: <what it is>"`` for every entry under ``folder`` that is neither a regular file nor a
+    real folder (a link, FIFO, socket or device), found without following links or opening anything."""
+    folder = Path(folder)
+    found = []
+    for here, dirs, files in os.walk(folder):  # os.walk does not descend into linked folders
+        for name in sorted(dirs + files):
+            p = Path(here) / name
+            try:
+                mode = os.lstat(p).st_mode
+            except FileNotFoundError:
+                continue
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                found.append(f"{p.relative_to(folder)}: {describe(p)}")
+    return sorted(found)
+
+
 def read_metadata(path: Path):
     """Unpickle a torch.distributed.checkpoint ``.metadata`` file, allowing only :data:`METADATA_GLOBALS`."""
-    if path.stat().st_size > MAX_METADATA_BYTES:
-        raise UnsafeCheckpointError(f"{path.stat().st_size} bytes, more than {MAX_METADATA_BYTES}")
-    with open(path, "rb") as f:
+    try:
+        f = open_regular(path, max_bytes=MAX_METADATA_BYTES, what="checkpoint index")
+    except UnsafePathError as e:
+        raise UnsafeCheckpointError(str(e)) from None
+    with f:
         try:
             return _MetadataUnpickler(f).load()
         except UnsafeCheckpointError:
@@ -111,7 +143,9 @@ def scan_checkpoint(folder: str | Path) -> list[str]:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     folder = Path(folder)
-    problems = []
+    problems = [f"{p} (a checkpoint holds only regular files and folders)" for p in special_entries(folder)]
+    if problems:  # nothing else is opened: a FIFO would block the reader
+        return problems
     for pt in sorted(folder.rglob("*.pt")):
         try:
             load_plain(pt, numpy=pt.parent.name == "rng")
@@ -132,6 +166,7 @@ def scan_checkpoint(folder: str | Path) -> list[str]:
 def _scan_items(folder: Path, md, bytes_type) -> list[str]:
     problems = []
     root = folder.resolve()
+    sizes: dict[Path, int] = {}
     for key, info in md.storage_data.items():
         fqn = getattr(key, "fqn", str(key))
         if getattr(info, "transform_descriptors", None):
@@ -143,15 +178,42 @@ def _scan_items(folder: Path, md, bytes_type) -> list[str]:
         if not target.is_relative_to(root):
             problems.append(f"{fqn}: its data file {info.relative_path!r} lies outside the checkpoint")
             continue
-        if not isinstance(md.state_dict_metadata.get(fqn), bytes_type):
-            continue  # a tensor: torch reads it with weights_only=True
+        is_bytes = isinstance(md.state_dict_metadata.get(fqn), bytes_type)
         try:
-            with open(target, "rb") as f:
-                f.seek(int(info.offset))
-                blob = f.read(int(info.length))
-            load_plain(io.BytesIO(blob))
-        except (OSError, ValueError) as e:
+            # every item's range, tensors' too: torch reads what the index declares
+            if target not in sizes:
+                with open_regular(target, what="checkpoint data file") as f:
+                    sizes[target] = os.fstat(f.fileno()).st_size
+            offset, length = _item_range(info, sizes[target], limit=MAX_ITEM_BYTES if is_bytes else None)
+            if is_bytes:  # a tensor is read by torch with weights_only=True
+                load_plain(io.BytesIO(_read_item(target, offset, length)))
+        except (OSError, ValueError, TypeError, OverflowError) as e:
             problems.append(f"{fqn}: unreadable ({e})")
         except UnsafeCheckpointError as e:
             problems.append(f"{fqn} (in {info.relative_path}): {e}")
     return problems
+
+
+def _item_range(info, size: int, *, limit: int | None) -> tuple[int, int]:
+    """An index item's ``(offset, length)``, refused unless it lies inside its data file of ``size`` bytes (and,
+    with ``limit``, is no longer than that)."""
+    offset, length = int(info.offset), int(info.length)
+    if offset < 0 or length < 0 or offset + length > size:
+        raise UnsafeCheckpointError(
+            f"declares bytes {offset}..{offset + length} of {info.relative_path!r}, which has {size} bytes; "
+            "allowed: a range inside the file"
+        )
+    if limit is not None and length > limit:
+        raise UnsafeCheckpointError(
+            f"declares {length} bytes; allowed: at most {limit} for a non-tensor item (MAX_ITEM_BYTES)"
+        )
+    return offset, length
+
+
+def _read_item(target: Path, offset: int, length: int) -> bytes:
+    with open_regular(target, what="checkpoint data file") as f:
+        f.seek(offset)
+        blob = f.read(length)
+    if len(blob) != length:
+        raise UnsafeCheckpointError(f"{target.name} ended after {len(blob)} of {length} bytes")
+    return blob
