@@ -100,3 +100,19 @@ def test_remove_owned_tree_needs_the_marker_and_a_real_folder(tmp_path):
     sf.remove_owned_tree(root / "mine", root=root, marker=".owner")
     assert not (root / "mine").exists() and (root / "theirs").is_dir()
     assert (outside / "precious").read_text() == "keep"
+
+
+def test_write_atomic_gives_the_mode_open_would_and_escapes_link_targets(tmp_path):
+    old = os.umask(0o022)
+    try:
+        sf.write_atomic(tmp_path / "run.json", "{}")
+        (tmp_path / "plain.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert (
+        os.stat(tmp_path / "run.json").st_mode & 0o777
+        == os.stat(tmp_path / "plain.json").st_mode & 0o777
+        == 0o644
+    )
+    (tmp_path / "evil").symlink_to("/tmp/\x1b[2Jx")
+    assert "\\x1b[2J" in sf.describe(tmp_path / "evil") and "\x1b" not in sf.describe(tmp_path / "evil")

@@ -55,7 +55,8 @@ _KINDS = (
 
 
 def describe(path: str | os.PathLike) -> str:
-    """What ``path`` is, without following a link: 'a symbolic link (to ...)', 'a FIFO (named pipe)', 'missing'."""
+    """What ``path`` is, without following a link: 'a symbolic link (to '...')', 'a FIFO (named pipe)', 'missing'.
+    A link's target is shown quoted with control characters escaped: its author chose that text."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -64,9 +65,20 @@ def describe(path: str | os.PathLike) -> str:
         if test(mode):
             if name == "a symbolic link":
                 with contextlib.suppress(OSError):
-                    return f"{name} (to {os.readlink(path)})"
+                    return f"{name} (to {os.readlink(path)!r})"
             return name
     return "a special file"
+
+
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file (0o666 less the umask), read without changing the umask."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
 
 
 def check_inside(root: str | os.PathLike, path: str | os.PathLike, *, what: str = "file") -> Path:
@@ -97,12 +109,14 @@ def write_atomic(
 ) -> Path:
     """Replace ``path`` with ``data`` (text is UTF-8): a fresh temporary file beside it (random name, created
     exclusively), synced, then renamed over it. A link at ``path`` is replaced, never written through; a folder,
-    FIFO or device there is refused. With ``root``, ``path`` must lie inside it (:func:`check_inside`)."""
+    FIFO or device there is refused. The new file gets the mode ``open()`` would give (0o666 less the umask).
+    With ``root``, ``path`` must lie inside it (:func:`check_inside`)."""
     path = check_inside(root, path, what=what) if root is not None else Path(path)
     _refuse_special(path, what=what, allowed="a regular file or a symbolic link (replaced, not followed)")
     blob = data.encode() if isinstance(data, str) else bytes(data)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _new_file_mode())  # mkstemp's 0o600 would hide run files from the rest of a team
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
             f.flush()

@@ -31,7 +31,7 @@ def read_request(run_dir: Path) -> dict:
 
 
 def write_results(run_dir: Path, phase: str, gathered: list[dict]) -> None:
-    write_json(folder(run_dir) / "results" / f"{phase}.json", gathered)
+    write_json(folder(run_dir) / "results" / f"{phase}.json", gathered, root=Path(run_dir))
 
 
 def read_results(run_dir: Path, phase: str) -> list[dict] | None:
@@ -257,7 +257,7 @@ def finalize(run_dir: Path, *, job: dict | None = None, written_by: str) -> dict
     report = assemble(run_dir, job=job)
     report["verdict"] = judge(report).as_dict()
     report["written_by"] = written_by
-    write_json(Path(run_dir) / REPORT_FILE, report)
+    write_json(Path(run_dir) / REPORT_FILE, report, root=Path(run_dir))
     return report
 
 

@@ -39,7 +39,7 @@ def submit(pf: Preflight, *, output_dir: str | Path | None = None):
     from tim_megatron.slurm.submit import prepare, submit_prepared
 
     run_dir, _ = prepare(pf.shrunk, output_dir=output_dir, command=JOB_COMMAND)
-    write_json(rep.folder(run_dir) / "request.json", pf.request())
+    write_json(rep.folder(run_dir) / "request.json", pf.request(), root=Path(run_dir))
     return submit_prepared(run_dir)
 
 
