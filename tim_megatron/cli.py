@@ -381,13 +381,23 @@ def export_hf_cmd(
     from tim_megatron.export import ExportError, export_run
     from tim_megatron.recipe import RecipeError
     from tim_megatron.run_dir import RunDirError
+    from tim_megatron.safe_files import UnsafePathError
     from tim_megatron.trainer.checkpoint import CheckpointError
+    from tim_megatron.trainer.weights import WeightLoadError
 
     if dtype not in (None, "float32", "bfloat16", "float16"):
         _fail(f"--dtype {dtype!r}: allowed float32, bfloat16, float16")
     try:
         path = export_run(run_dir, out, dtype=dtype, overwrite=overwrite, trust_unverified=trust_unverified)
-    except (FileNotFoundError, CheckpointError, ExportError, RunDirError, RecipeError) as e:
+    except (
+        FileNotFoundError,
+        CheckpointError,
+        ExportError,
+        RunDirError,
+        RecipeError,
+        UnsafePathError,
+        WeightLoadError,
+    ) as e:
         _fail(str(e))
     console.print(f"exported {run_dir} -> {path}", highlight=False)
 
@@ -774,13 +784,21 @@ def dequantize_cmd(
     dst: Path = typer.Argument(..., help="new folder for the bfloat16 copy (must not exist)"),
 ) -> None:
     """Write a bfloat16 copy of a block-FP8 checkpoint: the weights vLLM serves and the trainer trains."""
+    from tim_megatron.safe_files import UnsafePathError
     from tim_megatron.trainer.hf_config import UnsupportedModelError
     from tim_megatron.trainer.weights import WeightLoadError
     from tim_megatron.trainer.weights.fp8_checkpoint import convert_checkpoint
 
     try:
         n = convert_checkpoint(src, dst, to="bfloat16")
-    except (ValueError, FileExistsError, FileNotFoundError, UnsupportedModelError, WeightLoadError) as e:
+    except (
+        ValueError,
+        FileExistsError,
+        FileNotFoundError,
+        UnsafePathError,
+        UnsupportedModelError,
+        WeightLoadError,
+    ) as e:
         _fail(str(e))
     console.print(f"wrote {dst}: {n} tensors in bfloat16 (set model.path to it)", highlight=False)
 

@@ -2,9 +2,10 @@
 
 The export never deletes what it did not create. ``OUT`` must be absent or empty; with ``overwrite`` it may
 also be an earlier export (a folder holding ``tim_export.json``), which is replaced. A folder that holds the
-run, or lies inside it outside an earlier export, is refused in every case. Everything is checked before the
-model loads. The export is written into a fresh temporary sibling of ``OUT`` and renamed into place, so an
-interrupted export leaves ``OUT`` as it was.
+run, or lies inside it outside an earlier export, is refused in every case. The model folder's config and
+tokenizer files are copied only when they are its own regular files (a link out of it or a FIFO is refused by
+name). Everything is checked before the model loads. The export is written into a fresh temporary sibling of
+``OUT`` and renamed into place, so an interrupted export leaves ``OUT`` as it was.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from tim_megatron.safe_files import read_bytes, write_atomic
 
 SHARD_BYTES = 4 * 2**30
 MARKER = "tim_export.json"
@@ -73,6 +76,7 @@ def export_run(
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint to export (checkpoints/latest is missing)")
     src = model_path_for(loaded.recipe)
+    _side_files(Path(src))  # its files are checked before the model loads
     tr = MegatronTrainer(loaded.recipe, model_path=src)
     meta = load_checkpoint(tr, ckpt)
     want = (
@@ -138,10 +142,22 @@ def _write(tmp: Path, shards: list[dict], *, src: Path, info: dict) -> None:
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": index}, indent=1)
         )
-    for f in src.iterdir():
-        if f.suffix in (".json", ".txt", ".model", ".jinja") and not f.name.startswith("model.safetensors"):
-            shutil.copy(f, tmp / f.name)
+    for name, path in _side_files(src):
+        write_atomic(tmp / name, read_bytes(path, what="side file"), root=tmp, what="side file")
     (tmp / MARKER).write_text(json.dumps(info, indent=1))
+
+
+def _side_files(src: Path) -> list[tuple[str, Path]]:
+    """The model folder's config and tokenizer files that an export carries, each a regular file of the folder
+    (:mod:`tim_megatron.trainer.weights.model_files`): a link out of it, or a FIFO, is refused by name."""
+    from tim_megatron.trainer.weights.model_files import side_files
+
+    return side_files(
+        src,
+        lambda n: (
+            Path(n).suffix in (".json", ".txt", ".model", ".jinja") and not n.startswith("model.safetensors")
+        ),
+    )
 
 
 def _publish(tmp: Path, target: Path) -> None:

@@ -45,8 +45,11 @@ def _engine_start_error(message: str, kind: str) -> EngineStartError:
 
 
 def check_model_files(model_path: str | Path) -> dict:
-    """Fail early for a checkpoint folder without its config.json or weights; return its config."""
+    """Fail early for a checkpoint folder without its config.json or weights, or holding a file the engine must
+    not open (a FIFO would block it; a link may lead out of the folder); return its config."""
+    from tim_megatron.safe_files import UnsafePathError
     from tim_megatron.trainer.hf_config import read_hf_config
+    from tim_megatron.trainer.weights.model_files import check_model_folder, model_file
 
     path = Path(model_path)
     if not (path / "config.json").exists():
@@ -55,7 +58,11 @@ def check_model_files(model_path: str | Path) -> dict:
         )
     if not any(path.glob("*.safetensors")):
         raise RolloutInputError(f"rollout: model checkpoint {path} has no *.safetensors weights")
-    return read_hf_config(path)
+    try:
+        check_model_folder(path)
+    except UnsafePathError as e:
+        raise RolloutInputError(f"rollout: model checkpoint {path}: {e}") from None
+    return read_hf_config(model_file(path, "config.json", what="config"))
 
 
 @dataclass

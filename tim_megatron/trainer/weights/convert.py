@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,13 @@ import torch.distributed as dist
 from tim_megatron.recipe.schema import ModelDims
 from tim_megatron.trainer.weights import fp8
 from tim_megatron.trainer.weights.mapping import Rule, canonical_name
-
-
-class WeightLoadError(ValueError):
-    pass
-
+from tim_megatron.trainer.weights.model_files import (
+    INDEX,
+    WeightLoadError,
+    model_file,
+    read_index,
+    safetensors_names,
+)
 
 # --------------------------------------------------------------------------------------------- layout
 
@@ -79,30 +80,45 @@ def _hf_names(rule: Rule, idx: dict[str, int]) -> list[str]:
 class HFCheckpoint:
     """Lazy access to the tensors of an HF safetensors checkpoint folder. A block-FP8 checkpoint (DeepSeek-V3,
     Kimi-K2; :mod:`.fp8`) reads as its dequantized float32 weights: its ``_scale_inv`` tensors are consumed by
-    :meth:`get` and are not among :meth:`keys`."""
+    :meth:`get` and are not among :meth:`keys`. Its files are read under :mod:`.model_files`' rule (regular files
+    of the folder, shards named inside it, lengths checked before a shard is opened)."""
 
     def __init__(self, folder: str | Path):
-        from safetensors import safe_open
-
         from tim_megatron.trainer.hf_config import read_hf_config
 
         self.folder = Path(folder)
-        config = self.folder / "config.json"
+        config = model_file(self.folder, "config.json", what="config", missing_ok=True)
         self.fp8: fp8.BlockFP8 | None = (
-            fp8.block_fp8_of(read_hf_config(config), where=str(config)) if config.exists() else None
+            fp8.block_fp8_of(read_hf_config(config), where=str(self.folder / "config.json"))
+            if config
+            else None
         )
         """The checkpoint's block-FP8 format, None when it is not quantized."""
-        index = self.folder / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (self.folder / "model.safetensors").exists():
-            with safe_open(self.folder / "model.safetensors", "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        self._names: dict[str, set[str]] = {}
+        """Per checked shard, the tensors its header lists."""
+        self._paths: dict[str, Path] = {}
+        index = model_file(self.folder, INDEX, what="index", missing_ok=True)
+        if index is not None:
+            weight_map = read_index(self.folder, index)
+        elif model_file(self.folder, "model.safetensors", what="weights file", missing_ok=True) is not None:
+            weight_map = dict.fromkeys(sorted(self._check("model.safetensors")), "model.safetensors")
         else:
-            raise FileNotFoundError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
+            raise FileNotFoundError(f"{self.folder}: no model.safetensors or {INDEX}")
         self.weight_map: dict[str, str] = weight_map
         self._open: dict[str, object] = {}
-        self._safe_open = safe_open
+
+    def _check(self, fname: str) -> set[str]:
+        """The tensors of shard ``fname``, once it is found readable and its lengths fit its size."""
+        if fname not in self._names:
+            path = model_file(self.folder, fname, what="shard")
+            self._names[fname] = safetensors_names(path, shown=self.folder / fname)
+            self._paths[fname] = path
+        return self._names[fname]
+
+    def check_files(self) -> None:
+        """Check every shard the checkpoint names (before a long job reads them one by one)."""
+        for fname in sorted(set(self.weight_map.values())):
+            self._check(fname)
 
     def keys(self) -> set[str]:
         if self.fp8 is None:
@@ -110,14 +126,23 @@ class HFCheckpoint:
         return {k for k in self.weight_map if not k.endswith(fp8.SCALE_SUFFIX)}
 
     def _raw(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
         fname = self.weight_map.get(name)
         if fname is None:
             raise WeightLoadError(
                 f"{self.folder}: tensor {name!r} is missing from the checkpoint (is it for another model?)"
             )
-        if fname not in self._open:
-            self._open[fname] = self._safe_open(self.folder / fname, "pt")
-        return self._open[fname].get_tensor(name)
+        if name not in self._check(fname):
+            raise WeightLoadError(
+                f"{self.folder / INDEX}: tensor {name!r} is in shard {fname}, which lacks it"
+            )
+        try:
+            if fname not in self._open:
+                self._open[fname] = safe_open(self._paths[fname], "pt")
+            return self._open[fname].get_tensor(name)
+        except SafetensorError as e:
+            raise WeightLoadError(f"{self.folder / fname}: tensor {name!r} cannot be read: {e}") from None
 
     def get(self, name: str) -> torch.Tensor:
         t = self._raw(name)

@@ -95,14 +95,31 @@ def _per_element(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, 
 def dequantize(
     q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *, name: str = ""
 ) -> torch.Tensor:
-    """``q * scale_inv`` per block, in float32."""
+    """``q * scale_inv`` per block, in float32. A non-finite scale, or a product that is not finite (a NaN
+    among the FP8 values, a scale so large that float32 overflows), is refused by name: no weight is NaN or
+    infinite."""
+    name = name or "tensor"
     if q.dim() != 2 or tuple(scale_inv.shape) != scale_shape(tuple(q.shape), block):
         raise ValueError(
-            f"{name or 'tensor'}: an FP8 weight of shape {tuple(q.shape)} needs {SCALE_SUFFIX} of shape "
+            f"{name}: an FP8 weight of shape {tuple(q.shape)} needs {SCALE_SUFFIX} of shape "
             f"{scale_shape(tuple(q.shape), block) if q.dim() == 2 else '(2-D weights only)'} for blocks {list(block)}, "
             f"got {tuple(scale_inv.shape)}"
         )
-    return q.float() * _per_element(scale_inv.float(), tuple(q.shape), block)
+    scale_inv = scale_inv.float()
+    _require_finite(scale_inv, f"{name}{SCALE_SUFFIX}", "finite scales")
+    w = q.float() * _per_element(scale_inv, tuple(q.shape), block)
+    _require_finite(w, f"{name} (dequantized)", "FP8 values and scales whose products are finite in float32")
+    return w
+
+
+def _require_finite(t: torch.Tensor, name: str, allowed: str) -> None:
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(
+            f"{name} holds {int(bad.sum())} non-finite value(s), the first {float(t[tuple(at)])} at {at}; "
+            f"allowed: {allowed}"
+        )
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
