@@ -318,7 +318,7 @@ def test_resume_with_a_changed_recipe_is_refused_or_recorded(trained, tmp_path):
     res = tim_train([*same, "run.steps=4", "optim.lr=5e-4"], tmp_path, check=False)
     assert res.returncode == 2, res.stderr[-2000:]
     err = " ".join(res.stderr.split())
-    assert "2 key(s) differ" in err and "optim.lr: 0.001 -> 0.0005" in err and "run.steps: 3 -> 4" in err
+    assert "2 key(s) differ" in err and "optim.lr: 0.0003 -> 0.0005" in err and "run.steps: 3 -> 4" in err
     assert "--allow-recipe-change" in err
     assert (d / "recipe.yaml").read_text() == recipe_before and _meta(d)["status"] == "completed"
 
@@ -328,10 +328,10 @@ def test_resume_with_a_changed_recipe_is_refused_or_recorded(trained, tmp_path):
     tim_train([*same, "run.steps=4", "optim.lr=5e-4", "--allow-recipe-change"], tmp_path)
     rows = metrics(d)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["actor/lr"] for r in rows] == [1e-3, 1e-3, 1e-3, 5e-4]
+    assert [r["actor/lr"] for r in rows] == [3e-4, 3e-4, 3e-4, 5e-4]
     (change,) = _meta(d)["recipe_changes"]
     assert change["from_step"] == 4
-    assert change["changes"] == {"optim.lr": [0.001, 0.0005], "run.steps": [3, 4]}
+    assert change["changes"] == {"optim.lr": [0.0003, 0.0005], "run.steps": [3, 4]}
     from tim_megatron.run_dir import load_run
 
     assert load_run(d).recipe.optim.lr == 5e-4

@@ -240,7 +240,7 @@ def test_length_decay_halves_the_lr_at_the_right_steps(remedy_runs):
     res = remedy_runs["length-decay"]
     assert res["exit"] == 0, res["error"]
     rows = metrics(Path(res["run_dir"]))
-    assert [r["actor/lr"] for r in rows] == [1e-3, 5e-4, 5e-4, 2.5e-4, 2.5e-4]
+    assert [r["actor/lr"] for r in rows] == [3e-4, 1.5e-4, 1.5e-4, 7.5e-5, 7.5e-5]  # from the recipe's 3e-4
 
 
 def test_every_tiny_recipe_is_covered():
