@@ -280,3 +280,22 @@ def test_a_declared_length_past_the_file_is_refused_by_name(trained, tmp_path, o
             -3000:
         ]
         assert "Traceback" not in res.stderr and "MemoryError" not in res.stderr
+
+
+def test_a_checksum_entry_outside_the_checkpoint_is_not_read(trained, tmp_path):
+    """``checksums.json`` names the files to hash; a name such as ``../../../outside.txt`` (with that file's true
+    size and sha256) had verification read a file outside the checkpoint, and pass. Now it is a named problem."""
+    import hashlib
+
+    from tim_megatron.trainer.checkpoint import verify_checkpoint
+
+    d = _copy_run(trained, tmp_path)
+    step = d / "checkpoints" / "step_00000003"
+    outside = _outside(tmp_path, "outside.txt")
+    name = os.path.relpath(outside, step)
+    table = json.loads((step / "checksums.json").read_text())
+    blob = outside.read_bytes()
+    table["files"][name] = {"sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}
+    (step / "checksums.json").write_text(json.dumps(table))
+    problems = verify_checkpoint(step)
+    assert any(name in p and "points outside it" in p for p in problems), problems

@@ -450,8 +450,9 @@ def test_links_in_a_runs_align_folder_are_not_followed(tmp_path):
         '{"tokens_differing_any_layer": "abc"}',
         '{"sides": [1, 2], "tolerance": [0]}',
         "[" * 100_000,
+        f'{{"where": "x", "sides": ["engine", "trainer"], "tokens": 3, "tolerance": {HUGE}}}',
     ],
-    ids=["list", "string", "share-not-a-number", "tolerance-a-list", "deep"],
+    ids=["list", "string", "share-not-a-number", "tolerance-a-list", "deep", "huge-integer"],
 )
 def test_a_malformed_align_json_costs_only_its_section(tmp_path, content):
     """Before: one run's malformed ``align/align.json`` (a list, a string, a share that is not a number, nesting

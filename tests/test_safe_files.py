@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,39 @@ def test_write_atomic_gives_the_mode_open_would_and_escapes_link_targets(tmp_pat
     )
     (tmp_path / "evil").symlink_to("/tmp/\x1b[2Jx")
     assert "\\x1b[2J" in sf.describe(tmp_path / "evil") and "\x1b" not in sf.describe(tmp_path / "evil")
+
+
+def test_relative_folders_work_as_absolute_ones(tmp_path, monkeypatch):
+    """``tim train --resume runs/x`` and the lab's default root ``runs/lab/<grid>`` are relative paths."""
+    monkeypatch.chdir(tmp_path)
+    run = Path("runs") / "x"
+    run.mkdir(parents=True)
+    assert sf.check_inside(run, run / "run.json") == tmp_path / "runs" / "x" / "run.json"
+    sf.write_atomic(run / "run.json", "{}", root=run)
+    assert (tmp_path / "runs" / "x" / "run.json").read_text() == "{}"
+    with sf.open_append(run / "metrics.jsonl") as f:
+        f.write("a\n")
+    assert sf.read_text(run / "metrics.jsonl", root=run) == "a\n"
+    (tmp_path / "elsewhere").mkdir()
+    (run / "linked").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(sf.UnsafePathError, match="symbolic link"):
+        sf.write_atomic(run / "linked" / "f", "x", root=run)
+    with pytest.raises(sf.UnsafePathError, match="outside"):
+        sf.check_inside(run, Path("runs") / "y" / "f")
+
+
+def test_open_append_creates_with_the_mode_open_would_and_names_a_denied_folder_as_such(tmp_path):
+    old = os.umask(0o027)
+    try:
+        with sf.open_append(tmp_path / "metrics.jsonl") as f:
+            f.write("a\n")
+        sf.write_atomic(tmp_path / "run.json", "{}")
+        with open(tmp_path / "plain", "a") as f:
+            f.write("a\n")
+    finally:
+        os.umask(old)
+    modes = {n: os.stat(tmp_path / n).st_mode & 0o777 for n in ("metrics.jsonl", "run.json", "plain")}
+    assert modes == {"metrics.jsonl": 0o640, "run.json": 0o640, "plain": 0o640}
+    with pytest.raises(FileNotFoundError) as e:  # a missing folder is not called unsafe
+        sf.open_append(tmp_path / "no-such-folder" / "metrics.jsonl")
+    assert not isinstance(e.value, sf.UnsafePathError)

@@ -21,6 +21,7 @@ import io
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = [
@@ -82,10 +83,11 @@ def _new_file_mode() -> int:
 
 
 def check_inside(root: str | os.PathLike, path: str | os.PathLike, *, what: str = "file") -> Path:
-    """``path`` (absolute, or relative to ``root``) if it lies inside ``root`` by name (``..`` cannot leave it) and
-    no folder between ``root`` and it is a symbolic link; the last part may be anything (the caller decides)."""
-    root = Path(os.path.abspath(root))
-    target = Path(os.path.normpath(root / path))
+    """``path`` (absolute, or relative to the working folder, like ``root``) as an absolute path, if it lies inside
+    ``root`` by name (``..`` cannot leave it) and no folder between ``root`` and it is a symbolic link; the last part
+    may be anything (the caller decides)."""
+    root = Path(os.path.normpath(os.path.abspath(root)))
+    target = Path(os.path.normpath(os.path.abspath(path)))
     if target == root or not target.is_relative_to(root):
         raise UnsafePathError(f"{what} {os.fspath(path)!r} lies outside {root}; allowed: a path inside it")
     here = root
@@ -105,20 +107,28 @@ def _refuse_special(path: Path, *, what: str, allowed: str = "a regular file") -
 
 
 def write_atomic(
-    path: str | os.PathLike, data: bytes | str, *, root: str | os.PathLike | None = None, what: str = "file"
+    path: str | os.PathLike,
+    data: bytes | str | Iterable[bytes],
+    *,
+    root: str | os.PathLike | None = None,
+    what: str = "file",
 ) -> Path:
-    """Replace ``path`` with ``data`` (text is UTF-8): a fresh temporary file beside it (random name, created
+    """Replace ``path`` with ``data`` (text is UTF-8; an iterable of byte chunks is streamed): a fresh temporary
+    file beside it (random name, created
     exclusively), synced, then renamed over it. A link at ``path`` is replaced, never written through; a folder,
     FIFO or device there is refused. The new file gets the mode ``open()`` would give (0o666 less the umask).
     With ``root``, ``path`` must lie inside it (:func:`check_inside`)."""
     path = check_inside(root, path, what=what) if root is not None else Path(path)
     _refuse_special(path, what=what, allowed="a regular file or a symbolic link (replaced, not followed)")
-    blob = data.encode() if isinstance(data, str) else bytes(data)
+    chunks = (
+        [data.encode()] if isinstance(data, str) else [data] if isinstance(data, bytes | bytearray) else data
+    )
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, _new_file_mode())  # mkstemp's 0o600 would hide run files from the rest of a team
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -133,10 +143,11 @@ def open_append(path: str | os.PathLike, *, what: str = "file"):
     """``path`` opened for appending text, created if missing; a link or special file there is refused."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as e:
-        if path.is_symlink() or not path.is_file():
-            raise UnsafePathError(f"{what} {path} is {describe(path)}; allowed: a regular file") from e
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as e:  # a link or special file is named; a denied or missing folder stays what it is
+        kind = describe(path)
+        if kind not in ("missing", "a regular file"):
+            raise UnsafePathError(f"{what} {path} is {kind}; allowed: a regular file") from e
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -153,11 +164,15 @@ def open_regular(
     max_bytes: int | None = None,
 ):
     """``path`` opened for binary reading when it is a regular file (not a link, FIFO or device), inside ``root``
-    when one is given, and (with ``max_bytes``) no larger than that. Opened with ``O_NOFOLLOW | O_NONBLOCK``, then
-    checked on the open descriptor, so a FIFO never blocks and a file swapped after the check is still refused."""
+    when one is given, and (with ``max_bytes``) no larger than that. Checked before the open, opened with
+    ``O_NOFOLLOW | O_NONBLOCK``, then checked on the open descriptor, so a FIFO never blocks and a file swapped
+    after the check is still refused."""
     path = check_inside(root, path, what=what) if root is not None else Path(path)
+    kind = describe(path)  # before the open too: opening a device can have effects of its own
+    if kind not in ("missing", "a regular file"):
+        raise UnsafePathError(f"{what} {path} is {kind}; allowed: a regular file")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as e:
         kind = describe(path)
         if kind not in ("missing", "a regular file"):

@@ -171,8 +171,8 @@ def _fmt(v) -> str:
 def inside(out: Path, name: str) -> Path:
     """``out / name``, refused (:class:`tim_megatron.safe_files.UnsafePathError`) unless it lies directly inside
     ``out``; whatever is there is replaced, never followed."""
-    target = check_inside(out, name, what="report file")
-    if target.parent != Path(os.path.abspath(out)):
+    target = check_inside(out, Path(out) / name, what="report file")
+    if target.parent != Path(os.path.normpath(os.path.abspath(out))):
         raise ValueError(f"report file {name!r} would be written outside {out}")
     return target
 

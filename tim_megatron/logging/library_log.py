@@ -55,7 +55,7 @@ def log_file(run_dir: Path, rank: int) -> Path:
     """This rank's file: ``logs/engine.log`` for rank 0, ``logs/engine.rank<N>.log`` for the others;
     :class:`tim_megatron.safe_files.UnsafePathError` if ``logs`` is a link."""
     name = "engine.log" if rank == 0 else f"engine.rank{rank}.log"
-    return check_inside(run_dir, Path("logs") / name, what="engine log")
+    return check_inside(run_dir, Path(run_dir) / "logs" / name, what="engine log")
 
 
 def is_project_warning(category: type[Warning], filename: str) -> bool:

@@ -15,9 +15,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from tim_megatron import safe_files
 from tim_megatron.logging.untrusted import UnreadableFile, open_regular, printable, shown
 from tim_megatron.recipe.schema import Recipe
-from tim_megatron.safe_files import open_append, read_bytes, write_atomic
+from tim_megatron.safe_files import open_append, write_atomic
 
 SUMMARY_KEYS = (
     ("reward", "reward/mean", "{:.3f}"),
@@ -77,25 +78,28 @@ def unreachable(url: str, *, timeout: float) -> str | None:
 
 
 def truncate_jsonl(path: Path, *, after_step: int) -> int:
-    """Drop lines of steps > ``after_step`` (written after the checkpoint a resumed run restarts from).
-
-    :class:`tim_megatron.safe_files.UnsafePathError` if ``path`` is a link or special file, or larger than
-    :data:`MAX_METRICS_BYTES`."""
+    """Drop lines of steps > ``after_step`` (written after the checkpoint a resumed run restarts from), streaming
+    the run's own file whatever its length. :class:`tim_megatron.safe_files.UnsafePathError` if ``path`` is a link
+    or a special file."""
     if not os.path.lexists(path):
         return 0
-    keep, dropped = [], 0
-    text = read_bytes(path, max_bytes=MAX_METRICS_BYTES, what="metrics file").decode(errors="replace")
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError):  # a line cut by a crash, a huge integer, deep nesting
-            row = None
-        step = row.get("step", 0) if isinstance(row, dict) else None
-        if not isinstance(step, int) or step > after_step:
-            dropped += 1
-            continue
-        keep.append(line)
-    write_atomic(path, "".join(k + "\n" for k in keep), root=path.parent, what="metrics file")
+    dropped = 0
+
+    def kept(f):
+        nonlocal dropped
+        for raw in f:
+            try:
+                row = json.loads(raw)
+            except (ValueError, RecursionError):  # a line cut by a crash, a huge integer, deep nesting
+                row = None
+            step = row.get("step", 0) if isinstance(row, dict) else None
+            if not isinstance(step, int) or step > after_step:
+                dropped += 1
+                continue
+            yield raw if raw.endswith(b"\n") else raw + b"\n"
+
+    with safe_files.open_regular(path, what="metrics file") as f:
+        write_atomic(path, kept(f), what="metrics file")
     return dropped
 
 

@@ -1,16 +1,14 @@
 """Reading files from run folders, which anyone may have written or copied in.
 
-Only regular files are opened (a link to ``/dev/zero`` or a FIFO is refused, and a FIFO cannot block the
-open), and reads are bounded by the bytes actually read, since ``st_size`` says 0 for a device. Text read
+Only regular files are opened, never through a link (a link to ``/dev/zero`` or a FIFO is refused, and a FIFO
+cannot block the open; :mod:`tim_megatron.safe_files` holds the rule), and reads are bounded by the bytes actually read, since ``st_size`` says 0 for a device. Text read
 from such a file is shown on a terminal only through :func:`printable` or :func:`shown`, so an escape
 sequence in a path or a name cannot reach the terminal.
 """
 
 from __future__ import annotations
 
-import os
 import reprlib
-import stat
 from pathlib import Path
 from typing import BinaryIO
 
@@ -20,26 +18,19 @@ class UnreadableFile(ValueError):
 
 
 def open_regular(path: str | Path) -> BinaryIO:
-    """``path`` opened for binary reading; :class:`UnreadableFile` unless it is a regular file.
+    """``path`` opened for binary reading; :class:`UnreadableFile` unless it is a regular file, not a link
+    (:func:`tim_megatron.safe_files.open_regular`, whose refusals this turns into the readers' error type)."""
+    from tim_megatron.safe_files import UnsafePathError, describe
+    from tim_megatron.safe_files import open_regular as open_safely
 
-    The type is checked before the open (opening a device can have effects) and again on the open file,
-    since the path may be swapped in between. ``O_NONBLOCK`` keeps the open of a FIFO from waiting for a
-    writer; it has no effect on reads from a regular file.
-    """
-    path = Path(path)
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise UnreadableFile(f"{path}: not a regular file; only plain files are read from a run folder")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        return open_safely(path)
+    except UnsafePathError:
+        raise UnreadableFile(
+            f"{path}: not a regular file ({describe(path)}); only plain files are read from a run folder"
+        ) from None
     except OSError as e:
         raise UnreadableFile(f"{path}: cannot be read ({e.strerror or e})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnreadableFile(f"{path}: not a regular file; only plain files are read from a run folder")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def read_bounded(path: str | Path, limit: int) -> bytes:

@@ -16,6 +16,7 @@ import math
 import os
 from pathlib import Path
 
+from tim_megatron.logging.untrusted import shown
 from tim_megatron.safe_files import UnsafePathError, copy_regular, read_text
 
 MAX_JSON_BYTES = 16 << 20
@@ -40,9 +41,12 @@ def _number(rep: dict, key: str, *, optional: bool = False) -> float | None:
     v = rep.get(key)
     if v is None and optional:
         return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise AlignFileError(f"{key} = {str(v)[:40]!r} is not a finite number")
-    return float(v)
+    try:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise ValueError
+        return float(v)
+    except (ValueError, OverflowError):  # OverflowError: an integer no float can hold
+        raise AlignFileError(f"{key} = {shown(v, 40)} is not a finite number") from None
 
 
 def summary(text: str) -> dict:
