@@ -103,14 +103,16 @@ def test_an_engine_running_other_kernels_is_refused_by_name(running, named):
     cfg = (
         {"kv_lora_rank": 512, "qk_rope_head_dim": 64} if running["attention_backends"] == ["AMX_MLA"] else {}
     )
-    with pytest.raises(cpu_kernels.KernelChoiceError, match=named):
-        cpu_kernels.check_running(running, hf_config=cfg)
+    assert named in cpu_kernels.kernel_problems(running, hf_config=cfg, moe=True)
     ok = {
         "attention_backends": [cpu_kernels.attention_backend(cfg)],
         "attention_isa": ["vec"],
-        "moe_experts": [],
+        "moe_experts": [cpu_kernels.EXPERTS_KERNEL],
     }
-    cpu_kernels.check_running(ok, hf_config=cfg)
+    assert cpu_kernels.kernel_problems(ok, hf_config=cfg, moe=True) == ""
+    # A read-back that finds nothing is a problem, not a pass.
+    empty = {"attention_backends": ok["attention_backends"], "attention_isa": [], "moe_experts": []}
+    assert "not found" in cpu_kernels.kernel_problems(empty, hf_config=cfg, moe=True)
 
 
 @pytest.mark.parametrize(

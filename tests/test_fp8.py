@@ -138,7 +138,7 @@ def test_the_engine_refuses_a_quantized_checkpoint_by_key(tiny_fp8):
     from tim_megatron.rollout.vllm_engine import check_model_for_engine
 
     with pytest.raises(RolloutInputError, match=r"quantization_config.quant_method = 'fp8'.*tim dequantize"):
-        check_model_for_engine(tiny_fp8[1], on_gpu=False)
+        check_model_for_engine(tiny_fp8[1], on_gpu=False, tensor_parallel=1)
 
 
 def test_float8_weights_without_their_scales_are_named(tiny_fp8, tmp_path):

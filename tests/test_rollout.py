@@ -108,9 +108,9 @@ def test_unsupported_head_dim_and_missing_checkpoint_fail_before_start(tmp_path)
         RolloutInputError,
         match=r"head_dim = 16 is not supported by vLLM's CPU attention \(supported: \[32, 64",
     ):
-        check_model_for_engine(small, on_gpu=False)
+        check_model_for_engine(small, on_gpu=False, tensor_parallel=1)
     with pytest.raises(RolloutInputError, match=r"model checkpoint .*nope not found"):
-        check_model_for_engine(tmp_path / "nope", on_gpu=False)
+        check_model_for_engine(tmp_path / "nope", on_gpu=False, tensor_parallel=1)
 
 
 def test_vllm_patches_refuse_unknown_versions(monkeypatch):
@@ -162,14 +162,14 @@ def test_each_backend_checks_the_model_it_serves(tmp_path):
     from tim_megatron.rollout.base import RolloutInputError
 
     small = ensure_tiny_checkpoint(ModelDims(head_dim=16), warmup_steps=0, root=tmp_path)
-    BACKENDS["trainer"].check_model(small, on_gpu=False)
+    BACKENDS["trainer"].check_model(small, on_gpu=False, tensor_parallel=1)
     with pytest.raises(RolloutInputError, match=r"head_dim = 16 is not supported by vLLM's CPU attention"):
-        BACKENDS["vllm"].check_model(small, on_gpu=False)
+        BACKENDS["vllm"].check_model(small, on_gpu=False, tensor_parallel=1)
     for f in small.glob("*.safetensors"):
         f.unlink()
     for name in BACKENDS:
         with pytest.raises(RolloutInputError, match=r"has no \*.safetensors weights"):
-            BACKENDS[name].check_model(small, on_gpu=False)
+            BACKENDS[name].check_model(small, on_gpu=False, tensor_parallel=1)
 
 
 def test_the_eager_token_rank_counts_what_vllm_counts():

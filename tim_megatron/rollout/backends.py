@@ -48,7 +48,7 @@ def _build_vllm(recipe, trainer, *, model_path: Path, tokenizer):
     )
 
 
-def _check_vllm(model_path: Path, *, on_gpu: bool, tensor_parallel: int = 1) -> None:
+def _check_vllm(model_path: Path, *, on_gpu: bool, tensor_parallel: int) -> None:
     from tim_megatron.rollout.vllm_engine import check_model_for_engine
 
     check_model_for_engine(model_path, on_gpu=on_gpu, tensor_parallel=tensor_parallel)
@@ -60,7 +60,7 @@ def _build_trainer(recipe, trainer, *, model_path: Path, tokenizer):
     return ExactSampler(trainer, eos_id=tokenizer.eos_token_id)
 
 
-def _check_trainer(model_path: Path, *, on_gpu: bool, tensor_parallel: int = 1) -> None:
+def _check_trainer(model_path: Path, *, on_gpu: bool, tensor_parallel: int) -> None:
     from tim_megatron.rollout.base import check_model_files
 
     check_model_files(model_path)  # the trainer reads the same files; no engine of its own to fit

@@ -8,7 +8,11 @@ paged-attention kernels. So on CPU the engine
 * names its attention backend (:func:`attention_backend`: ``CPU_MLA`` for multi-head latent attention,
   ``CPU_ATTN`` for every other model), which vLLM then uses whatever the CPU;
 * applies :mod:`patches.vllm.cpu_portable_kernels`, so the AMX-only kernel choices take the vector path;
-* reads back what it runs (:func:`running_kernels`) and refuses to go on when that is not what was named.
+* reads back what it runs (:func:`running_kernels`) and refuses to go on when that is not what was named
+  (:func:`kernel_problems`).
+
+What stays CPU-specific: the dense GEMMs go through oneDNN (and the trainer's through ATen's oneDNN), which picks
+AMX on an Intel CPU by itself, so bfloat16 results and sampled tokens still differ between the two kinds of CPU.
 
 ``tim doctor`` prints the CPU's instruction-set features (:func:`cpu_features`), the backend named and the one
 vLLM would pick by itself (:func:`vllm_default_backend`).
@@ -58,10 +62,6 @@ def moe_shape_problem(*, hidden_size: int, expert_width: int, tensor_parallel: i
     return ""
 
 
-class KernelChoiceError(RuntimeError):
-    """The engine runs another kernel than the one named."""
-
-
 def uses_mla(hf_config: Mapping) -> bool:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight): the config has a latent rank."""
     return bool(hf_config.get("kv_lora_rank"))
@@ -98,19 +98,17 @@ def cpu_features() -> dict[str, str | bool]:
     }
 
 
-def vllm_default_backend(hf_config: Mapping, *, dtype: str = "bfloat16") -> str:
-    """The attention backend vLLM would pick on this CPU with none named (asked of vLLM's own CPU platform)."""
+def vllm_default_backend(hf_config: Mapping) -> str:
+    """The attention backend vLLM would pick on this CPU with none named (asked of vLLM's own CPU platform, which
+    decides by latent attention and AMX alone: the head size, dtype and block size given are placeholders)."""
     import torch
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    mla = uses_mla(hf_config)
-    head = (hf_config.get("kv_lora_rank", 0) + hf_config.get("qk_rope_head_dim", 0)) if mla else 128
     selector = AttentionSelectorConfig(
-        head_size=head, dtype=getattr(torch, dtype), kv_cache_dtype=None, block_size=16, use_mla=mla
+        head_size=576, dtype=torch.bfloat16, kv_cache_dtype=None, block_size=16, use_mla=uses_mla(hf_config)
     )
-    path = CpuPlatform.get_attn_backend_cls(None, selector)
-    return _backend_name(path)
+    return _backend_name(CpuPlatform.get_attn_backend_cls(None, selector))
 
 
 def _backend_name(path: str) -> str:
@@ -151,37 +149,40 @@ def running_kernels(llm) -> dict:
     return llm.collective_rpc(_worker_kernels)[0]
 
 
-def check_running(running: Mapping, *, hf_config: Mapping) -> None:
-    """Refuse an engine that runs another attention backend or MoE kernel than the one named (vLLM falls back
-    with only a log line when a named backend does not apply)."""
+def kernel_problems(running: Mapping, *, hf_config: Mapping, moe: bool) -> str:
+    """Why the engine's kernels (:func:`running_kernels`) are not the ones named ('' when they are). vLLM falls back
+    with only a log line when a named backend does not apply; and a read-back that finds nothing (a vLLM that moved
+    the attributes read) is a problem too, not a pass."""
     want = attention_backend(hf_config)
     problems = []
     if running["attention_backends"] != [want]:
         problems.append(f"attention backends {running['attention_backends']}, named {want}")
+    if not uses_mla(hf_config) and not running["attention_isa"]:
+        problems.append("no paged-attention instruction set found on the attention layers")
     if "amx" in running["attention_isa"]:
-        problems.append(f"paged-attention instruction sets {running['attention_isa']}, named the vector one")
-    if running["moe_experts"] and running["moe_experts"] != [EXPERTS_KERNEL]:
-        problems.append(f"MoE expert kernels {running['moe_experts']}, named {EXPERTS_KERNEL}")
-    if problems:
-        raise KernelChoiceError(
-            "rollout: the vLLM engine runs other CPU kernels than the ones named: "
-            + "; ".join(problems)
-            + " (tim_megatron/rollout/cpu_kernels.py, patches/vllm/cpu_portable_kernels.py)"
-        )
+        problems.append(f"paged-attention instruction sets {running['attention_isa']}, named the vector ones")
+    if moe and running["moe_experts"] != [EXPERTS_KERNEL]:
+        problems.append(f"MoE expert kernels {running['moe_experts'] or 'not found'}, named {EXPERTS_KERNEL}")
+    if not problems:
+        return ""
+    return (
+        "rollout: the vLLM engine runs other CPU kernels than the ones named: "
+        + "; ".join(problems)
+        + " (tim_megatron/rollout/cpu_kernels.py, patches/vllm/cpu_portable_kernels.py)"
+    )
 
 
-def report(*, mla: bool | None = None) -> dict:
-    """For ``tim doctor``: the CPU's features and, for an MLA model and for an ordinary one (or only the kind
-    ``mla`` says), the backend the engine names and the one vLLM would pick by itself (whatever the dtype)."""
-    kinds = [mla] if mla is not None else [True, False]
-    out: dict = {"features": cpu_features(), "backends": []}
-    for kind in kinds:
+def report(*, mla: bool | None = None) -> list[dict]:
+    """For ``tim doctor``, per kind of model (both, or only the kind ``mla`` says): the backend the engine names
+    and, for latent attention (where vLLM's own pick depends on AMX), the one vLLM would pick by itself."""
+    rows = []
+    for kind in [mla] if mla is not None else [True, False]:
         cfg = {"kv_lora_rank": 512, "qk_rope_head_dim": 64} if kind else {}
-        out["backends"].append(
+        rows.append(
             {
                 "mla": kind,
                 "named": attention_backend(cfg),
-                "vllm_alone": vllm_default_backend(cfg),
+                "vllm_alone": vllm_default_backend(cfg) if kind else None,
             }
         )
-    return out
+    return rows

@@ -15,8 +15,8 @@
 * Weights: loaded in place from the trainer's export, by reference (same process, same device); verified by
   :mod:`tim_megatron.rollout.sync`.
 * CPU kernels: the attention backend is named (``CPU_MLA`` or ``CPU_ATTN``) and vLLM's AMX-only kernel choices take
-  the vector path, so every x86 CPU of the project's kind runs the same code; what runs is read back and checked
-  (:mod:`tim_megatron.rollout.cpu_kernels`).
+  the vector path, so every x86 CPU of the project's kind runs the same vLLM kernels (oneDNN's GEMMs still pick
+  AMX on Intel by themselves); what runs is read back and checked (:mod:`tim_megatron.rollout.cpu_kernels`).
 * Memory: ``sleep``/``wake_up`` release and retake accelerator memory around the trainer's work (GPU with
   ``rollout.sleep_between_steps``; vLLM makes them no-ops on CPU).
 
@@ -114,9 +114,10 @@ def check_vllm_build(*, dist: str, version: str, on_gpu: bool, environ: Mapping[
     )
 
 
-def check_model_for_engine(model_path: str | Path, *, on_gpu: bool, tensor_parallel: int = 1) -> dict:
-    """Fail early, with the reason, for checkpoints vLLM cannot serve here (``tensor_parallel``: the engine's
-    ranks, which split each expert's width)."""
+def check_model_for_engine(model_path: str | Path, *, on_gpu: bool, tensor_parallel: int, dims=None) -> dict:
+    """Fail early, with the reason, for checkpoints vLLM cannot serve here. ``tensor_parallel``: the engine's ranks,
+    which split each expert's width; ``dims``: the model's :class:`~tim_megatron.recipe.schema.ModelDims` when the
+    caller has them (the trainer read and checked them), else read from the checkpoint's config.json."""
     cfg = check_model_files(model_path)
     quant = cfg.get("quantization_config")
     if quant:
@@ -126,9 +127,11 @@ def check_model_for_engine(model_path: str | Path, *, on_gpu: bool, tensor_paral
             "weights while the trainer trains dequantized ones, a mismatch of its own; allowed: an unquantized "
             f"checkpoint (fix: tim dequantize {model_path} <new folder>, then set model.path to it)"
         )
+    if on_gpu:  # the limits below are vLLM's CPU kernels'
+        return cfg
     if cfg.get("kv_lora_rank"):  # multi-head latent attention: the cache holds the latent and the rotated key
         latent, rope = cfg["kv_lora_rank"], cfg.get("qk_rope_head_dim")
-        if not on_gpu and (latent, rope) != (512, 64):
+        if (latent, rope) != (512, 64):
             raise RolloutInputError(
                 f"rollout: kv_lora_rank = {latent}, qk_rope_head_dim = {rope}: vLLM's CPU MLA attention takes only "
                 "512 and 64 (a 576-wide cache entry, as DeepSeek-V2/V3 have); use model.dims.kv_lora_rank = 512 and "
@@ -136,25 +139,24 @@ def check_model_for_engine(model_path: str | Path, *, on_gpu: bool, tensor_paral
             )
     else:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        if not on_gpu:
-            sizes = cpu_head_sizes()
-            if head_dim not in sizes:
-                raise RolloutInputError(
-                    f"rollout: head_dim = {head_dim} is not supported by vLLM's CPU attention (supported: {sizes}); "
-                    "use model.dims.head_dim = 32 or more for CPU runs"
-                )
-    if not on_gpu:
+        sizes = cpu_head_sizes()
+        if head_dim not in sizes:
+            raise RolloutInputError(
+                f"rollout: head_dim = {head_dim} is not supported by vLLM's CPU attention (supported: {sizes}); "
+                "use model.dims.head_dim = 32 or more for CPU runs"
+            )
+    if dims is None:
         from tim_megatron.trainer.hf_config import dims_from_hf
 
         dims = dims_from_hf(cfg)
-        if dims.is_moe:
-            why = cpu_kernels.moe_shape_problem(
-                hidden_size=dims.hidden_size,
-                expert_width=dims.moe_intermediate_size,
-                tensor_parallel=tensor_parallel,
-            )
-            if why:
-                raise RolloutInputError(f"rollout: {model_path}: {why}")
+    if dims.is_moe:
+        why = cpu_kernels.moe_shape_problem(
+            hidden_size=dims.hidden_size,
+            expert_width=dims.moe_intermediate_size,
+            tensor_parallel=tensor_parallel,
+        )
+        if why:
+            raise RolloutInputError(f"rollout: {model_path}: {why}")
     return cfg
 
 
@@ -211,8 +213,13 @@ class VLLMEngine:
         note = check_vllm_build(dist=dist, version=vllm_version, on_gpu=self.on_gpu, environ=os.environ)
         if note:
             print(note, file=sys.stderr, flush=True)
-        self.hf_config = check_model_for_engine(
-            self.model_path, on_gpu=self.on_gpu, tensor_parallel=layout.ranks_per_engine
+        self.hf_config = (
+            check_model_for_engine(  # the recipe's dims: the trainer checked them against the files
+                self.model_path,
+                on_gpu=self.on_gpu,
+                tensor_parallel=layout.ranks_per_engine,
+                dims=recipe.model.dims,
+            )
         )
         self.num_moe_layers = num_moe_layers
         self.capture = recipe.capture_routed_experts and num_moe_layers > 0
@@ -249,11 +256,10 @@ class VLLMEngine:
         """What the engine runs on CPU (:func:`tim_megatron.rollout.cpu_kernels.running_kernels`); empty on GPU."""
         if not self.on_gpu:
             self.kernels = cpu_kernels.running_kernels(self.llm)
-            try:
-                cpu_kernels.check_running(self.kernels, hf_config=self.hf_config)
-            except cpu_kernels.KernelChoiceError as e:
+            why = cpu_kernels.kernel_problems(self.kernels, hf_config=self.hf_config, moe=num_moe_layers > 0)
+            if why:
                 self.llm.llm_engine.engine_core.shutdown()
-                raise EngineStartError(str(e), kind="load") from e
+                raise EngineStartError(why, kind="load")
         self.tokenizer = self.llm.get_tokenizer()
         if self.capture and not self._native_capture:
             from patches.vllm import routed_experts_capture
