@@ -96,7 +96,7 @@ def new_recipe(
         for f in sorted(src.glob("*.yaml")):
             if f.name != "base.yaml":
                 try:  # a link, a FIFO or a device named *.yaml is not copied (nor read)
-                    copy_regular(f.name, f.name, src_root=src, dst_root=t, max_bytes=MAX_YAML_BYTES)
+                    copy_regular(src / f.name, t / f.name, src_root=src, dst_root=t, max_bytes=MAX_YAML_BYTES)
                 except UnsafePathError as e:
                     left[f.name] = f"not copied: {e}"
                 except OSError as e:
@@ -232,13 +232,13 @@ def _fit_variant(
     fit, notes = _fit_context(source.recipe, max_positions)
     if not fit:
         raise problem
-    text = read_text(f.name, root=f.parent, max_bytes=MAX_YAML_BYTES)
+    text = read_text(f, root=f.parent, max_bytes=MAX_YAML_BYTES)
     data = yaml_load(text)
     if not isinstance(data, dict) or not isinstance(data.get("rollout") or {}, dict):
         raise problem
     data["rollout"] = {**(data.get("rollout") or {}), **fit}
     write_atomic(
-        f.name,
+        f,
         _leading_comments(text)
         + f"# {notes[0]}: fitted by tim new-recipe\n"
         + yaml.safe_dump(data, sort_keys=False),
