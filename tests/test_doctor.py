@@ -67,6 +67,7 @@ def expected_checks() -> list[str]:
         "hf cache",
         "recipe",
         "model",
+        "trainer kernels",
         "plan",
     ]
     return fixed + [f"patch {m.SPEC.name}" for m in patch_modules()]
@@ -78,12 +79,17 @@ def test_every_check_is_listed_and_this_cpu_machine_is_ready():
     assert code == 0, out
     missing = [c for c in expected_checks() if c not in lines]
     assert not missing, f"checks not listed: {missing}\n{out}"
-    assert len(doctor.CHECKS) == 18
+    assert len(doctor.CHECKS) == 19
     # The CPU line names the processor and its instruction-set features, and the attention backend the engine
     # names for the recipe's model (tiny-moe: no latent attention) (vLLM's own pick differs by CPU only for latent attention).
     status, detail = lines["cpu"]
     assert status == "ok" and re.search(r"AVX-512 (yes|no), AVX-512 BF16 (yes|no), AMX (yes|no)", detail), out
     assert "other models: attention backend CPU_ATTN (named)" in out
+    # the trainer's kernels for the recipe on this machine: auto keeps the loop and the materialized attention on CPU
+    assert lines["trainer kernels"] == (
+        "ok",
+        "attention materialized, experts loop (trainer.attention = auto, trainer.experts = auto, on CPU)",
+    ), out
     assert not [c for c, (s, _) in lines.items() if s == "fail"], out
     # No cluster answers on a laptop: a warning, never a fail.
     assert lines["slurm"][0] in ("ok", "warn")

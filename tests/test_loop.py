@@ -308,7 +308,8 @@ def test_run_folder_holds_recipe_metrics_dumps_png_summary_and_wandb(tmp_path):
     # vLLM casts the fp32 tiny checkpoint into its bf16 engine; megatron-core warns at import
     assert "Attempted to load weight" in text and "UserWarning" in text
     assert lines[0] == f"engine log: {log}" and lines[1].startswith("tim train tiny-moe-grpo: steps 1..3 in ")
-    assert all(line.startswith("  rollout engine ") for line in lines[2:first]), lines[:first]
+    assert lines[2] == "  trainer kernels: attention materialized, experts loop", lines[:first]  # auto on CPU
+    assert all(line.startswith("  rollout engine ") for line in lines[3:first]), lines[:first]
     assert lines[first + 3] == "run: tiny-moe-grpo", lines[first:]  # the summary follows the steps
     count = len(re.findall(r"^[-\d]+ [:,\d]+ WARNING ", text, re.MULTILINE))
     assert lines[-1] == f"engine log: {count} warnings in {log}", lines[-3:]
@@ -363,7 +364,7 @@ def test_sigterm_checkpoints_and_resume_matches_uninterrupted(tmp_path):
     resumed = metrics(d)
     assert [r["step"] for r in resumed] == list(range(1, 11))
     # The run's layout and remedies are logged on each process's first step: the resumed process logs them again.
-    once = {k for k in base[0] if k.startswith("remedy/") or k == "rollout/engines"}
+    once = {k for k in base[0] if k.startswith(("remedy/", "kernels/")) or k == "rollout/engines"}
     assert once and sum(once <= set(r) for r in resumed) == 2
     assert all(r[k] == base[0][k] for r in resumed for k in once if k in r)
     drop = [{k: v for k, v in r.items() if k not in once} for r in resumed]

@@ -172,25 +172,27 @@ def test_transformer_engines_fused_latent_norms_with_another_rms_norm_eps_are_na
     assert warned("recipes/tiny-deepseek-v3/grpo.yaml") == []
 
 
+@pytest.mark.parametrize("groups", [3, 1], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_latent_core_attention_is_causal_softmax_attention_with_its_own_value_size(dtype):
-    """LatentCoreAttention against softmax attention in float64 on the same inputs: key heads of 96 channels,
-    value heads of 32; queries for the whole sequence and for its last positions only (``sq < sk``: each sees the
-    keys up to its own position); megatron's extra mask (True = masked) on top. float32 within 1e-6 relative to the
-    output's scale; bfloat16 within one rounding of the exact result to bfloat16 (scores, softmax and the weighted
-    sum in float32)."""
+def test_sdpa_core_attention_is_causal_softmax_attention_with_its_own_value_size(dtype, groups):
+    """SdpaCoreAttention against softmax attention in float64 on the same inputs: key heads of 96 channels,
+    value heads of 32, 3 query heads on 3 or 1 key/value heads (grouped-query attention); queries for the whole
+    sequence and for its last positions only (``sq < sk``: each sees the keys up to its own position); megatron's
+    extra mask (True = masked) on top. float32 within 1e-6 relative to the output's scale; bfloat16 within one
+    rounding of the exact result to bfloat16 (scores, softmax and the weighted sum in float32)."""
     from types import SimpleNamespace
 
     require(importable("megatron.core"), "megatron-core")
-    from tim_megatron.trainer.mla import LatentCoreAttention
+    from tim_megatron.trainer.attention import SdpaCoreAttention
 
     cfg = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=96)
-    att = LatentCoreAttention(cfg, 1, None, "self", k_channels=96, v_channels=32)
+    att = SdpaCoreAttention(cfg, 1, None, "self", k_channels=96, v_channels=32)
     g = torch.Generator().manual_seed(0)
     sk, b, heads = 12, 2, 3
     q_all = (torch.randn(sk, b, heads, 96, generator=g) * 2).to(dtype)
-    k = (torch.randn(sk, b, heads, 96, generator=g) * 2).to(dtype)
-    v = torch.randn(sk, b, heads, 32, generator=g).to(dtype)
+    k = (torch.randn(sk, b, groups, 96, generator=g) * 2).to(dtype).repeat_interleave(heads // groups, 2)
+    v = torch.randn(sk, b, groups, 32, generator=g).to(dtype).repeat_interleave(heads // groups, 2)
+    k_in, v_in = k[:, :, :: heads // groups], v[:, :, :: heads // groups]  # the groups as megatron hands them
     extra = torch.zeros(1, 1, sk, sk, dtype=torch.bool)
     extra[..., 5, 2] = True  # position 5 does not see key 2
 
@@ -204,7 +206,7 @@ def test_latent_core_attention_is_causal_softmax_attention_with_its_own_value_si
         return torch.einsum("bhst,tbhd->sbhd", probs, v.double()).reshape(sq, b, heads * 32)
 
     for q, mask in ((q_all, None), (q_all, extra), (q_all[-4:], None)):
-        got = att(q, k, v, None if mask is None else mask[..., sk - q.shape[0] :, :])
+        got = att(q, k_in, v_in, None if mask is None else mask[..., sk - q.shape[0] :, :])
         want = exact(q, mask)
         assert got.shape == want.shape and got.dtype == dtype
         err = float((got.double() - want).abs().max())
@@ -213,7 +215,7 @@ def test_latent_core_attention_is_causal_softmax_attention_with_its_own_value_si
         else:
             assert err <= float((want.to(dtype).double() - want).abs().max()) * 1.01, err
     # the masked key changes position 5 and only the positions that cannot see it are unchanged
-    plain, masked = att(q_all, k, v, None), att(q_all, k, v, extra)
+    plain, masked = att(q_all, k, v, torch.zeros_like(extra)), att(q_all, k, v, extra)  # one kernel path
     assert not torch.equal(plain[5], masked[5])
     assert torch.equal(plain[:5], masked[:5]) and torch.equal(plain[6:], masked[6:])
     with pytest.raises(ValueError, match="packed sequences"):

@@ -202,6 +202,68 @@ def test_every_width_trains_like_one_process(widths_single, two_ranks, tmp_path,
         assert sum(float(v.abs().sum()) for v in one.values()) > 0  # real gradients are compared
 
 
+def save_at_2_then_kill(out: Path, ck: Path, nproc: int, layout: tuple[str, ...], extra: dict) -> None:
+    """The resume worker saves a checkpoint after step 2 into ``ck`` and is killed there (no chance to clean up)."""
+    env = {
+        **os.environ,
+        "TIM_CKPT_DIR": str(ck),
+        "TIM_STEPS": "4",
+        "TIM_SAVE_AT": "2",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+    proc = subprocess.Popen(
+        worker_cmd("resume", out, nproc, layout),
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while not (ck / "SAVED").exists():
+        assert proc.poll() is None, "worker exited before saving"
+        assert time.time() < deadline
+        time.sleep(0.5)
+    kill_tree(proc)
+    assert not list(ck.glob(".tmp_*"))
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [("grouped", "loop"), ("loop", "grouped")])
+def test_a_checkpoint_resumes_across_the_two_expert_paths(tmp_path, saved_on, resumed_on):
+    """Both expert paths keep the same parameters and checkpoint layout: a checkpoint saved with one (megatron's
+    distributed optimizer, its own format) resumes with the other, and steps 3-4 and the final weights are those of
+    an unbroken run on the path resumed with (float32: within 1e-6; the two paths' GEMMs may round apart)."""
+    extra = {"TIM_DISTRIBUTED_OPTIMIZER": "1"}
+    base = run_worker(
+        "resume",
+        tmp_path / "a",
+        1,
+        (f"trainer.experts={resumed_on}",),
+        env={"TIM_CKPT_DIR": str(tmp_path / "ck_a"), "TIM_STEPS": "4", **extra},
+    )
+    ck = tmp_path / "ck_b"
+    save_at_2_then_kill(tmp_path / "b", ck, 1, (f"trainer.experts={saved_on}",), extra)
+    resumed = run_worker(
+        "resume",
+        tmp_path / "c",
+        1,
+        (f"trainer.experts={resumed_on}",),
+        env={"TIM_CKPT_DIR": str(ck), "TIM_STEPS": "4", "TIM_RESUME": "1", **extra},
+    )
+    assert sorted(resumed["losses"]) == [3, 4]
+    for step in (3, 4):
+        assert abs(resumed["losses"][step] - base["losses"][step]) <= 1e-6, (step, resumed, base["losses"])
+    assert base["weights"].keys() == resumed["weights"].keys()
+    assert any(".experts." in k for k in base["weights"])
+    worst = max(float((resumed["weights"][k] - base["weights"][k]).abs().max()) for k in base["weights"])
+    assert worst <= 1e-6, worst
+    moved = max(
+        float((base["weights"][k] - resumed["weights_at_start"][k]).abs().max()) for k in base["weights"]
+    )
+    assert moved > 1e-4  # steps 3-4 really changed the weights that were compared
+
+
 @pytest.mark.parametrize(
     "nproc,layout,dist_opt",
     [
@@ -224,29 +286,7 @@ def test_save_kill_resume_continues_exactly(tmp_path, nproc, layout, dist_opt):
         env={"TIM_CKPT_DIR": str(tmp_path / "ck_a"), "TIM_STEPS": "4", **extra},
     )
     ck = tmp_path / "ck_b"
-    env = {
-        **os.environ,
-        "TIM_CKPT_DIR": str(ck),
-        "TIM_STEPS": "4",
-        "TIM_SAVE_AT": "2",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
-    proc = subprocess.Popen(
-        worker_cmd("resume", tmp_path / "b", nproc, layout),
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    while not (ck / "SAVED").exists():
-        assert proc.poll() is None, "worker exited before saving"
-        assert time.time() < deadline
-        time.sleep(0.5)
-    kill_tree(proc)  # no chance to clean up
-    assert not list(ck.glob(".tmp_*"))
+    save_at_2_then_kill(tmp_path / "b", ck, nproc, layout, extra)
     resumed = run_worker(
         "resume",
         tmp_path / "c",

@@ -209,6 +209,8 @@ def _announce(
         f" (trainer {trainer.dtype}, rollout {r.rollout_dtype}, world {trainer.env.world_size})",
         highlight=False,
     )
+    k = trainer.kernels
+    console.print(f"  trainer kernels: attention {k.attention}, experts {k.experts}", highlight=False)
     for line in layout:
         console.print(line, highlight=False)
 
@@ -259,4 +261,6 @@ def remedy_info(*, recipe, trainer, rollout) -> dict:
         "remedy/router_replay_hooks": float(trainer.replay_enabled),
         "remedy/rollout_head_fp32": float(rollout.head_dtype() == "torch.float32"),
         "remedy/rollout_fp16": float(recipe.rollout_dtype == "float16"),
+        "kernels/grouped_experts": float(trainer.kernels.experts == "grouped"),
+        "kernels/fused_attention": float(trainer.kernels.attention == "sdpa" or trainer.dims.is_mla),
     }

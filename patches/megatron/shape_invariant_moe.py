@@ -87,9 +87,9 @@ def apply(model) -> int:
                 f"shape-invariant MoE needs trainer.moe_dispatcher = allgather; MoE layer {i} uses "
                 f"{type(layer.token_dispatcher).__name__}"
             )
-        if not isinstance(layer.experts, SequentialMLP):
+        if type(layer.experts) is not SequentialMLP:  # a subclass (the grouped experts) runs its own GEMMs
             raise ValueError(
-                f"shape-invariant MoE needs SequentialMLP experts (moe_grouped_gemm off); MoE layer {i} uses "
+                f"shape-invariant MoE needs SequentialMLP experts (trainer.experts = loop); MoE layer {i} uses "
                 f"{type(layer.experts).__name__}"
             )
         if layer.use_shared_expert or layer.config.moe_latent_size:

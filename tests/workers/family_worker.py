@@ -251,6 +251,30 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     tr.close()
     if dims.resolved_family == "deepseek_v3":  # the family whose checkpoints are published in block FP8
         out.update(fp8_load(r, ck, seed, out["logprobs"]))
+    out["kernels"] = other_kernels(recipe_path, ck, seed, mla=dims.is_mla, hf_lp=hf_lp, valid=valid)
+
+
+KERNELS = {
+    "grouped": ["trainer.experts=grouped", "trainer.attention=materialized"],
+    "sdpa": ["trainer.experts=loop", "trainer.attention=sdpa"],
+}
+"""The layer kernels compared with the loop over experts and the materialized attention (the CPU default)."""
+
+
+def other_kernels(
+    recipe_path: str, ck: Path, seed: int, *, mla: bool, hf_lp: torch.Tensor, valid: torch.Tensor
+) -> dict:
+    """The fixed batch's logprobs (also against HF transformers') and gradients with the grouped experts, and with
+    torch's fused attention (latent attention runs on it always: no second run)."""
+    res = {}
+    for name, overrides in KERNELS.items():
+        if name == "sdpa" and mla:
+            continue
+        tr = MegatronTrainer(load_recipe(recipe_path, [*BASE, *overrides]).recipe, model_path=ck)
+        res[name] = {**equivalence(tr, seed), "built": tr.kernels}
+        res[name]["vs_hf"] = float((res[name]["logprobs"] - hf_lp)[valid].abs().max())
+        tr.close()
+    return res
 
 
 def fp8_load(r, ck: Path, seed: int, source_logprobs: torch.Tensor) -> dict:
@@ -415,6 +439,10 @@ def scenario_parallel(recipe_path: str, out: dict, *, seed: int) -> None:
             patched[0].revert()
             out[name]["unpatched"] = equivalence(tr, seed)
         del tr
+        grouped = load_recipe(recipe_path, [*BASE, *layout, *KERNELS["grouped"]]).recipe
+        tr = MegatronTrainer(grouped, model_path=ck)
+        out[name]["grouped"] = {**equivalence(tr, seed), "built": tr.kernels}
+        tr.close(keep_default_group=True)  # its patches go with it: the next family's trainer applies its own
 
 
 def main() -> None:

@@ -187,6 +187,7 @@ def scenario_resume(tr: MegatronTrainer, out: dict) -> None:
     if os.environ.get("TIM_RESUME"):
         meta = load_checkpoint(tr, latest_checkpoint(ckdir))
         start = meta["step"] + 1
+        out["weights_at_start"] = {k: v.float().clone() for k, v in tr.export_hf()}
     losses = {}
     for step in range(start, steps + 1):
         batch, mask, adv = fixed_batch(seed=step)

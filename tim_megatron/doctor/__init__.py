@@ -26,7 +26,7 @@ from tim_megatron.doctor.base import (
     run_checks,
     summary,
 )
-from tim_megatron.doctor.devices import check_cpu, check_cuda, check_gpus, check_nccl
+from tim_megatron.doctor.devices import check_cpu, check_cuda, check_gpus, check_kernels, check_nccl
 from tim_megatron.doctor.recipe_checks import check_model, check_plan, check_recipe
 from tim_megatron.doctor.services import check_hf_cache, check_slurm, check_wandb
 from tim_megatron.doctor.stack import (
@@ -59,6 +59,7 @@ CHECKS: tuple[Check, ...] = (
     check_hf_cache,
     check_recipe,
     check_model,
+    check_kernels,
     check_plan,
 )
 """Every check ``tim doctor`` runs, in the order it prints them."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tim_megatron.doctor.base import GIB, Context, Outcome, gpus_wanted, nvidia_smi, recipe_of
+from tim_megatron.doctor.base import GIB, Context, Outcome, gpus_wanted, not_checked, nvidia_smi, recipe_of
 
 
 def check_cuda(ctx: Context) -> list[Outcome]:
@@ -190,3 +190,45 @@ def check_cpu(ctx: Context) -> list[Outcome]:
 
 
 _FEATURES = (("avx2", "AVX2"), ("avx512", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx", "AMX"))
+
+
+def check_kernels(ctx: Context) -> list[Outcome]:
+    """The trainer's core attention and expert path for the recipe on this machine (``trainer.attention``,
+    ``trainer.experts``; ``auto`` resolved as the trainer resolves it)."""
+    import torch
+
+    from tim_megatron.trainer.attention import resolve_attention
+    from tim_megatron.trainer.experts import resolve_experts
+
+    r = recipe_of(ctx)
+    if r is None:
+        return not_checked(ctx, "trainer kernels")
+    exact = r.diagnostics.vexact == "exact"
+    on_gpu = torch.cuda.is_available()
+    attention = (
+        "sdpa (latent attention)"
+        if r.model.dims.is_mla
+        else resolve_attention(r.trainer.attention, exact=exact)
+    )
+    try:
+        experts = (
+            resolve_experts(
+                r.trainer.experts,
+                exact=exact,
+                dtype=getattr(torch, r.trainer_dtype),
+                on_gpu=on_gpu,
+                widths=(r.model.dims.hidden_size, r.model.dims.moe_intermediate_size // r.parallel.etp),
+            )
+            if r.model.dims.is_moe
+            else "none (dense model)"
+        )
+    except ValueError as e:
+        return [Outcome("trainer kernels", "fail", str(e), "set trainer.experts = auto or loop")]
+    return [
+        Outcome(
+            "trainer kernels",
+            "ok",
+            f"attention {attention}, experts {experts} (trainer.attention = {r.trainer.attention}, "
+            f"trainer.experts = {r.trainer.experts}, on {'CUDA' if on_gpu else 'CPU'})",
+        )
+    ]

@@ -469,6 +469,15 @@ class TrainerConfig(Section):
     """Ask torch for deterministic kernels (bitwise-repeatable runs on CPU)."""
     moe_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
     """MoE token dispatcher. ``auto``: alltoall on CUDA, allgather on CPU (alltoall needs CUDA streams)."""
+    experts: Literal["auto", "loop", "grouped"] = "auto"
+    """Routed experts' GEMMs. ``grouped``: two grouped GEMMs over all of a rank's experts (``torch._grouped_mm``,
+    with or without transformer-engine's layers); ``loop``: one expert after another (megatron-core's
+    ``SequentialMLP``); ``auto``: grouped on CUDA where the kernel runs in the trainer's dtype, the loop on CPU
+    and in exact mode. Both keep the same parameters and checkpoints."""
+    attention: Literal["auto", "sdpa", "materialized"] = "auto"
+    """Core attention of the non-latent families. ``sdpa``: torch's fused attention (flash attention on CUDA in
+    bfloat16); ``materialized``: megatron-core's local ``DotProductAttention`` (the scores as a tensor); ``auto``:
+    sdpa on CUDA, materialized on CPU and in exact mode. Latent attention (MLA) always runs on sdpa."""
     initial_loss_scale: float = Field(2.0**16, gt=0)
     """Starting dynamic loss scale in fp16 mode."""
     min_loss_scale: float = Field(1.0, gt=0)
@@ -1281,6 +1290,19 @@ def _check_diagnostics(r: Recipe) -> None:
                 ["diagnostics.vexact", "trainer.moe_dispatcher"],
                 "vexact = exact runs the experts on row-invariant kernels over the allgather dispatcher; "
                 "set trainer.moe_dispatcher = allgather or auto",
+            )
+        if r.trainer.experts == "grouped":
+            raise RecipeValueError(
+                ["diagnostics.vexact", "trainer.experts"],
+                "trainer.experts = grouped with vexact = exact: exact mode runs each expert's GEMMs on its "
+                "row-invariant kernels (a grouped GEMM's rows depend on the other experts' token counts); set "
+                "trainer.experts = loop or auto",
+            )
+        if r.trainer.attention == "sdpa":
+            raise RecipeValueError(
+                ["diagnostics.vexact", "trainer.attention"],
+                "trainer.attention = sdpa with vexact = exact: exact mode replaces the materialized attention's "
+                "GEMMs with its invariant kernels; set trainer.attention = materialized or auto",
             )
 
 

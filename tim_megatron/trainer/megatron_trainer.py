@@ -41,9 +41,11 @@ from patches.megatron import (
 )
 from tim_megatron.algo.stats import Stats
 from tim_megatron.recipe.schema import Recipe
+from tim_megatron.trainer.attention import LayerKernels, resolve_attention
+from tim_megatron.trainer.experts import resolve_experts
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
 from tim_megatron.trainer.logprobs import ChunkSampler, HeadSpec, TokenLogprobs, head_weight, token_logprobs
-from tim_megatron.trainer.model import BuildOptions, build_model, final_hidden_states, unwrap
+from tim_megatron.trainer.model import DTYPES, BuildOptions, build_model, final_hidden_states, unwrap
 from tim_megatron.trainer.offload import PARTS, HostOffload, Transfer, trainer_tensors
 from tim_megatron.trainer.parallel import DistEnv, init_parallel
 from tim_megatron.trainer.weights import export_hf, load_hf_into_model
@@ -143,6 +145,18 @@ class MegatronTrainer:
         if recipe.trainer.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
 
+        self.kernels = LayerKernels(
+            attention=resolve_attention(recipe.trainer.attention, exact=self.exact),
+            experts=resolve_experts(
+                recipe.trainer.experts,
+                exact=self.exact,
+                dtype=DTYPES[self.dtype],
+                on_gpu=torch.cuda.is_available(),
+                widths=(self.dims.hidden_size, self.dims.moe_intermediate_size // recipe.parallel.etp),
+            )
+            if self.dims.is_moe
+            else "loop",
+        )
         gpt = build_model(
             self.dims,
             recipe.model,
@@ -152,6 +166,7 @@ class MegatronTrainer:
                 dispatcher="allgather" if self.exact else recipe.trainer.moe_dispatcher,
                 routing_replay=self.replay_enabled,
                 recompute=recipe.trainer.recompute,
+                kernels=self.kernels,
             ),
         )
         if self.replay_enabled:

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tim_megatron.recipe.schema import ModelConfig, ModelDims, ParallelismConfig
+from tim_megatron.trainer.attention import LayerKernels, uses_explicit_mask
 from tim_megatron.trainer.norm import SequenceParallelRMSNorm
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class BuildOptions:
     """Use transformer-engine layers (unset: when installed and CUDA is present)."""
     recompute: str = "none"
     """Activation recomputation: none, or full (every layer, uniformly)."""
+    kernels: LayerKernels = field(default_factory=LayerKernels)
+    """Core attention and expert path (resolved: :func:`~tim_megatron.trainer.attention.resolve_attention`,
+    :func:`~tim_megatron.trainer.experts.resolve_experts`)."""
 
 
 def te_available() -> bool:
@@ -62,14 +66,19 @@ def recompute_kwargs(mode: str) -> dict:
 
 
 def transformer_config(
-    dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismConfig, opts: BuildOptions
+    dims: ModelDims,
+    model_cfg: ModelConfig,
+    parallel: ParallelismConfig,
+    opts: BuildOptions,
+    *,
+    use_te: bool = False,
 ):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     from tim_megatron.trainer.families import get_family
 
     on_gpu = torch.cuda.is_available()
-    dtype = _DTYPES[opts.dtype]
+    dtype = DTYPES[opts.dtype]
     dispatcher = opts.dispatcher if opts.dispatcher != "auto" else ("alltoall" if on_gpu else "allgather")
     if dispatcher == "alltoall" and not on_gpu:
         raise ValueError(
@@ -83,6 +92,8 @@ def transformer_config(
             moe_aux_loss_coeff=model_cfg.aux_loss_coeff if model_cfg.load_balancing == "aux_loss" else 0.0,
             moe_router_dtype=model_cfg.router_dtype,
             moe_token_dispatcher_type=dispatcher,
+            # megatron-core's own grouped experts stay off with or without transformer-engine: the grouped path
+            # (tim_megatron/trainer/experts.py) is SequentialMLP's parameters run as grouped GEMMs
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
             moe_enable_routing_replay=opts.routing_replay,
@@ -125,7 +136,7 @@ def transformer_config(
     )
 
 
-def block_spec(dims: ModelDims, use_te: bool):
+def block_spec(dims: ModelDims, use_te: bool, kernels: LayerKernels = LayerKernels()):
     """The decoder's layer specs (from the family) and its final norm."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -142,7 +153,7 @@ def block_spec(dims: ModelDims, use_te: bool):
                 "transformer-engine for the matched norms)",
                 stacklevel=2,
             )
-    specs = get_family(dims.resolved_family).layer_specs(dims, use_te)
+    specs = get_family(dims.resolved_family).layer_specs(dims, use_te, kernels=kernels)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -160,7 +171,7 @@ def build_model(dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismCo
     config = transformer_config(dims, model_cfg, parallel, opts)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(dims, use_te),
+        transformer_layer_spec=block_spec(dims, use_te, opts.kernels),
         vocab_size=dims.vocab_size,
         max_sequence_length=dims.max_position_embeddings,
         pre_process=True,
@@ -208,12 +219,14 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
 def final_hidden_states(
     model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Run the (wrapped) model to the final norm: ``[seq(/tp with SP), batch, hidden]``."""
+    """Run the (wrapped) model to the final norm: ``[seq(/tp with SP), batch, hidden]``. The causal mask is
+    given as a tensor only to a core attention that needs one (the materialized one); the fused ones take it from
+    the mask type, which lets flash attention run."""
     gpt = unwrap(model)
     if position_ids is None:
         position_ids = (
             torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
         )
-    mask = causal_mask(input_ids.shape[1], input_ids.device)
+    mask = causal_mask(input_ids.shape[1], input_ids.device) if uses_explicit_mask(gpt) else None
     with _stop_before_head(gpt):
         return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)

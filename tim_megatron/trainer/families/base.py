@@ -71,8 +71,9 @@ class Family:
     """The family's tiny test model: 2 layers, hidden 128, head_dim 32, vocab 64."""
     transformer_config: Callable[[ModelDims], dict[str, Any]] = None  # type: ignore[assignment]
     """:class:`ModelDims` -> megatron-core ``TransformerConfig`` arguments (default: :func:`transformer_features`)."""
-    layer_specs: Callable[[ModelDims, bool], list] = None  # type: ignore[assignment]
-    """(dims, use transformer-engine) -> one layer spec per layer (default: :func:`layer_specs`)."""
+    layer_specs: Callable[..., list] = None  # type: ignore[assignment]
+    """(dims, use transformer-engine, ``kernels=`` a :class:`~tim_megatron.trainer.attention.LayerKernels`) -> one
+    layer spec per layer (default: :func:`layer_specs`)."""
     params: Callable[[ModelDims], ParamCount] = None  # type: ignore[assignment]
     """:class:`ModelDims` -> parameter counts for ``tim plan`` (default: :func:`count_params`)."""
     ignored_hf: Callable[[str, ModelDims], bool] = lambda name, dims: False
@@ -336,19 +337,27 @@ def transformer_features(dims: ModelDims) -> dict[str, Any]:
     return kw
 
 
-def layer_specs(dims: ModelDims, use_te: bool) -> list:
-    """One megatron-core layer spec per layer: dense MLP for the leading dense layers, MoE for the rest."""
+def layer_specs(dims: ModelDims, use_te: bool, *, kernels=None) -> list:
+    """One megatron-core layer spec per layer: dense MLP for the leading dense layers, MoE for the rest, with the
+    core attention (local spec; transformer-engine brings its own) and the expert path ``kernels`` (a
+    :class:`~tim_megatron.trainer.attention.LayerKernels`) names."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from tim_megatron.trainer.attention import LayerKernels, SdpaCoreAttention
+    from tim_megatron.trainer.experts import use_grouped_experts
     from tim_megatron.trainer.norm import SequenceParallelRMSNorm, WholeProjectionRMSNorm
 
     qk = dims.qk_norm != "none"
+    kernels = kernels or LayerKernels()
+    grouped = kernels.experts == "grouped"
 
     def one(num_experts: int | None):
+        # megatron-core's own grouped experts (moe_grouped_gemm=True) name their weights otherwise
+        # (TEGroupedMLP: linear_fc1.weight{e}); the grouped path here keeps SequentialMLP's names
         if use_te:
             spec = get_gpt_layer_with_transformer_engine_spec(
                 num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk
@@ -359,6 +368,10 @@ def layer_specs(dims: ModelDims, use_te: bool) -> list:
             )
             spec.submodules.input_layernorm = SequenceParallelRMSNorm
             spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+            if kernels.attention == "sdpa":
+                spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+        if grouped and num_experts:
+            use_grouped_experts(spec)
         attn = spec.submodules.self_attention.submodules
         if dims.qk_norm == "per_head" and not use_te:
             attn.q_layernorm = SequenceParallelRMSNorm

@@ -210,11 +210,16 @@ def transformer_config(dims: ModelDims) -> dict[str, Any]:
     return kw
 
 
-def layer_specs(dims: ModelDims, use_te: bool) -> list:
-    """One MLA layer spec per layer: a dense MLP for the leading dense layers, MoE for the rest."""
+def layer_specs(dims: ModelDims, use_te: bool, *, kernels=None) -> list:
+    """One MLA layer spec per layer: a dense MLP for the leading dense layers, MoE for the rest (latent attention
+    always on torch's fused attention; the expert path ``kernels`` names)."""
     from tim_megatron.trainer.mla import mla_layer_spec
 
-    return base.per_layer(dims, lambda num_experts: mla_layer_spec(num_experts=num_experts, use_te=use_te))
+    grouped = kernels is not None and kernels.experts == "grouped"
+    return base.per_layer(
+        dims,
+        lambda num_experts: mla_layer_spec(num_experts=num_experts, use_te=use_te, grouped_experts=grouped),
+    )
 
 
 def _attention_rules() -> tuple[Rule, ...]:

@@ -1,0 +1,190 @@
+"""The trainer's layer kernels: torch's fused attention against megatron-core's materialized one, the grouped
+expert GEMM against a loop over experts, and which of them a run gets (``trainer.attention``, ``trainer.experts``).
+
+The whole-model checks (every family at 1 rank, TP2 and EP2, HF parity, three trained steps with verified syncs)
+are in tests/test_families.py; resuming across the two expert paths in tests/test_trainer.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import importable, require
+
+
+def _megatron_attention(heads: int, groups: int, channels: int):
+    """megatron-core's local DotProductAttention on one rank (its own parallel state, torn down after)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * channels,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=channels,
+        attention_softmax_in_fp32=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        masked_softmax_fusion=False,
+        use_cpu_initialization=True,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    return cfg, DotProductAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs), ps
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-process gloo group and megatron-core's model-parallel state on it."""
+    require(importable("megatron.core"), "megatron-core")
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    from patches.megatron import cpu_shims
+
+    shims = cpu_shims.apply() if cpu_shims.needed() else None  # as the trainer does without CUDA
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    yield
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    if shims is not None:
+        shims.revert()
+
+
+@pytest.mark.parametrize(("heads", "groups"), [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa2", "mqa"])
+def test_sdpa_attention_equals_megatrons_materialized_attention(one_rank, heads, groups):
+    """The two core attentions on the same inputs in float32, as megatron hands them over (key and value with the
+    query groups' heads): within 1e-6 of each other, with the causal mask given as a tensor (the materialized
+    attention needs it) and without one (the fused attention's ``is_causal``, which lets flash attention run)."""
+    from tim_megatron.trainer.attention import SdpaCoreAttention
+    from tim_megatron.trainer.model import causal_mask
+
+    cfg, materialized, _ = _megatron_attention(heads, groups, channels=32)
+    sdpa = SdpaCoreAttention(cfg, 1, None, "self")
+    g = torch.Generator().manual_seed(1)
+    s, b = 19, 3
+    q = torch.randn(s, b, heads, 32, generator=g) * 2
+    k = torch.randn(s, b, groups, 32, generator=g) * 2
+    v = torch.randn(s, b, groups, 32, generator=g)
+    mask = causal_mask(s, q.device)
+    want = materialized(q, k, v, mask)
+    for given in (mask, None):
+        got = sdpa(q, k, v, given)
+        assert got.shape == want.shape == (s, b, heads * 32)
+        err = float((got - want).abs().max())
+        assert err <= 1e-6 * max(1.0, float(want.abs().max())), err
+    # a change in the future does not reach the past: position 7's output ignores keys 8 and on
+    k2 = k.clone()
+    k2[8:] += 1.0
+    assert torch.equal(sdpa(q, k2, v, None)[:8], sdpa(q, k, v, None)[:8])
+
+
+def test_the_fused_attention_refuses_what_it_does_not_compute():
+    from tim_megatron.trainer.attention import SdpaCoreAttention
+
+    ok = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=32, window_size=None)
+    for change, match in (
+        ({"context_parallel_size": 2}, "context_parallel_size = 2"),
+        ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
+        ({"window_size": (8, 0)}, "window_size"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SdpaCoreAttention(SimpleNamespace(**{**vars(ok), **change}), 1, None, "self")
+    att = SdpaCoreAttention(ok, 1, None, "self")
+    with pytest.raises(ValueError, match="3 query heads cannot share 2"):
+        att(torch.zeros(4, 1, 3, 32), torch.zeros(4, 1, 2, 32), torch.zeros(4, 1, 2, 32), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_gemm_equals_a_loop_over_experts_and_keeps_no_stacked_weights(dtype):
+    """The grouped experts' GEMM (tokens grouped by expert through their expert's ``[out, in]`` weight) against one
+    GEMM per expert: the same outputs and gradients (within 1e-5 of the output's scale), experts with no token
+    included (their gradient is zero); and what autograd keeps for the backward is the input and the weights
+    themselves, never a stacked ``[experts, out, in]`` copy of them (at Qwen3-30B-A3B's shape that copy is
+    1.2 GB per layer in bf16)."""
+    from tim_megatron.trainer.experts import grouped_linear
+
+    g = torch.Generator().manual_seed(2)
+    counts = torch.tensor([3, 0, 5, 1, 0, 7])
+    rows = int(counts.sum())
+    weights = [torch.randn(40, 24, generator=g).to(dtype).requires_grad_() for _ in counts]
+    x = torch.randn(rows, 24, generator=g).to(dtype).requires_grad_()
+    grad_out = torch.randn(rows, 40, generator=g).to(dtype)
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = grouped_linear(x, weights, counts)
+    assert not [s for s in saved if len(s) == 3], saved
+    y.backward(grad_out)
+    gx, gw = x.grad.clone(), [w.grad.clone() for w in weights]
+    x.grad = None
+    for w in weights:
+        w.grad = None
+    loop = torch.cat([t @ weights[e].t() for e, t in enumerate(torch.split(x, counts.tolist()))])
+    loop.backward(grad_out)
+
+    def close(a, b):
+        return float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
+
+    assert close(y, loop) and close(gx, x.grad)
+    assert all(close(a, w.grad) for a, w in zip(gw, weights, strict=True))
+    assert not gw[1].any() and not gw[4].any() and gw[0].any()
+
+
+def test_which_kernels_a_run_gets():
+    from tim_megatron.trainer.attention import resolve_attention
+    from tim_megatron.trainer.experts import grouped_mm_problem, resolve_experts
+
+    assert grouped_mm_problem(device="cpu", dtype=torch.float32) == ""
+    on_gpu = torch.cuda.is_available()
+    # auto: grouped and fused on CUDA, the loop and the materialized attention on CPU; exact mode keeps both
+    want_auto = (
+        "grouped" if on_gpu and not grouped_mm_problem(device="cuda", dtype=torch.bfloat16) else "loop"
+    )
+    assert resolve_experts("auto", exact=False, dtype=torch.bfloat16, on_gpu=on_gpu) == want_auto
+    assert resolve_experts("grouped", exact=False, dtype=torch.float32, on_gpu=False) == "grouped"
+    assert resolve_experts("grouped", exact=True, dtype=torch.float32, on_gpu=False) == "loop"
+    assert resolve_attention("auto", exact=False) == ("sdpa" if on_gpu else "materialized")
+    assert resolve_attention("sdpa", exact=True) == "materialized"
+    # the kernel's strides must be multiples of 16 bytes: an expert width of 36 in bfloat16 is refused by name
+    with pytest.raises(
+        ValueError, match=r"trainer.experts = grouped: rows of 36 torch.bfloat16 values .* 8 here"
+    ):
+        resolve_experts("grouped", exact=False, dtype=torch.bfloat16, on_gpu=False, widths=(128, 36))
+    assert (
+        resolve_experts("auto", exact=False, dtype=torch.bfloat16, on_gpu=on_gpu, widths=(128, 36)) == "loop"
+    )
+    with pytest.raises(ValueError, match=r"trainer.experts = 'fast'; allowed: auto, loop, grouped"):
+        resolve_experts("fast", exact=False, dtype=torch.float32, on_gpu=False)
+    with pytest.raises(ValueError, match=r"trainer.attention = 'flash'; allowed: auto, sdpa, materialized"):
+        resolve_attention("flash", exact=False)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("experts", "grouped", "set trainer.experts = loop or auto"),
+        ("attention", "sdpa", "set trainer.attention = materialized or auto"),
+    ],
+)
+def test_exact_mode_refuses_the_fused_kernels_by_name(key, value, match):
+    from tim_megatron.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=match) as e:
+        load_recipe("recipes/tiny-moe/vexact.yaml", [f"trainer.{key}={value}"])
+    assert f"trainer.{key} = {value} with vexact = exact" in str(e.value)
+    with pytest.raises(RecipeError, match=r"trainer.experts"):
+        load_recipe("recipes/tiny-moe/grpo.yaml", ["trainer.experts=fast"])
