@@ -297,6 +297,11 @@ def test_cpu_run_of_every_section_that_can_run_on_cpu(tmp_path):
     assert bf16["verdict"] == "pass" and 0 < bf16["value"] < 0.1  # bf16 is never exact, never far
     assert finding("parity 1b", "not run")["rule"] == "needs a CUDA GPU"
     assert finding("train step", "ours / bare")["verdict"] == "info"  # CPU timings are not judged
+    # the moe layer section: the 30B layer's structure at CPU sizes, on the kernels auto picks on CUDA
+    for k in (1, 2):
+        assert finding(f"moe layer x{k}", "kernels: attention sdpa, experts grouped")["verdict"] == "info"
+    assert finding("moe layer", "one layer's forward + backward FLOPs (tim plan's formula)")["value"] > 0
+    assert finding("moe layer", "per-layer MFU")["rule"] == "a CPU run: no GPU peak to divide by"
     assert math.isfinite(finding("train step", "ours / bare")["value"])
     restore = finding("checkpoint", "restored vs saved model, max |dlogp|")
     assert restore["verdict"] == "pass" and restore["value"] == 0.0
@@ -320,3 +325,19 @@ def test_cpu_run_of_every_section_that_can_run_on_cpu(tmp_path):
     assert finding("vllm", "native routed-expert capture")["verdict"] == "skip"
     assert not [f for f in report["findings"] if f["verdict"] == "fail"]
     assert "CPU figures, not GPU results" in res.stdout
+
+
+def test_the_moe_layer_flops_are_one_layer_of_the_plans_formula():
+    """The section's per-layer FLOPs at Qwen3-30B-A3B's layer shape (2 x 4096 tokens, forward + backward) against
+    the formula written out: q/k/v/o projections, top-8 of the experts' three GEMMs, the router, the attention
+    scores and weighted sum over the causal half; the norms are the only other parameters a token passes."""
+    from tim_megatron.gpu_check.moe_layer import layer_dims, layer_train_flops
+
+    d = layer_dims(1, small=False)
+    h, L, seqs = d.hidden_size, 4096, 2
+    attn = h * d.head_dim * (2 * d.num_attention_heads + 2 * d.num_key_value_heads)
+    experts = d.num_experts_per_tok * 3 * h * d.moe_intermediate_size
+    per_token = attn + experts + h * d.num_experts
+    want = 3 * seqs * (2 * per_token * L + 2 * d.num_attention_heads * d.head_dim * L * L)
+    got = layer_train_flops(small=False, sequences=seqs, length=L)
+    assert abs(got / want - 1) < 1e-3, (got, want)

@@ -16,6 +16,7 @@ BENCHES = {
     "step": "tim_megatron.bench.step",
     "fleet": "tim_megatron.bench.fleet",
     "exact": "tim_megatron.bench.exact",
+    "experts": "tim_megatron.bench.experts",
 }
 
 

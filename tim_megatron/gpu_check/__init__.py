@@ -6,6 +6,7 @@ not (the CPU shims never apply there):
 * per-token logprobs of Megatron (fp32 and bf16) against HF transformers in fp32, on the tiny MoE and on a
   ~1B-parameter Qwen3-MoE-shaped model with random weights (:func:`models.qwen3_moe_1b_dims`);
 * our train step as a ratio to a bare megatron-core step, and its peak memory against ``tim plan``;
+* one MoE layer of Qwen3-30B-A3B's shape: its forward + backward seconds and MFU (:mod:`.moe_layer`);
 * the checkpoint round trip;
 * vLLM on CUDA when it is installed: logprob parity, sleep/wake, native routed-expert capture.
 
@@ -27,6 +28,7 @@ from datetime import UTC, datetime
 
 import torch
 
+from tim_megatron.gpu_check.moe_layer import moe_layer
 from tim_megatron.gpu_check.report import Report, finding
 from tim_megatron.gpu_check.sections import (
     Bench,
@@ -69,6 +71,7 @@ SECTIONS: tuple[Section, ...] = (
         "parity 1b", lambda b: parity(b, b.one_b(), section="parity 1b", n=8, length=256), needs_gpu=True
     ),
     Section("train step", _step),
+    Section("moe layer", lambda b: moe_layer(b, section="moe layer")),
     Section("checkpoint", lambda b: checkpoint_round_trip(b, b.tiny(), section="checkpoint")),
     Section("offload", lambda b: _offload(b)),
     Section("exact kernels", lambda b: exact_kernels(b, section="exact kernels")),

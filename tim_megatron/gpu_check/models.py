@@ -121,8 +121,10 @@ def recipe_for(
     max_model_len: int,
     gpus: int,
     gpu_type: str | None = None,
+    overrides: tuple[str, ...] = (),
 ) -> Recipe:
-    """A one-process recipe for the checkpoint at ``path`` (``tiny``: the built-in model, ``dims`` unused)."""
+    """A one-process recipe for the checkpoint at ``path`` (``tiny``: the built-in model, ``dims`` unused), with
+    ``overrides`` (``key=value``) last."""
     from tim_megatron.recipe import load_recipe
 
     over = [
@@ -139,7 +141,7 @@ def recipe_for(
     if str(path) != "tiny" and dims is not None:
         for key, value in dims.model_dump(exclude_none=True).items():
             over.append(f"model.dims.{key}={str(value).lower() if isinstance(value, bool) else value}")
-    return load_recipe(BASE_RECIPE, over).recipe
+    return load_recipe(BASE_RECIPE, [*over, *overrides]).recipe
 
 
 def gpu_type_key(name: str, total_bytes: int) -> str | None:

@@ -67,7 +67,15 @@ class Bench:
             self._models["1b"] = Model("Qwen3-MoE ~1B (random)", path, str(path), dims)
         return self._models["1b"]
 
-    def recipe(self, model: Model, *, dtype: str, micro_batch: int, max_model_len: int):
+    def recipe(
+        self,
+        model: Model,
+        *,
+        dtype: str,
+        micro_batch: int,
+        max_model_len: int,
+        overrides: tuple[str, ...] = (),
+    ):
         return recipe_for(
             model.recipe_path,
             model.dims,
@@ -76,6 +84,7 @@ class Bench:
             max_model_len=max_model_len,
             gpus=1 if self.on_gpu else 0,
             gpu_type=self.gpu_type,
+            overrides=overrides,
         )
 
     def trainer(self, model: Model, **recipe_kw):
@@ -170,14 +179,23 @@ def _random_batch(model: Model, *, seqs: int, length: int, seed: int, prompt: in
 
 
 def train_step(
-    bench: Bench, model: Model, *, section: str, seqs: int, length: int, repeat: int
+    bench: Bench,
+    model: Model,
+    *,
+    section: str,
+    seqs: int,
+    length: int,
+    repeat: int,
+    overrides: tuple[str, ...] = (),
 ) -> list[Outcome]:
     """Our train step vs a bare megatron-core step (same model, batch, process), and on CUDA its peak
-    memory against ``tim plan``'s estimate for the same recipe."""
+    memory against ``tim plan``'s estimate for the same recipe (``overrides``: recipe settings, last)."""
     from tim_megatron.bench.bare import bare_megatron_step
     from tim_megatron.slurm.plan import GIB, estimate
 
-    recipe = bench.recipe(model, dtype="bfloat16", micro_batch=seqs, max_model_len=length)
+    recipe = bench.recipe(
+        model, dtype="bfloat16", micro_batch=seqs, max_model_len=length, overrides=overrides
+    )
     bench.free()
     if bench.on_gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -185,7 +203,11 @@ def train_step(
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     tr = MegatronTrainer(recipe, model_path=model.path)
-    out = [model_finding(model, section)]
+    k = tr.kernels
+    out = [
+        model_finding(model, section),
+        finding(section, f"kernels: attention {k.attention}, experts {k.experts}"),
+    ]
     try:
         ids, batch, mask, adv = _random_batch(model, seqs=seqs, length=length, seed=0, prompt=length // 4)
         old = tr.logprobs(batch)[0].logprobs
@@ -201,11 +223,11 @@ def train_step(
             peak = torch.cuda.max_memory_allocated() - base
             from tim_megatron.trainer.model import te_available
 
-            local = not te_available()
+            local = not te_available() and tr.kernels.attention == "materialized" and not model.dims.is_mla
             planned = estimate(recipe, materialized_attention=local).trainer
             ratio, status, rule = compare.judge_memory(peak, planned)
             if local:
-                rule += "; local spec: the plan counts the materialized attention scores"
+                rule += "; materialized attention: the plan counts its scores"
             out += [
                 finding(
                     section, "peak allocated: trainer build + first train step", peak / GIB, "GiB", "info"

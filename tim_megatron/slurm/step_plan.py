@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tim_megatron.recipe.schema import GPU_PEAK_BF16_FLOPS, Recipe
+from tim_megatron.recipe.schema import GPU_PEAK_BF16_FLOPS, ModelDims, Recipe
 from tim_megatron.slurm.fleet_plan import fleet_plan
 from tim_megatron.slurm.plan import GIB, Plan, estimate, largest_utilization, param_count
 
@@ -35,14 +35,24 @@ def step_tokens(recipe: Recipe) -> int:
     return recipe.sequences_per_step * (recipe.data.max_prompt_tokens + recipe.rollout.max_tokens)
 
 
-def forward_flops(recipe: Recipe) -> float:
-    """FLOPs of one forward pass over the step's sequences (formula in the module docstring)."""
-    d = recipe.model.dims
+def model_forward_flops(dims: ModelDims, *, sequences: int, length: int) -> float:
+    """FLOPs of one forward pass of ``dims`` over ``sequences`` sequences of ``length`` tokens (formula in the
+    module docstring)."""
+    d = dims
     n = param_count(d).active - (0 if d.tie_word_embeddings else d.vocab_size * d.hidden_size)
-    L = recipe.data.max_prompt_tokens + recipe.rollout.max_tokens
+    L = length
     width = (d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim) / 2 if d.is_mla else d.head_dim
     attention = 2 * d.num_layers * d.num_attention_heads * width * L * L  # MLA: scores over q/k, sum over v
-    return recipe.sequences_per_step * (2 * n * L + attention)
+    return sequences * (2 * n * L + attention)
+
+
+def forward_flops(recipe: Recipe) -> float:
+    """FLOPs of one forward pass over the step's sequences (formula in the module docstring)."""
+    return model_forward_flops(
+        recipe.model.dims,
+        sequences=recipe.sequences_per_step,
+        length=recipe.data.max_prompt_tokens + recipe.rollout.max_tokens,
+    )
 
 
 @dataclass
