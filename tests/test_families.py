@@ -102,15 +102,14 @@ def family(request, families_out):
     }
 
 
-TRAINED = sorted(set(RECIPES) - {"qwen3_moe", "deepseek_v2"})
-"""Families whose tiny recipe is trained here (Qwen3-MoE's, recipes/tiny-moe/grpo.yaml, is trained end to end by
-tests/test_loop.py; DeepSeek-V2's differs from DeepSeek-V3's by its router alone, OLMoE's softmax without
-renormalization, both trained here, and its single scenario trains a step and verifies the sync)."""
+TRAINED = sorted(RECIPES)
+"""Every family's tiny recipe is trained here, on the grouped experts and the fused attention (:data:`KERNELS`).
+On the loop and the materialized attention (the CPU default), Qwen3-MoE's (recipes/tiny-moe/grpo.yaml) is trained
+end to end by tests/test_loop.py and the demo."""
 
 
 KERNELS = ["trainer.experts=grouped", "trainer.attention=sdpa"]
-"""The three trained steps run on the grouped experts and the fused attention (the CPU default, the loop and the
-materialized attention, is trained by tests/test_loop.py and the demo)."""
+"""What the three trained steps run on: the kernels ``auto`` picks on CUDA."""
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,9 @@ def train_step(
             from tim_megatron.trainer.model import te_available
 
             local = not te_available() and tr.kernels.attention == "materialized" and not model.dims.is_mla
-            planned = estimate(recipe, materialized_attention=local).trainer
+            planned = estimate(
+                recipe, materialized_attention=local, grouped_experts=tr.kernels.experts == "grouped"
+            ).trainer
             ratio, status, rule = compare.judge_memory(peak, planned)
             if local:
                 rule += "; materialized attention: the plan counts its scores"

@@ -217,11 +217,14 @@ def estimate(
     gpu_memory_utilization: float | None = None,
     materialized_attention: bool | None = None,
     offload: str | None = None,
+    grouped_experts: bool | None = None,
 ) -> Plan:
     """The recipe's plan, or the plan it would have with another layout (unset: the recipe's own).
     ``materialized_attention``: count the attention scores (megatron-core's local spec, without
     transformer-engine's fused attention); unset: on CPU only. ``offload``: another
-    ``trainer.offload_during_rollout`` (unset: the recipe's)."""
+    ``trainer.offload_during_rollout`` (unset: the recipe's). ``grouped_experts``: count the grouped experts'
+    transient stack of one layer's local fc1 weights (:mod:`tim_megatron.trainer.experts`); unset: on GPUs unless
+    ``trainer.experts`` is ``loop`` or exact mode runs."""
     from tim_megatron.rollout.backends import backend_for
     from tim_megatron.trainer.offload import LEVELS
 
@@ -251,6 +254,11 @@ def estimate(
     else:
         act = d.num_layers * layer
     act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 4
+    if grouped_experts is None:
+        exact = recipe.diagnostics.vexact == "exact"
+        grouped_experts = bool(c.gpus_per_node) and recipe.trainer.experts != "loop" and not exact
+    if grouped_experts and d.is_moe:  # the larger of its two stacks (fc1: gate and up), alive during one GEMM
+        act += d.num_experts / ep * 2 * d.moe_intermediate_size / etp * h * pbytes
     placement = [] if relayout else layout_problems(recipe)
     offload = offload or recipe.trainer.offload_during_rollout
     moved = LEVELS[offload]
