@@ -93,7 +93,45 @@ def test_sdpa_attention_equals_megatrons_materialized_attention(one_rank, heads,
     assert torch.equal(sdpa(q, k2, v, None)[:8], sdpa(q, k, v, None)[:8])
 
 
+@pytest.mark.parametrize("experts", [4, 1])
+def test_the_grouped_experts_module_equals_sequential_mlp(one_rank, experts):
+    """megatron-core's SequentialMLP and the grouped experts on the same weights, as the trainer builds them: the
+    same output and the same gradients (tokens, every expert weight) in float32, with an expert that gets no token,
+    with one local expert, and with no token for any of them (the branch that skips the grouped GEMM)."""
+    from tim_megatron.bench.experts import expert_modules
+
+    loop, grouped = expert_modules(experts=experts, hidden=32, width=16, dtype=torch.float32)
+    assert [n for n, _ in loop.named_parameters()] == [n for n, _ in grouped.named_parameters()]
+    g = torch.Generator().manual_seed(3)
+    for counts in ([3, 0, 5, 2][:experts] if experts > 1 else [6], [0] * experts):
+        counts = torch.tensor(counts)
+        rows = int(counts.sum())
+        x = torch.randn(rows, 32, generator=g)
+        probs = torch.rand(rows, generator=g)
+        grad = torch.randn(rows, 32, generator=g)
+        got = {}
+        for name, module in (("loop", loop), ("grouped", grouped)):
+            module.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            out, bias = module(xi, counts, probs)
+            assert bias is None and out.shape == (rows, 32)
+            out.backward(grad)
+            weights = {
+                n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                for n, p in module.named_parameters()
+            }
+            got[name] = (out.detach(), xi.grad, weights)
+        (out_l, gx_l, gw_l), (out_g, gx_g, gw_g) = got["loop"], got["grouped"]
+        assert (out_g - out_l).abs().max() <= 1e-6 if rows else out_g.shape == out_l.shape
+        if rows:
+            assert (gx_g - gx_l).abs().max() <= 1e-6
+        for n in gw_l:
+            assert (gw_g[n] - gw_l[n]).abs().max() <= 1e-5, n
+        assert sum(float(w.abs().sum()) for w in gw_g.values()) > 0 or not rows
+
+
 def test_the_fused_attention_refuses_what_it_does_not_compute():
+    require(importable("megatron.core"), "megatron-core")
     from tim_megatron.trainer.attention import SdpaCoreAttention
 
     ok = SimpleNamespace(context_parallel_size=1, attention_dropout=0.0, kv_channels=32, window_size=None)
@@ -101,10 +139,15 @@ def test_the_fused_attention_refuses_what_it_does_not_compute():
         ({"context_parallel_size": 2}, "context_parallel_size = 2"),
         ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
         ({"window_size": (8, 0)}, "window_size"),
+        ({"softmax_type": "off-by-one"}, "softmax_type = off-by-one"),
     ):
         with pytest.raises(ValueError, match=match):
             SdpaCoreAttention(SimpleNamespace(**{**vars(ok), **change}), 1, None, "self")
-    att = SdpaCoreAttention(ok, 1, None, "self")
+    from megatron.core.transformer.enums import AttnMaskType
+
+    with pytest.raises(ValueError, match="attn_mask_type = padding"):
+        SdpaCoreAttention(ok, 1, AttnMaskType.padding, "self")
+    att = SdpaCoreAttention(ok, 1, AttnMaskType.causal, "self")
     with pytest.raises(ValueError, match="3 query heads cannot share 2"):
         att(torch.zeros(4, 1, 3, 32), torch.zeros(4, 1, 2, 32), torch.zeros(4, 1, 2, 32), None)
 

@@ -18,14 +18,16 @@ def bare_megatron_step(trainer, *, ids: torch.Tensor, mask: torch.Tensor) -> Cal
     from megatron.core.distributed import finalize_model_grads
 
     from patches.megatron.cpu_shims import cuda_placement_to_cpu
-    from tim_megatron.trainer.model import causal_mask
+    from tim_megatron.trainer.attention import uses_explicit_mask
+    from tim_megatron.trainer.model import causal_mask, unwrap
 
     dev = trainer._device()
     seqs, length = ids.shape
     ids = ids.to(dev)
     pos = torch.arange(length, device=dev).unsqueeze(0).expand(seqs, -1)
     labels = torch.roll(ids, -1, 1)
-    attn = causal_mask(length, dev)
+    # as the trainer runs it: the mask as a tensor only for the materialized attention (flash needs none)
+    attn = causal_mask(length, dev) if uses_explicit_mask(unwrap(trainer.model)) else None
     weights = mask.to(dev)
     den = float(mask.sum())
 

@@ -20,7 +20,9 @@ import torch
 from tim_megatron import outcome
 
 
-def _modules(*, experts: int, hidden: int, width: int, dtype: torch.dtype):
+def expert_modules(*, experts: int, hidden: int, width: int, dtype: torch.dtype):
+    """megatron-core's SequentialMLP and the grouped experts on the same weights, as the trainer builds them (needs
+    megatron-core's parallel state)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
@@ -55,7 +57,7 @@ def _modules(*, experts: int, hidden: int, width: int, dtype: torch.dtype):
 def run(
     *, experts: int, tokens: int, topk: int, hidden: int, width: int, repeat: int, dtype: torch.dtype
 ) -> dict:
-    loop, grouped = _modules(experts=experts, hidden=hidden, width=width, dtype=dtype)
+    loop, grouped = expert_modules(experts=experts, hidden=hidden, width=width, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     choice = torch.rand(tokens, experts, generator=g).topk(topk, -1).indices.flatten()
     counts = torch.bincount(choice, minlength=experts)
@@ -111,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", rank=0, world_size=1)
     ps.initialize_model_parallel()
     dtype = getattr(torch, a.dtype)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cpu"  # the modules and tensors are built on CPU, whatever the machine has
     print(
         f"[experts] grouped GEMM vs loop over experts, forward + backward, {a.tokens} tokens x top-{a.topk}, "
         f"hidden {a.hidden}, width {a.width}, {a.dtype}, {torch.get_num_threads()} threads, device={device}"
-        + (" (a CPU figure: the GPU one is make gpu-check's moe layer)" if device == "cpu" else "")
+        + " (a CPU figure: the GPU one is make gpu-check's moe layer)"
     )
     try:
         for experts in (64, 128):

@@ -223,8 +223,8 @@ def estimate(
     ``materialized_attention``: count the attention scores (megatron-core's local spec, without
     transformer-engine's fused attention); unset: on CPU only. ``offload``: another
     ``trainer.offload_during_rollout`` (unset: the recipe's). ``grouped_experts``: count the grouped experts'
-    transient stack of one layer's local fc1 weights (:mod:`tim_megatron.trainer.experts`); unset: on GPUs unless
-    ``trainer.experts`` is ``loop`` or exact mode runs."""
+    transient stack of one layer's local fc1 weights (:mod:`tim_megatron.trainer.experts`); unset: on GPUs when
+    ``trainer.experts`` is ``grouped``, or ``auto`` in bfloat16 (the CUDA kernel's dtype), and not in exact mode."""
     from tim_megatron.rollout.backends import backend_for
     from tim_megatron.trainer.offload import LEVELS
 
@@ -256,7 +256,10 @@ def estimate(
     act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 4
     if grouped_experts is None:
         exact = recipe.diagnostics.vexact == "exact"
-        grouped_experts = bool(c.gpus_per_node) and recipe.trainer.experts != "loop" and not exact
+        on_kernel = recipe.trainer_dtype == "bfloat16" or recipe.trainer.experts == "grouped"
+        grouped_experts = (
+            bool(c.gpus_per_node) and recipe.trainer.experts != "loop" and on_kernel and not exact
+        )
     if grouped_experts and d.is_moe:  # the larger of its two stacks (fc1: gate and up), alive during one GEMM
         act += d.num_experts / ep * 2 * d.moe_intermediate_size / etp * h * pbytes
     placement = [] if relayout else layout_problems(recipe)

@@ -88,6 +88,16 @@ class SdpaCoreAttention(torch.nn.Module):
             raise ValueError(f"attention_dropout = {dropout}: RL scores tokens exactly (allowed: 0)")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"window_size = {config.window_size}: SdpaCoreAttention has no sliding window")
+        softmax = getattr(config, "softmax_type", "vanilla")
+        if softmax != "vanilla":
+            raise ValueError(
+                f"softmax_type = {softmax}: SdpaCoreAttention computes the plain softmax (allowed: vanilla)"
+            )
+        kind = getattr(attn_mask_type, "name", "causal")
+        if kind != "causal":
+            raise ValueError(
+                f"attn_mask_type = {kind}: SdpaCoreAttention is causal attention (allowed: causal)"
+            )
         self.k_channels = k_channels or config.kv_channels
         self.v_channels = v_channels or config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)

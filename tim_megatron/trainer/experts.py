@@ -98,7 +98,7 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offs)
         if any(ctx.needs_input_grad[2:]):
-            grad_w = torch._grouped_mm(x.t(), grad, offs=offs).transpose(1, 2).unbind(0)
+            grad_w = torch._grouped_mm(grad.t(), x, offs=offs).unbind(0)  # [E, out, in]: each one contiguous
         return grad_x, None, *(grad_w if grad_w is not None else [None] * len(weights))
 
 

@@ -146,7 +146,9 @@ class MegatronTrainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
 
         self.kernels = LayerKernels(
-            attention=resolve_attention(recipe.trainer.attention, exact=self.exact),
+            attention="sdpa"
+            if self.dims.is_mla
+            else resolve_attention(recipe.trainer.attention, exact=self.exact),
             experts=resolve_experts(
                 recipe.trainer.experts,
                 exact=self.exact,

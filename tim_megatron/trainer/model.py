@@ -70,8 +70,6 @@ def transformer_config(
     model_cfg: ModelConfig,
     parallel: ParallelismConfig,
     opts: BuildOptions,
-    *,
-    use_te: bool = False,
 ):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
