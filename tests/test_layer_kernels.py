@@ -15,8 +15,7 @@ from tests.conftest import importable, require
 
 
 def _megatron_attention(heads: int, groups: int, channels: int):
-    """megatron-core's local DotProductAttention on one rank (its own parallel state, torn down after)."""
-    from megatron.core import parallel_state as ps
+    """megatron-core's local DotProductAttention on one rank (in the parallel state of :func:`one_rank`)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
@@ -36,55 +35,61 @@ def _megatron_attention(heads: int, groups: int, channels: int):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-    return cfg, DotProductAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs), ps
+    return cfg, DotProductAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs)
 
 
 @pytest.fixture
-def one_rank(monkeypatch):
-    """A one-process gloo group and megatron-core's model-parallel state on it."""
+def one_rank():
+    """One process's gloo group and megatron-core's parallel state, as the trainer makes them (and the CPU shims
+    it applies without CUDA)."""
     require(importable("megatron.core"), "megatron-core")
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from tests.conftest import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     from patches.megatron import cpu_shims
+    from tim_megatron.recipe.schema import ParallelismConfig
+    from tim_megatron.trainer.parallel import init_parallel, teardown_parallel
 
-    shims = cpu_shims.apply() if cpu_shims.needed() else None  # as the trainer does without CUDA
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    shims = cpu_shims.apply() if cpu_shims.needed() else None
+    init_parallel(ParallelismConfig(), environ={})  # one process on a free loopback port
     yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    teardown_parallel()
     if shims is not None:
         shims.revert()
 
 
-@pytest.mark.parametrize(("heads", "groups"), [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa2", "mqa"])
-def test_sdpa_attention_equals_megatrons_materialized_attention(one_rank, heads, groups):
+def _attention_shapes() -> list:
+    """(family, heads, key/value heads, head_dim) of every non-latent family's tiny model; latent attention has no
+    materialized counterpart (megatron-core's DotProductAttention takes one head size)."""
+    from tim_megatron.trainer.families import families
+
+    return [
+        pytest.param(f.tiny.num_attention_heads, f.tiny.num_key_value_heads, f.tiny.head_dim, id=name)
+        for name, f in sorted(families().items())
+        if not f.tiny.is_mla
+    ]
+
+
+@pytest.mark.parametrize(
+    ("heads", "groups", "channels"), [(4, 4, 32), (4, 2, 32), (4, 1, 32), *_attention_shapes()]
+)
+def test_sdpa_attention_equals_megatrons_materialized_attention(one_rank, heads, groups, channels):
     """The two core attentions on the same inputs in float32, as megatron hands them over (key and value with the
-    query groups' heads): within 1e-6 of each other, with the causal mask given as a tensor (the materialized
-    attention needs it) and without one (the fused attention's ``is_causal``, which lets flash attention run)."""
+    query groups' heads), at MHA, GQA, MQA and every non-latent family's tiny attention shape: within 1e-6 of each
+    other, with the causal mask given as a tensor (the materialized attention needs it) and without one (the fused
+    attention's ``is_causal``, which lets flash attention run)."""
     from tim_megatron.trainer.attention import SdpaCoreAttention
     from tim_megatron.trainer.model import causal_mask
 
-    cfg, materialized, _ = _megatron_attention(heads, groups, channels=32)
+    cfg, materialized = _megatron_attention(heads, groups, channels=channels)
     sdpa = SdpaCoreAttention(cfg, 1, None, "self")
     g = torch.Generator().manual_seed(1)
     s, b = 19, 3
-    q = torch.randn(s, b, heads, 32, generator=g) * 2
-    k = torch.randn(s, b, groups, 32, generator=g) * 2
-    v = torch.randn(s, b, groups, 32, generator=g)
+    q = torch.randn(s, b, heads, channels, generator=g) * 2
+    k = torch.randn(s, b, groups, channels, generator=g) * 2
+    v = torch.randn(s, b, groups, channels, generator=g)
     mask = causal_mask(s, q.device)
     want = materialized(q, k, v, mask)
     for given in (mask, None):
         got = sdpa(q, k, v, given)
-        assert got.shape == want.shape == (s, b, heads * 32)
+        assert got.shape == want.shape == (s, b, heads * channels)
         err = float((got - want).abs().max())
         assert err <= 1e-6 * max(1.0, float(want.abs().max())), err
     # a change in the future does not reach the past: position 7's output ignores keys 8 and on

@@ -11,7 +11,6 @@ loop on CPU either way (the project's CPU figures were measured on it). The GPU 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -102,16 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     a = ap.parse_args(argv)
 
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     from patches.megatron import cpu_shims
+    from tim_megatron.recipe.schema import ParallelismConfig
+    from tim_megatron.trainer.parallel import init_parallel, teardown_parallel
 
     shims = cpu_shims.apply() if cpu_shims.needed() else None
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel()
+    init_parallel(ParallelismConfig(), environ={})  # one process on a free loopback port
     dtype = getattr(torch, a.dtype)
     device = "cpu"  # the modules and tensors are built on CPU, whatever the machine has
     print(
@@ -144,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print("  " + outcome.target_line(o))
     finally:
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
+        teardown_parallel()
         if shims is not None:
             shims.revert()
     return 0

@@ -8,7 +8,7 @@ loader that allows only plain data, and a file that names anything else is refus
 * ``.metadata`` (torch.distributed.checkpoint's index, which torch reads with plain ``pickle.load``): only the
   index's own dataclasses, ``torch.Size``, dtypes and the layout helper may appear (:data:`METADATA_GLOBALS`).
 * The index's byte items (non-tensor objects stored inside ``*.distcp``, which torch's load planner reads with
-  ``torch.load(weights_only=False)``): each is read with ``torch.load(weights_only=True)``.
+  ``torch.load`` with ``weights_only`` off): each is read with ``torch.load(weights_only=True)``.
 * Every ``*.pt`` file (megatron's ``common.pt``, sharded objects, RNG files of older checkpoints): read with
   ``torch.load(weights_only=True)``; RNG files also admit numpy arrays (:data:`NUMPY_GLOBALS`).
 * Tensor items are read by torch with ``weights_only=True`` already; items stored with a transform
