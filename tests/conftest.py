@@ -173,3 +173,20 @@ def trained(tmp_path_factory):
     args = ["recipes/tiny-moe/grpo.yaml", "run.steps=3", *FAST[:3], "checkpoint.every=1", "checkpoint.keep=3"]
     tim_train([*args, "--run-dir", str(d)], d.parent)
     return d
+
+
+@pytest.fixture
+def one_rank():
+    """One process's gloo group and megatron-core's parallel state, as the trainer makes them (and the CPU shims
+    it applies without CUDA)."""
+    require(importable("megatron.core"), "megatron-core")
+    from patches.megatron import cpu_shims
+    from tim_megatron.recipe.schema import ParallelismConfig
+    from tim_megatron.trainer.parallel import init_parallel, teardown_parallel
+
+    shims = cpu_shims.apply() if cpu_shims.needed() else None
+    init_parallel(ParallelismConfig(), environ={})  # one process on a free loopback port
+    yield
+    teardown_parallel()
+    if shims is not None:
+        shims.revert()

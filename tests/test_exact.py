@@ -293,6 +293,12 @@ def test_the_kv_cached_decode_gives_the_training_forwards_bits_at_every_position
                 "model.tiny_warmup_steps=0",
             ],
         ),
+        # One-row head chunks over a vocabulary of 65,536: ATen splits a lone row's sum over the threads unless the
+        # head pads the chunk (5 of 123 positions differed without it, at 2 threads on AMD EPYC).
+        (
+            "chunk1-vocab65536",
+            ["trainer.logprob_chunk=1", "model.dims.vocab_size=65536", "model.tiny_warmup_steps=0"],
+        ),
     ):
         out = tmp_path / name
         run_ok(
@@ -303,6 +309,31 @@ def test_the_kv_cached_decode_gives_the_training_forwards_bits_at_every_position
         res = torch.load(out / "forced-rank0.pt", weights_only=False)
         assert res["compared"] > 100 and res["width"] == 48, res
         assert res["differing"] == 0, res
+
+
+def test_exact_mode_holds_at_four_threads_on_an_expert_width_that_splits_rows(tmp_path):
+    """``tim train`` in exact mode at OMP_NUM_THREADS=4, a micro-batch of 256 rows and an expert width of 40 (the
+    gated half's rows are no multiple of the vector width, and an expert's input is split between the threads):
+    before the activations went through the row-invariant kernels, 2 of 2,886 tokens of step 1 differed by an
+    ulp at 2 and at 4 threads (AMD EPYC); every step's tokens must now be exact."""
+    require(importable("megatron.core"), "megatron-core")
+    args = [
+        "recipes/tiny-moe/vexact.yaml",
+        "trainer.micro_batch_size=256",
+        "data.prompts_per_step=32",
+        "model.tiny_warmup_steps=0",
+        "model.dims.moe_intermediate_size=40",
+        "rollout.max_tokens=12",
+        "run.steps=3",
+        f"run.output_dir={tmp_path}",
+        *QUIET,
+    ]
+    run_ok([*TIM, "train", *args], threads=4, timeout=600)
+    rows = metrics(run_folder(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["exact/mismatched_tokens"] == 0.0 and r["exact/checked_tokens"] > 2000, r
+        assert r["response/length_mean"] > 8  # long responses: many decode steps through the cache
 
 
 @pytest.mark.slow

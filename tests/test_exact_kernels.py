@@ -90,14 +90,22 @@ def test_tiles_below_four_rows_devices_without_verified_kernels_and_failed_check
         kernels_for("cpu")
 
 
-def test_the_kv_cache_writes_where_told_and_refuses_positions_past_its_width():
-    cache = KVCache(rows=2, width=6)
-    k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+def test_the_kv_cache_writes_where_told_reads_in_place_and_refuses_positions_past_its_width():
+    cache = KVCache(rows=3, width=6, dtype=torch.float32)
+    k = torch.arange(3 * 2 * 4, dtype=torch.bfloat16).view(3, 2, 4)
+    # The third entry is padding (the scratch row): never stored.
     cache.write(0, torch.tensor([0, 1, cache.scratch]), torch.tensor([0, 5, 0]), k, -k)
-    keys, values = cache.read(0, torch.tensor([1]))
-    assert keys.shape == (1, 6, 2, 4) and torch.equal(keys[0, 5], k[1]) and torch.equal(values[0, 5], -k[1])
-    assert keys[0, :5].abs().sum() == 0  # unwritten positions are zeros (masked, and finite: 0 * value = 0)
-    assert cache.nbytes() == 2 * 3 * 6 * 2 * 4 * 4
+    keys, values = cache.span(0, 1, 2)  # rows 1..2: [2 rows x 2 groups, width, head_dim]
+    assert keys.shape == (4, 6, 4) and keys.dtype == torch.float32
+    assert torch.equal(keys.view(2, 2, 6, 4)[0, :, 5], k[1].float()) and torch.equal(
+        values.view(2, 2, 6, 4)[0, :, 5], -k[1].float()
+    )
+    assert (
+        keys.view(2, 2, 6, 4)[0, :, :5].abs().sum() == 0
+    )  # unwritten positions are zeros (masked, and finite)
+    assert keys.data_ptr() == cache.keys[0][1].data_ptr()  # a view of the buffer, not a copy
+    assert cache.read_bytes == 2 * 4 * 6 * 4 * 4 and cache.copied_bytes == 0
+    assert cache.nbytes() == 2 * 3 * 2 * 6 * 4 * 4  # no scratch row allocated
     with pytest.raises(ValueError, match="position 6 outside the buffer width 6"):
         cache.write(0, torch.tensor([0]), torch.tensor([6]), k[:1], k[:1])
 
@@ -134,3 +142,73 @@ def test_with_exact_modes_mkl_setting_the_tiles_are_invariant_at_wide_shapes_too
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "[]", res.stdout
+
+
+class _PlantedActivation(TiledCPUKernels):
+    """Tiled kernels with one non-invariant op planted: an elementwise op computed in float64 (and rounded) on
+    tensors of more than 1,024 elements, as a kernel that picks another algorithm for large inputs would."""
+
+    def elementwise(self, fn, x):
+        if x.numel() > 1024:
+            return fn(x.double()).to(x.dtype)
+        return super().elementwise(fn, x)
+
+
+def test_the_self_check_fails_on_a_planted_non_invariant_activation_and_reduction_and_passes_the_tiled_kernels():
+    from tim_megatron.exact.kernels import CHECK_THREADS, elementwise_problems, reduction_problems
+
+    assert elementwise_problems(TiledCPUKernels(), threads=CHECK_THREADS) == []
+    planted = elementwise_problems(_PlantedActivation(), threads=(1, 4))
+    assert any("float32 silu" in p for p in planted), planted
+    assert reduction_problems(TiledCPUKernels(), threads=CHECK_THREADS) == []
+    # A lone row of 49,999 entries summed over 2+ threads: ATen's two-pass reduction (measured on every CPU here).
+    lone = reduction_problems(TiledCPUKernels(min_rows=1), threads=(2, 4, 8))  # no padding
+    assert lone and all("one row" in p for p in lone), lone
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 4, 8])
+def test_an_activation_row_has_the_same_bits_alone_and_among_many_at_any_thread_count(dtype, threads):
+    """What broke exact mode at 4 threads: an expert's SiLU over a tensor split between threads at an offset that
+    is no multiple of the vector width. Odd widths, the gated MLP's strided half, and row counts past the split."""
+    from tim_megatron.exact.kernels import ACTIVATIONS, torch_threads
+
+    kernels = TiledCPUKernels()
+    g = torch.Generator().manual_seed(5)
+    for width in (1, 7, 33, 48, 64, 100):
+        for rows in (1, 3, 700, 5000):
+            x = (torch.randn(rows, 2 * width, generator=g) * 4).to(dtype)[:, :width]
+            probe = torch.unique(torch.tensor([0, rows // 3, rows // 2, rows - 1]))
+            for name, fn in ACTIVATIONS.items():
+                with torch_threads(threads):
+                    full = kernels.elementwise(fn, x)
+                    alone = torch.stack([kernels.elementwise(fn, x[r : r + 1])[0] for r in probe])
+                assert full.shape == x.shape and full.dtype == dtype
+                assert torch.equal(full[probe], alone), (name, width, rows)
+                torch.testing.assert_close(
+                    full, fn(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5
+                )
+
+
+def test_the_head_pads_a_one_row_chunk_so_its_cross_entropy_is_the_same_row_among_others(one_rank):
+    """``trainer.logprob_chunk = 1`` at a vocabulary of 65,536: the chunk's lone row is padded to the kernels'
+    ``min_rows`` before megatron-core's cross-entropy (its one-row sum would be split over the threads)."""
+    from tim_megatron.exact.kernels import torch_threads
+    from tim_megatron.trainer.logprobs import HeadSpec, cross_entropy
+
+    spec = HeadSpec(kernels=TiledCPUKernels())
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(6, 1, 65_536, generator=g) * 3
+    targets = torch.randint(0, 65_536, (6, 1), generator=g)
+    for threads in (1, 2, 4, 8):
+        with torch_threads(threads):
+            together = cross_entropy(logits.clone(), targets, spec)
+            alone = torch.cat(
+                [cross_entropy(logits[i : i + 1].clone(), targets[i : i + 1], spec) for i in range(6)]
+            )
+        assert together.shape == (6, 1) and torch.equal(alone, together), threads
+    stock = cross_entropy(logits.clone(), targets, HeadSpec())
+    torch.testing.assert_close(stock, together)
+    x = logits[:1].clone().requires_grad_(True)  # differentiable through the padding (the training forward's)
+    cross_entropy(x * 1.0, targets[:1], spec).sum().backward()
+    assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()

@@ -38,23 +38,6 @@ def _megatron_attention(heads: int, groups: int, channels: int):
     return cfg, DotProductAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs)
 
 
-@pytest.fixture
-def one_rank():
-    """One process's gloo group and megatron-core's parallel state, as the trainer makes them (and the CPU shims
-    it applies without CUDA)."""
-    require(importable("megatron.core"), "megatron-core")
-    from patches.megatron import cpu_shims
-    from tim_megatron.recipe.schema import ParallelismConfig
-    from tim_megatron.trainer.parallel import init_parallel, teardown_parallel
-
-    shims = cpu_shims.apply() if cpu_shims.needed() else None
-    init_parallel(ParallelismConfig(), environ={})  # one process on a free loopback port
-    yield
-    teardown_parallel()
-    if shims is not None:
-        shims.revert()
-
-
 def _attention_shapes() -> list:
     """(family, heads, key/value heads, head_dim) of every non-latent family's tiny model; latent attention has no
     materialized counterpart (megatron-core's DotProductAttention takes one head size)."""

@@ -10,6 +10,10 @@ model (never the class):
   still runs for the backward (its TP/SP collectives and weight-gradient handling), and only its forward value is
   replaced, so a training forward's logprobs equal the old-logprob pass's and the first minibatch's ratio is 1;
 * every ``TopKRouter.gating``: the router logits, the same way;
+* every MLP's activation (dense MLPs, every expert, shared experts): the value from
+  :meth:`ExactKernels.elementwise` (torch's SiLU gives an element other bits on its scalar tail path than on its
+  vector path, and which path an element takes depends on its place in the tensor and the thread count); the
+  gradient through the stock activation, as for the linears;
 * every local ``DotProductAttention``: scores and probabilities-times-values through :meth:`ExactKernels.bmm`,
   with the query heads of one key/value group stacked as rows (no repeated keys), the causal mask applied as
   ``-inf`` and the softmax in float32 (megatron's ``attention_softmax_in_fp32``).
@@ -51,6 +55,8 @@ SPEC = PatchSpec(
         "megatron.core.transformer.moe.router.TopKRouter.gating",
         "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
         "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward",
+        "megatron.core.transformer.mlp.MLP.activation_func",
+        "megatron.core.transformer.transformer_config.TransformerConfig.activation_func",
     ),
 )
 
@@ -74,6 +80,53 @@ def _modules(model):
         elif isinstance(m, DotProductAttention):
             attention.append(m)
     return gpt, linears, routers, attention
+
+
+def _mlps(model) -> list:
+    from megatron.core.transformer.mlp import MLP
+
+    from tim_megatron.trainer.model import unwrap
+
+    return [m for m in unwrap(model).modules() if isinstance(m, MLP)]
+
+
+class _Activation:
+    """An MLP activation whose value comes from :meth:`ExactKernels.elementwise` and whose gradient from the stock
+    op. Megatron's gated MLP calls ``config.activation_func`` and the plain one ``self.activation_func``."""
+
+    def __init__(self, kernels, stock):
+        self.kernels = kernels
+        self.stock = stock
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            value = self.kernels.elementwise(self.stock, x)
+        return _with_reference(lambda: self.stock(x), value, x)
+
+
+def _route_activations(model, kernels) -> int:
+    """Give every MLP (and the configs its gated path reads) an :class:`_Activation`; returns how many MLPs."""
+    mlps = _mlps(model)
+    configs = {id(m.config): m.config for m in mlps}
+    for cfg in configs.values():
+        if cfg.bias_activation_fusion or getattr(cfg, "use_te_activation_func", False):
+            raise ValueError(
+                "exact mode: bias_activation_fusion / use_te_activation_func run fused activation kernels that the "
+                "row-invariant kernels do not cover; both must be off"
+            )
+        if not isinstance(cfg.activation_func, _Activation):
+            cfg.activation_func = _Activation(kernels, cfg.activation_func)
+    for m in mlps:
+        if not isinstance(m.activation_func, _Activation):
+            m.activation_func = _Activation(kernels, m.activation_func)
+    return len(mlps)
+
+
+def _unroute_activations(model) -> None:
+    mlps = _mlps(model)
+    for owner in [*{id(m.config): m.config for m in mlps}.values(), *mlps]:
+        if isinstance(owner.activation_func, _Activation):
+            owner.activation_func = owner.activation_func.stock
 
 
 class _Substitute(torch.autograd.Function):
@@ -131,12 +184,13 @@ class _Decode:
     positions: torch.Tensor
 
 
-def attend(kernels, q, k, v, masked, scale: float) -> torch.Tensor:
+def attend(kernels, q, k, v, masked, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Scaled dot-product attention of ``q [B, Mq, hn]`` over ``k, v [B, W, hn]``; ``masked [B or 1, Mq, W]``
-    (True: excluded). Shared by the training forward and the decode step, so both compute a row the same way."""
+    (True: excluded); the probabilities rounded to the model's ``dtype``. Shared by the training forward and the
+    decode step (whose cached keys and values may be stored wider), so both compute a row the same way."""
     scores = kernels.bmm(q, k.transpose(1, 2)) * scale
     scores = scores.float().masked_fill(masked, float("-inf"))
-    probs = kernels.softmax(scores).to(v.dtype)
+    probs = kernels.softmax(scores).to(dtype)
     return kernels.bmm(probs, v)
 
 
@@ -157,7 +211,7 @@ def _attention_forward(
         v = value.permute(1, 2, 0, 3).reshape(b * groups, value.shape[0], hn)
         mask = attention_mask.reshape(attention_mask.shape[-2], attention_mask.shape[-1])
         masked = mask.unsqueeze(0).expand(per, *mask.shape).reshape(1, per * sq, mask.shape[-1])
-        ctx = attend(kernels, q, k, v, masked, self.softmax_scale)
+        ctx = attend(kernels, q, k, v, masked, self.softmax_scale, value.dtype)
         ctx = ctx.reshape(b, groups, per, sq, hn).permute(3, 0, 1, 2, 4)
         return ctx.reshape(sq, b, heads * hn)
     if b != 1:
@@ -165,33 +219,38 @@ def _attention_forward(
     cache, n = state.cache, sq
     with torch.no_grad():
         cache.write(state.layer, state.rows, state.positions, key[:, 0], value[:, 0])
-    # Entries of one sequence share its buffer: gather each sequence's buffer once and stack its entries as rows
-    # (a prefill holds many entries per sequence, a decode step one), padded to the longest; the padding slots see
-    # every key (finite values) and are dropped.
-    seqs, which = torch.unique(state.rows, return_inverse=True)
-    order = torch.argsort(which, stable=True)
-    counts = torch.bincount(which, minlength=len(seqs))
+    out = query.new_zeros(n, 1, heads * hn)  # padding entries' outputs stay zero (never read)
+    real = (state.rows != cache.scratch).nonzero().squeeze(1)
+    if len(real) == 0:
+        return out
+    # The real entries' rows lo..hi are one block of the cache, read in place (no copy); entries of one sequence
+    # are stacked as its query rows (a prefill holds many entries per sequence, a decode step one), padded to the
+    # most any sequence has; rows of the block without entries, and the padding slots, see every key (finite
+    # values) and are dropped.
+    rows, positions = state.rows[real], state.positions[real]
+    lo, hi = int(rows.min()), int(rows.max())
+    span, local = hi - lo + 1, rows - lo
+    counts = torch.bincount(local, minlength=span)
+    order = torch.argsort(local, stable=True)
     starts = torch.cumsum(counts, 0) - counts
-    slot = torch.empty_like(which)
-    slot[order] = torch.arange(n, device=which.device) - starts[which[order]]
-    depth = int(counts.max())
+    slot = torch.empty_like(local)
+    slot[order] = torch.arange(len(local), device=local.device) - starts[local[order]]
+    depth, width = int(counts.max()), cache.width
     with torch.no_grad():
-        keys, values = cache.read(state.layer, seqs)  # [u, W, ng, hn]
-    u, width = len(seqs), keys.shape[1]
-    q = query.new_zeros(u, depth, groups, per, hn)
-    q[which, slot] = query[:, 0].reshape(n, groups, per, hn)
-    pos = torch.full((u, depth), width - 1, dtype=torch.long, device=query.device)
-    pos[which, slot] = state.positions
-    q = q.permute(0, 2, 3, 1, 4).reshape(u * groups, per * depth, hn)
-    k = keys.permute(0, 2, 1, 3).reshape(u * groups, width, hn)
-    v = values.permute(0, 2, 1, 3).reshape(u * groups, width, hn)
-    after = torch.arange(width, device=query.device).view(1, 1, width) > pos.view(
-        u, depth, 1
-    )  # [u, depth, W]
-    masked = after.view(u, 1, 1, depth, width).expand(u, groups, per, depth, width)
-    ctx = attend(kernels, q, k, v, masked.reshape(u * groups, per * depth, width), self.softmax_scale)
-    ctx = ctx.reshape(u, groups, per, depth, hn).permute(0, 3, 1, 2, 4)[which, slot]  # [n, ng, per, hn]
-    return ctx.reshape(n, 1, heads * hn)
+        k, v = cache.span(state.layer, lo, hi)  # [span * ng, W, hn]
+    q = query.new_zeros(span, depth, groups, per, hn)
+    q[local, slot] = query[real, 0].reshape(len(real), groups, per, hn)
+    pos = torch.full((span, depth), width - 1, dtype=torch.long, device=query.device)
+    pos[local, slot] = positions
+    q = q.permute(0, 2, 3, 1, 4).reshape(span * groups, per * depth, hn)
+    after = torch.arange(width, device=query.device).view(1, 1, width) > pos.view(span, depth, 1)
+    masked = after.view(span, 1, 1, depth, width).expand(span, groups, per, depth, width)
+    ctx = attend(
+        kernels, q, k, v, masked.reshape(span * groups, per * depth, width), self.softmax_scale, query.dtype
+    )
+    ctx = ctx.reshape(span, groups, per, depth, hn).permute(0, 3, 1, 2, 4)[local, slot]  # [m, ng, per, hn]
+    out[real, 0] = ctx.reshape(len(real), heads * hn)
+    return out
 
 
 def _check_attention(module) -> None:
@@ -230,8 +289,14 @@ def apply(model, kernels) -> dict[str, int]:
     for m in (*linears, *routers, *attention):
         m._tim_kernels = kernels
         setattr(m, _MARK, True)
+    mlps = _route_activations(model, kernels)
     setattr(gpt, _MARK, kernels)
-    return {"linears": len(linears), "routers": len(routers), "attention": len(attention)}
+    return {
+        "linears": len(linears),
+        "routers": len(routers),
+        "attention": len(attention),
+        "activations": mlps,
+    }
 
 
 def kernels_of(model):
@@ -242,6 +307,7 @@ def kernels_of(model):
 
 
 def revert(model) -> None:
+    _unroute_activations(model)
     _gpt, linears, routers, attention = _modules(model)
     for m in (*linears, *routers, *attention):
         if getattr(m, _MARK, False):

@@ -189,7 +189,7 @@ def scenario_forced(out: dict, overrides: list[str]) -> None:
     old = tr.logprobs(SeqBatch(ids, total), width=width)[0].logprobs
 
     def decode() -> torch.Tensor:
-        cache = KVCache(rows=rows, width=width)
+        cache = KVCache(rows=rows, width=width, dtype=tr.exact_cache_dtype())
         got = torch.zeros(rows, width)
         fed = [0] * rows  # positions fed so far
         while True:

@@ -23,16 +23,30 @@ in exact mode before anything runs). bfloat16 and float16 GEMMs go through oneDN
 so the tiles compute them in float32 and round the result. :func:`kernels_for` checks the invariance at a wide
 shape before a run starts and stops with the fix when it does not hold.
 
-Everything else the forward runs is row-wise by construction on this CPU (norms, softmax, the vocab-parallel
-cross-entropy reduce each row on its own, and ``tests/test_exact_kv.py`` checks the whole forward). A CUDA variant
-needs batch-invariant versions of these kernels and of those row reductions (split-K and tile choices there depend
-on the batch size); it plugs in here through :func:`kernels_for` without touching the sampler. None is verified
-in this version, so :func:`kernels_for` refuses CUDA.
+Elementwise ops are not row-invariant as torch runs them: ATen computes a contiguous run of elements on the SIMD
+path and the run's last ``len % (2 x vector width)`` elements on a scalar path, and a tensor of 32,768 elements or
+more (its ``GRAIN_SIZE``) is cut into one run per thread at offsets that are not multiples of the vector width.
+SiLU's, sigmoid's and GELU's two paths disagree in the last bit on a few percent of inputs (exp's, log's and
+rsqrt's agree on the CPUs measured), so a row's activations depended on its place in the tensor and on the thread
+count. :meth:`TiledCPUKernels.elementwise` runs such an op on a flat copy padded to a multiple of
+:data:`VECTOR_SPAN` elements, in calls of :data:`ELEMENTWISE_BLOCK` elements: each call runs on one thread and
+every element on the SIMD path, so an element's bits depend only on its value.
+
+Row reductions (norms, softmax, the head's cross-entropy) keep each row on one thread when the reduction has two
+rows or more; a lone row of 32,768 entries or more is split over the threads (ATen's two-pass reduction), so the
+head pads a chunk to :attr:`TiledCPUKernels.min_rows` rows (``trainer/logprobs.py``).
+
+:func:`invariance_problems` checks all of it at 1, 2, 4 and 8 threads, at odd widths and large row counts, before a
+run starts. A CUDA variant needs batch-invariant versions of these kernels and of those row reductions (split-K
+and tile choices there depend on the batch size); it plugs in here through :func:`kernels_for` without touching
+the sampler. None is verified in this version, so :func:`kernels_for` refuses CUDA (``docs/exact-mode.md``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,10 +63,31 @@ def pin_cpu_reductions() -> None:
         os.environ.setdefault(key, value)
 
 
+VECTOR_SPAN = 64
+"""Elements ATen's vectorised elementwise loop takes per iteration at most (two 512-bit vectors of 16-bit values):
+a run whose length is a multiple of it has no scalar tail."""
+
+ELEMENTWISE_BLOCK = 256 * VECTOR_SPAN
+"""Elements per call of an invariant elementwise op: below ATen's ``GRAIN_SIZE`` (32,768), so one thread runs it."""
+
+CHECK_THREADS = (1, 2, 4, 8)
+"""Thread counts :func:`invariance_problems` runs its elementwise and reduction probes at."""
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "gelu": F.gelu,
+    "exp": torch.exp,
+}
+"""The elementwise ops the self-check probes (the activations exact mode routes, and the head's exp)."""
+
+
 class ExactKernels(Protocol):
     """Products whose every output row depends only on its own input row (and the other operand)."""
 
     name: str
+    min_rows: int
+    """Row reductions (the head's cross-entropy) are given at least this many rows."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x [..., K] @ weight[N, K]^T -> [..., N]``; differentiable."""
@@ -66,6 +101,14 @@ class ExactKernels(Protocol):
         """Softmax over the last dimension, each row on its own."""
         ...
 
+    def elementwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``fn`` (an elementwise op) of ``x``, each element's bits depending only on its value; not differentiable."""
+        ...
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the products compute operands of ``dtype`` in (the KV cache stores keys and values in it)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TiledCPUKernels:
@@ -75,6 +118,8 @@ class TiledCPUKernels:
     """Rows per GEMM tile of :meth:`linear` (a decode step pads its rows up to a multiple of this)."""
     attention_rows: int = 4
     """Rows per tile of :meth:`bmm` (a decode step's single query per head is padded to this)."""
+    min_rows: int = 2
+    """Rows a row reduction is given at least: a lone row of 32,768 entries or more is split over threads."""
     name: str = "cpu-tiled"
 
     def __post_init__(self):
@@ -111,6 +156,20 @@ class TiledCPUKernels:
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x, dim=-1)
 
+    def elementwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1)
+        n = flat.numel()
+        padded = -(-n // VECTOR_SPAN) * VECTOR_SPAN
+        if padded != n:
+            flat = F.pad(flat, (0, padded - n))
+        out = torch.empty_like(flat)
+        for start in range(0, padded, ELEMENTWISE_BLOCK):
+            out[start : start + ELEMENTWISE_BLOCK] = fn(flat[start : start + ELEMENTWISE_BLOCK])
+        return out[:n].view(x.shape)
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return _wide(dtype)
+
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype the tiles compute in: float32 for the 16-bit types (oneDNN's GEMMs, outside MKL's strict mode)."""
@@ -121,6 +180,7 @@ class PlainKernels:
     """torch's own products, untiled: the contrast :func:`invariance_problems` is read against (not exact)."""
 
     name: str = "plain"
+    min_rows: int = 1
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
@@ -131,16 +191,48 @@ class PlainKernels:
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x, dim=-1)
 
+    def elementwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(x)
 
-INVARIANCE_CHECKS = 8
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+
+PRODUCT_CHECKS = 8
 """How many (dtype, product, shape) cases :func:`invariance_problems` tries."""
 
+ELEMENTWISE_WIDTHS = (37, 96)
+"""Row widths of the elementwise probe: an odd one (a lone row ends in a scalar tail) and one whose 1,500 rows
+span 144,000 elements (split over every thread count)."""
 
-def invariance_problems(
+REDUCTION_WIDTHS = (49_999, 65_536)
+"""Vocabulary sizes of the reduction probe: wide enough for ATen to split a lone row over its threads."""
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads (restored after)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _probe_rows(rows: int, width: int, threads: int) -> list[int]:
+    """The rows a thread split cuts (ATen splits ``rows x width`` elements into ``threads`` equal runs), plus the
+    first, the last and a few in between."""
+    numel, chunk = rows * width, -(-rows * width // threads)
+    cut = {min(rows - 1, (j * chunk) // width) for j in range(1, threads) if j * chunk < numel}
+    return sorted(cut | {0, rows - 1, rows // 3, rows // 2, (2 * rows) // 3})
+
+
+def product_problems(
     kernels: ExactKernels, *, seed: int = 0, device: torch.device | str = "cpu"
 ) -> list[str]:
-    """Where ``kernels`` give a row other bits alone than among many, at shapes wide enough for MKL to split one
-    GEMM over its threads (a decode step's), float32 and bfloat16, on ``device``; empty when none."""
+    """Where ``kernels`` give a GEMM or attention row other bits alone than among many, at shapes wide enough for
+    MKL to split one GEMM over its threads (a decode step's), float32 and bfloat16, on ``device``."""
     g = torch.Generator().manual_seed(seed)
     found = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -157,6 +249,81 @@ def invariance_problems(
         if not torch.equal(kernels.softmax(scores[:1])[0], kernels.softmax(scores)[0]):
             found.append(f"{str(dtype)[6:]} softmax over 2048")
     return found
+
+
+def elementwise_problems(
+    kernels: ExactKernels, *, threads: tuple[int, ...], seed: int = 0, device: torch.device | str = "cpu"
+) -> list[str]:
+    """Where :meth:`ExactKernels.elementwise` gives a row's elements other bits alone than inside a tensor of 1,500
+    rows (contiguous, and as the strided half a gated MLP takes), for each op of :data:`ACTIVATIONS`, float32
+    and bfloat16, at each thread count."""
+    g = torch.Generator().manual_seed(seed)
+    found = []
+    rows = 1500
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in ELEMENTWISE_WIDTHS:
+            both = (torch.randn(rows, 2 * width, generator=g) * 4).to(device, dtype)
+            gated = both[:, :width]  # a view: torch.chunk(x, 2, -1)[0] in megatron's gated MLP
+            plain = gated.contiguous()
+            for name, fn in ACTIVATIONS.items():
+                for t in threads:
+                    with torch_threads(t):
+                        bad = [
+                            r
+                            for x in (plain, gated)
+                            for full in (kernels.elementwise(fn, x),)
+                            for r in _probe_rows(rows, width, t)
+                            if not torch.equal(kernels.elementwise(fn, x[r : r + 1])[0], full[r])
+                        ]
+                    if bad:
+                        found.append(f"{str(dtype)[6:]} {name}, width {width}, {t} threads (rows {bad[:4]})")
+    return found
+
+
+def _sum_of_exp(kernels: ExactKernels, x: torch.Tensor) -> torch.Tensor:
+    """The head's reduction (the cross-entropy's sum of exponentials), on at least ``kernels.min_rows`` rows."""
+    rows = x.shape[0]
+    if rows < kernels.min_rows:
+        x = F.pad(x, (0, 0, 0, kernels.min_rows - rows))
+    return torch.exp(x).sum(-1)[:rows]
+
+
+def reduction_problems(
+    kernels: ExactKernels, *, threads: tuple[int, ...], seed: int = 0, device: torch.device | str = "cpu"
+) -> list[str]:
+    """Where the head's row reduction (given ``kernels.min_rows`` rows) gives a lone row other bits than the same
+    row among eight, float32, at vocabularies a lone row is split at, at each thread count."""
+    g = torch.Generator().manual_seed(seed)
+    found = []
+    for vocab in REDUCTION_WIDTHS:
+        x = (torch.randn(8, vocab, generator=g) * 3).to(device)
+        for t in threads:
+            with torch_threads(t):
+                if not torch.equal(_sum_of_exp(kernels, x[:1])[0], _sum_of_exp(kernels, x)[0]):
+                    found.append(f"float32 sum of exp over {vocab}, one row, {t} threads")
+    return found
+
+
+INVARIANCE_CHECKS = (
+    PRODUCT_CHECKS
+    + 2 * len(ELEMENTWISE_WIDTHS) * len(ACTIVATIONS) * len(CHECK_THREADS)
+    + len(REDUCTION_WIDTHS) * len(CHECK_THREADS)
+)
+"""How many cases :func:`invariance_problems` tries on a CPU (at most)."""
+
+
+def invariance_problems(
+    kernels: ExactKernels, *, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[str]:
+    """Every case where ``kernels`` give a row other bits alone than among many: products
+    (:func:`product_problems`), elementwise ops and the head's reduction at each of :data:`CHECK_THREADS` (one
+    thread count off the CPU); empty when none."""
+    threads = CHECK_THREADS if torch.device(device).type == "cpu" else (torch.get_num_threads(),)
+    return [
+        *product_problems(kernels, seed=seed, device=device),
+        *elementwise_problems(kernels, threads=threads, seed=seed, device=device),
+        *reduction_problems(kernels, threads=threads, seed=seed, device=device),
+    ]
 
 
 def kernels_for(device: torch.device | str) -> ExactKernels:

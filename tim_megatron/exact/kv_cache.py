@@ -1,10 +1,16 @@
-"""The exact sampler's KV cache: one fixed-width key/value buffer per attention layer and sequence.
+"""The exact sampler's KV cache: one fixed-width key/value buffer per attention layer and sequence, read in place.
 
 Every buffer is as wide as the training forward the old-logprob pass will run (``MegatronTrainer.exact_width``),
 so a cached query attends over exactly the keys, at exactly the width, that the training forward's causal row
 holds: the positions after it are masked out in both (zeros here, later tokens there), and the softmax and the
-probabilities-times-values product reduce over the same ``W`` entries. One extra row (index ``rows``) takes the
-padding entries that keep decode shapes equal across ranks; it is never read for a real sequence.
+probabilities-times-values product reduce over the same ``W`` entries.
+
+Layout ``[rows, groups, width, head_dim]`` per layer: the rows ``lo .. hi`` are one contiguous block, and viewed as
+``[(hi - lo + 1) x groups, width, head_dim]`` they are the batch of attention's products without a copy
+(:meth:`KVCache.span`). The buffers hold the row-invariant kernels' compute dtype (float32 for a bfloat16 model:
+the tiles widen their operands to it anyway, and a key converted once on its write is the same value as one
+converted on every read). Padding entries (the ones that keep decode shapes equal across ranks) carry the row
+index :attr:`KVCache.scratch`: they are never written and never attend, so they cost neither memory nor depth.
 """
 
 from __future__ import annotations
@@ -17,35 +23,67 @@ import torch
 @dataclass
 class KVCache:
     rows: int
-    """Sequences (cache rows) this rank generates; row ``rows`` is the padding entries' scratch row."""
+    """Sequences (cache rows) this rank generates."""
     width: int
     """Positions per row: the training forward's width."""
+    dtype: torch.dtype | None = None
+    """Storage dtype (the kernels' compute dtype); None: the dtype of the first keys written."""
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per attention layer: ``[rows + 1, width, groups, head_dim]``, allocated on the layer's first write."""
+    """Per attention layer: ``[rows, groups, width, head_dim]``, allocated on the layer's first write."""
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    read_bytes: int = 0
+    """Bytes of keys and values handed to decode steps (as views: read in place by the attention products)."""
+    copied_bytes: int = 0
+    """Bytes of keys and values copied to serve reads (0: every read is a view)."""
 
     @property
     def scratch(self) -> int:
+        """The row index of padding entries: never stored, never read."""
         return self.rows
 
     def write(
         self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ):
-        """Store the new entries' keys and values ``[n, groups, head_dim]`` at ``(rows[i], positions[i])``."""
+        """Store the entries' keys and values ``[n, groups, head_dim]`` at ``(rows[i], positions[i])``; padding
+        entries (row :attr:`scratch`) are skipped."""
+        real = rows != self.scratch
+        if not bool(real.any()):
+            return
+        rows, positions, k, v = rows[real], positions[real], k[real], v[real]
         if int(positions.max()) >= self.width or int(positions.min()) < 0:
             raise ValueError(
                 f"KV cache: position {int(positions.max())} outside the buffer width {self.width}"
             )
         if layer not in self.keys:
-            shape = (self.rows + 1, self.width, *k.shape[1:])
-            self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        self.keys[layer][rows, positions] = k
-        self.values[layer][rows, positions] = v
+            dtype = self.dtype or k.dtype
+            shape = (self.rows, k.shape[1], self.width, k.shape[2])
+            self.keys[layer] = torch.zeros(shape, dtype=dtype, device=k.device)
+            self.values[layer] = torch.zeros(shape, dtype=dtype, device=v.device)
+        keys, values = self.keys[layer], self.values[layer]
+        keys[rows, :, positions] = k.to(keys.dtype)
+        values[rows, :, positions] = v.to(values.dtype)
 
-    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole buffers of ``rows``: keys and values ``[n, width, groups, head_dim]``."""
-        return self.keys[layer][rows], self.values[layer][rows]
+    def span(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``lo .. hi`` (inclusive) as views ``[(hi - lo + 1) x groups, width, head_dim]``: no copy."""
+        keys, values = self.keys[layer][lo : hi + 1], self.values[layer][lo : hi + 1]
+        self.read_bytes += 2 * keys.numel() * keys.element_size()
+        flat = (-1, self.width, keys.shape[-1])
+        return keys.view(flat), values.view(flat)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values())
+
+
+def cache_bytes(*, rows: int, width: int, layers: int, groups: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of the exact sampler's cache: keys and values of ``rows`` sequences at ``width`` positions."""
+    return 2 * layers * rows * groups * width * head_dim * dtype_bytes
+
+
+def gathered_bytes_per_step(
+    *, rows: int, width: int, layers: int, groups: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """Bytes a decode step would copy if it gathered every active row's whole buffer per layer (written once and
+    read back by the products): what reading the cache in place saves."""
+    return 2 * cache_bytes(
+        rows=rows, width=width, layers=layers, groups=groups, head_dim=head_dim, dtype_bytes=dtype_bytes
+    )

@@ -149,7 +149,7 @@ class ExactSampler:
         tr = self.trainer
         budget = self.recipe.rollout.max_tokens
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        cache = KVCache(rows=len(seqs), width=width)
+        cache = KVCache(rows=len(seqs), width=width, dtype=tr.exact_cache_dtype())
         lockstep = tr.recipe.parallel.ep > 1 and dist.is_initialized() and dist.get_world_size() > 1
         forwards, prefill = 0, True
         while True:

@@ -62,12 +62,29 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, spec: HeadSpec) -> torch.Tens
     return out / spec.temperature if spec.temperature != 1.0 else out
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, spec: HeadSpec) -> torch.Tensor:
+    """Megatron-core's vocab-parallel cross-entropy of ``logits [chunk, batch, V / tp]`` (consumed in place).
+
+    With exact mode's kernels a chunk of fewer than ``kernels.min_rows`` rows is padded with zero rows first: ATen
+    splits the reduction of a lone row of 32,768 or more entries over its threads, so a one-row chunk (a decode
+    step's last entries, or ``trainer.logprob_chunk = 1``) would sum in another order than the same row among
+    others."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    chunk, batch = targets.shape
+    need = 0 if spec.kernels is None else spec.kernels.min_rows
+    if chunk * batch >= need:
+        return vocab_parallel_cross_entropy(logits, targets)
+    pad = need - chunk * batch
+    flat = torch.nn.functional.pad(logits.reshape(chunk * batch, 1, -1), (0, 0, 0, 0, 0, pad))
+    t = torch.nn.functional.pad(targets.reshape(chunk * batch, 1), (0, 0, 0, pad))
+    return vocab_parallel_cross_entropy(flat, t)[: chunk * batch].reshape(chunk, batch)
+
+
 def _chunk_logprobs(
     h: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, spec: HeadSpec
 ) -> torch.Tensor:
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    return -vocab_parallel_cross_entropy(_logits(h, weight, spec), targets)
+    return -cross_entropy(_logits(h, weight, spec), targets, spec)
 
 
 def _all_reduce(t: torch.Tensor, op, group, size: int) -> torch.Tensor:
@@ -160,9 +177,7 @@ def token_logprobs(
                 t = sampler.choose(start, logits, t)
             if with_entropy:
                 ents.append(_entropy(logits, group, size))
-            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-            lps.append(-vocab_parallel_cross_entropy(logits, t))  # consumes ``logits`` in place
+            lps.append(-cross_entropy(logits, t, spec))  # consumes ``logits`` in place
 
     def shift(parts):
         x = torch.cat(parts, 0).t()  # [b, s]: x[:, t] predicts token t + 1

@@ -423,6 +423,10 @@ class MegatronTrainer:
         routed = self._gather_recorded(rec.indices, ids.shape[0], ids.shape[1]) if record else None
         return out.logprobs.float().cpu(), routed
 
+    def exact_cache_dtype(self) -> torch.dtype:
+        """The dtype exact mode's KV cache stores keys and values in: what its kernels compute the model's in."""
+        return invariant_kernels.kernels_of(self.model).compute_dtype(DTYPES[self.dtype])
+
     @torch.no_grad()
     def decode_forward(
         self,
