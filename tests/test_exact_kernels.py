@@ -95,7 +95,7 @@ def test_the_kv_cache_writes_where_told_reads_in_place_and_refuses_positions_pas
     k = torch.arange(3 * 2 * 4, dtype=torch.bfloat16).view(3, 2, 4)
     # The third entry is padding (the scratch row): never stored.
     cache.write(0, torch.tensor([0, 1, cache.scratch]), torch.tensor([0, 5, 0]), k, -k)
-    keys, values = cache.span(0, 1, 2)  # rows 1..2: [2 rows x 2 groups, width, head_dim]
+    keys, values = cache.span(0, 1, 2, active=1)  # rows 1..2: [2 rows x 2 groups, width, head_dim]
     assert keys.shape == (4, 6, 4) and keys.dtype == torch.float32
     assert torch.equal(keys.view(2, 2, 6, 4)[0, :, 5], k[1].float()) and torch.equal(
         values.view(2, 2, 6, 4)[0, :, 5], -k[1].float()
@@ -105,9 +105,27 @@ def test_the_kv_cache_writes_where_told_reads_in_place_and_refuses_positions_pas
     )  # unwritten positions are zeros (masked, and finite)
     assert keys.data_ptr() == cache.keys[0][1].data_ptr()  # a view of the buffer, not a copy
     assert cache.read_bytes == 2 * 4 * 6 * 4 * 4 and cache.copied_bytes == 0
+    assert cache.gather_bytes == 2 * (2 * 2 * 6 * 4 * 4)  # one active row, gathered then reshaped
     assert cache.nbytes() == 2 * 3 * 2 * 6 * 4 * 4  # no scratch row allocated
     with pytest.raises(ValueError, match="position 6 outside the buffer width 6"):
         cache.write(0, torch.tensor([0]), torch.tensor([6]), k[:1], k[:1])
+
+
+def test_a_finished_sequence_hands_its_slot_to_the_last_live_one_so_the_live_ones_stay_one_block():
+    cache = KVCache(rows=3, width=4, dtype=torch.float32)
+    k = torch.randn(3, 1, 2)
+    cache.write(0, torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2]), k, 2 * k)
+    before = cache.keys[0].clone()
+    cache.release(0)  # sequence 2 (the last live slot) moves into slot 0
+    assert cache.live == 2 and cache.slots(torch.tensor([0, 1, 2, 3])).tolist() == [-1, 1, 0, -1]
+    assert torch.equal(cache.keys[0][0], before[2]) and torch.equal(cache.values[0][0], 2 * before[2])
+    assert cache.copied_bytes == 2 * 1 * 4 * 2 * 4  # one row's keys and values, once
+    cache.write(0, torch.tensor([2, 0]), torch.tensor([3, 3]), k[:2], k[:2])  # a released sequence: skipped
+    assert torch.equal(cache.keys[0][0, :, 3], k[0]) and torch.equal(cache.keys[0][1], before[1])
+    cache.release(1)  # the last live slot itself: nothing moves
+    assert cache.live == 1 and cache.copied_bytes == 64
+    with pytest.raises(ValueError, match="sequence 1 released twice"):
+        cache.release(1)
 
 
 def test_the_invariant_kernels_patch_refuses_an_unknown_megatron_version(monkeypatch):

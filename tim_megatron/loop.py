@@ -112,6 +112,7 @@ def one_step(
     update -> sync -> validation and dumps. Returns the step's metrics and early-warning events."""
     r, tr, ro, prompts, memory = recipe, parts.trainer, parts.rollout, parts.prompts, parts.colocation
     t = phases.Timer()
+    cpu = phases.process_tree_cpu_seconds()
     with t("step"):
         with t("rollout"):  # each engine samples its block of the prompts and scores its samples
             batch, metrics, probe = phases.rollouts(
@@ -161,6 +162,7 @@ def one_step(
             events = [e.as_dict() for e in parts.state.warnings.update(step, metrics)]
             dump_tokens(recipe=r, trainer=tr, run_dir=run_dir, step=step, batch=batch, old=old, adv=adv)
     metrics.update(t.times)
+    metrics["time/step_cpu"] = phases.process_tree_cpu_seconds() - cpu
     return metrics, events
 
 

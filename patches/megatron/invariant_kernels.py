@@ -220,16 +220,17 @@ def _attention_forward(
     with torch.no_grad():
         cache.write(state.layer, state.rows, state.positions, key[:, 0], value[:, 0])
     out = query.new_zeros(n, 1, heads * hn)  # padding entries' outputs stay zero (never read)
-    real = (state.rows != cache.scratch).nonzero().squeeze(1)
+    slots = cache.slots(state.rows)
+    real = (slots >= 0).nonzero().squeeze(1)
     if len(real) == 0:
         return out
-    # The real entries' rows lo..hi are one block of the cache, read in place (no copy); entries of one sequence
+    # The real entries' slots lo..hi are one block of the cache, read in place (no copy); entries of one sequence
     # are stacked as its query rows (a prefill holds many entries per sequence, a decode step one), padded to the
-    # most any sequence has; rows of the block without entries, and the padding slots, see every key (finite
+    # most any sequence has; slots of the block without entries, and the padding slots, see every key (finite
     # values) and are dropped.
-    rows, positions = state.rows[real], state.positions[real]
-    lo, hi = int(rows.min()), int(rows.max())
-    span, local = hi - lo + 1, rows - lo
+    slots, positions = slots[real], state.positions[real]
+    lo, hi = int(slots.min()), int(slots.max())
+    span, local = hi - lo + 1, slots - lo
     counts = torch.bincount(local, minlength=span)
     order = torch.argsort(local, stable=True)
     starts = torch.cumsum(counts, 0) - counts
@@ -237,7 +238,7 @@ def _attention_forward(
     slot[order] = torch.arange(len(local), device=local.device) - starts[local[order]]
     depth, width = int(counts.max()), cache.width
     with torch.no_grad():
-        k, v = cache.span(state.layer, lo, hi)  # [span * ng, W, hn]
+        k, v = cache.span(state.layer, lo, hi, active=int((counts > 0).sum()))  # [span * ng, W, hn]
     q = query.new_zeros(span, depth, groups, per, hn)
     q[local, slot] = query[real, 0].reshape(len(real), groups, per, hn)
     pos = torch.full((span, depth), width - 1, dtype=torch.long, device=query.device)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.algo.injection import perturbed_logprobs, sampling_noise
+from tim_megatron.exact.kv_cache import KVCache
 from tim_megatron.rollout.base import FleetLayout, GenerationStats, RolloutInputError, Sample, sample_seed
 
 if TYPE_CHECKING:
@@ -97,9 +98,9 @@ class ExactSampler:
             sample_seed(self.recipe.run.seed, step, first_index + k // n, k % n) for k in range(len(seqs))
         ]
         results = [_Row(len(s)) for s in seqs]
-        forwards, cache_bytes = 0, 0
+        forwards, cache = 0, None
         if self.recipe.diagnostics.exact_sampler == "kv-cache":
-            forwards, cache_bytes = self._cached(seqs, seeds, results, width, greedy, inject)
+            forwards, cache = self._cached(seqs, seeds, results, width, greedy, inject)
         else:
             for rows in self.trainer.micro_batches(len(seqs)):
                 forwards += self._micro_batch(
@@ -131,21 +132,26 @@ class ExactSampler:
             seconds=time.perf_counter() - t0,
             prompt_tokens=n_prompt,
             response_tokens=n_resp,
-            extra={"forwards": forwards, "width": width, "kv_cache_bytes": cache_bytes},
+            extra={
+                "forwards": forwards,
+                "width": width,
+                "kv_cache_bytes": cache.nbytes() if cache else 0,
+                "kv_read_bytes": cache.read_bytes if cache else 0,
+                "kv_copied_bytes": cache.copied_bytes if cache else 0,
+                "kv_gather_bytes": cache.gather_bytes if cache else 0,
+            },
         )
         return groups, stats
 
-    def _cached(self, seqs, seeds, results, width: int, greedy: bool, inject) -> tuple[int, int]:
+    def _cached(self, seqs, seeds, results, width: int, greedy: bool, inject) -> tuple[int, KVCache]:
         """Generate every row of this rank with the KV cache (in place); returns the number of forwards and the
-        cache's size in bytes.
+        cache (its size and traffic).
 
         The first forward prefills every prompt (all prompt positions as entries); each later one feeds every
         unfinished row's last token. The row-invariant kernels make a row's bits independent of the micro-batch
-        it trains in, so all rows decode together. Entries are padded (scratch cache row) to a multiple of TP for
+        it trains in, so all rows decode together. Entries are padded (row ``cache.scratch``: neither stored nor attending) to a multiple of TP for
         sequence parallelism, plus one so that the last real entry's prediction is kept, and under expert
         parallelism to the largest count of any rank, whose forwards all run in step until every rank is done."""
-        from tim_megatron.exact.kv_cache import KVCache
-
         tr = self.trainer
         budget = self.recipe.rollout.max_tokens
         gens = [torch.Generator().manual_seed(s) for s in seeds]
@@ -168,7 +174,7 @@ class ExactSampler:
                 dist.all_reduce(c, op=dist.ReduceOp.MAX)
                 count = int(c.item())
             if count == 0:
-                return forwards, cache.nbytes()
+                return forwards, cache
             n = -(-(count + 1) // tr.tp) * tr.tp
             entries.extend((cache.scratch, 0, 0) for _ in range(n - len(entries)))
             chooser = _Chooser(
@@ -199,6 +205,8 @@ class ExactSampler:
                 seqs[row].append(chooser.tokens[k])
                 # The old pass's cross-entropy line, on this step's logits.
                 results[row].take(chooser, k, float(lp[last[k] + 1]), eos_id=self.eos_id, budget=budget)
+                if results[row].finish is not None:
+                    cache.release(row)  # the live sequences stay in one block of slots
 
     def _micro_batch(self, seqs, seeds, results, width: int, greedy: bool, inject) -> int:
         """Generate one micro-batch in place (``seqs`` grow); returns the number of forwards."""

@@ -76,6 +76,44 @@ def kv_cache_bytes_per_token(d: ModelDims, *, rollout_tp: int, dtype: str) -> fl
     return 2 * d.num_layers * heads * d.head_dim * _BYTES[dtype]
 
 
+@dataclass(frozen=True)
+class ExactCache:
+    """The exact sampler's KV cache on one data-parallel rank (:mod:`tim_megatron.exact.kv_cache`), were the
+    recipe run with ``diagnostics.vexact = exact``."""
+
+    rows: int
+    """Sequences the rank generates: its share of ``prompts_per_step x n``."""
+    width: int
+    """Positions per row: the longest prompt plus the budget (the old-logprob pass's width)."""
+    cache: int
+    """Bytes of keys and values per GPU, in the row-invariant kernels' compute dtype (float32 for 16-bit models)."""
+    read_per_step: int
+    """Bytes one decode step reads in place, all rows active: every row's keys and values, every layer."""
+    gather_per_step: int
+    """Bytes a decode step would copy were the rows gathered per step (the gather and the heads' reshape)."""
+
+
+def exact_cache(recipe: Recipe) -> ExactCache | None:
+    """:class:`ExactCache` for ``recipe`` (None for latent attention, which exact mode does not cache)."""
+    from tim_megatron.exact.kv_cache import cache_bytes, gathered_bytes_per_step
+
+    d, r, p = recipe.model.dims, recipe.rollout, recipe.parallel
+    if d.is_mla:
+        return None
+    rows = math.ceil(recipe.data.prompts_per_step * r.n / max(p.dp, 1))
+    width = recipe.data.max_prompt_tokens + r.max_tokens
+    size = dict(
+        rows=rows,
+        width=width,
+        layers=d.num_layers,
+        groups=max(math.ceil(d.num_key_value_heads / p.tp), 1),
+        head_dim=d.head_dim,
+        dtype_bytes=4,  # the tiles compute (and the cache stores) 16-bit models' keys and values in float32
+    )
+    total = cache_bytes(**size)
+    return ExactCache(rows, width, total, total, gathered_bytes_per_step(**size))
+
+
 def dispatch_fanout(d: ModelDims, *, ep: int) -> tuple[int, int]:
     """How many expert-parallel ranks one token's top-k experts can sit on: (with the model's group-limited routing,
     without it). Experts are laid out in order, ``num_experts / ep`` per rank, and group ``g`` is experts
@@ -490,6 +528,19 @@ def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
     )
     for label, v in plan.rows():
         lines.append(f"  {label:<32} {v / GIB:9.2f} GiB")
+    ex = exact_cache(recipe)
+    if ex is not None:
+        lines.append(
+            f"  {'exact sampler (vexact = exact)':<32} KV cache {ex.cache / GIB:.2f} GiB per GPU ({ex.rows} rows x "
+            f"{ex.width} positions, float32); a decode step reads {ex.read_per_step / GIB:.2f} GiB in place "
+            f"(a per-step gather would copy {ex.gather_per_step / GIB:.2f} GiB)"
+            + (
+                f"; more than the GPU's {plan.gpu_gib} GiB: fewer rows per rank (more data-parallel ranks) or "
+                "a shorter width"
+                if plan.gpu_gib and ex.cache > plan.gpu_gib * GIB
+                else ""
+            )
+        )
     if not plan.gpu_gib:
         lines.append(f"  {'total per GPU':<32} {plan.total / GIB:9.2f} GiB (CPU: no GPU budget)")
         lines.extend(f"  DOES NOT RUN: {why}" for why in plan.problems())
