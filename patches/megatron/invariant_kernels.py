@@ -46,17 +46,17 @@ SPEC = PatchSpec(
     library="megatron.core",
     distributions=("megatron-core",),
     verified=MEGATRON_CORE.spec,
-    reason="a CPU GEMM gives a row other bits at another row count, so the training forward and a cached decode "
-    "step compute a token's logprob differently; and megatron-core's local attention has no fixed-width KV cache "
-    "with per-sequence positions.",
+    reason="a CPU GEMM gives a row other bits at another row count, and torch's SiLU gives an element other bits "
+    "on its scalar tail path, so the training forward and a cached decode step compute a token's logprob "
+    "differently; and megatron-core's local attention has no fixed-width KV cache with per-sequence positions.",
     targets=(
         "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
         "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
         "megatron.core.transformer.moe.router.TopKRouter.gating",
         "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
         "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward",
-        "megatron.core.transformer.mlp.MLP.activation_func",
-        "megatron.core.transformer.transformer_config.TransformerConfig.activation_func",
+        "megatron.core.transformer.mlp.MLP.activation_func (instance attribute)",
+        "megatron.core.transformer.transformer_config.TransformerConfig.activation_func (this model's configs)",
     ),
 )
 

@@ -304,21 +304,25 @@ def reduction_problems(
     return found
 
 
-INVARIANCE_CHECKS = (
-    PRODUCT_CHECKS
-    + 2 * len(ELEMENTWISE_WIDTHS) * len(ACTIVATIONS) * len(CHECK_THREADS)
-    + len(REDUCTION_WIDTHS) * len(CHECK_THREADS)
-)
-"""How many cases :func:`invariance_problems` tries on a CPU (at most)."""
+def check_threads(device: torch.device | str) -> tuple[int, ...]:
+    """The thread counts the self-check runs its elementwise and reduction probes at: :data:`CHECK_THREADS` on a
+    CPU, the current one elsewhere (a GPU kernel's split does not follow torch's CPU threads)."""
+    return CHECK_THREADS if torch.device(device).type == "cpu" else (torch.get_num_threads(),)
+
+
+def invariance_checks(device: torch.device | str = "cpu") -> int:
+    """How many cases :func:`invariance_problems` tries on ``device``."""
+    per_thread = 2 * len(ELEMENTWISE_WIDTHS) * len(ACTIVATIONS) + len(REDUCTION_WIDTHS)
+    return PRODUCT_CHECKS + per_thread * len(check_threads(device))
 
 
 def invariance_problems(
     kernels: ExactKernels, *, seed: int = 0, device: torch.device | str = "cpu"
 ) -> list[str]:
     """Every case where ``kernels`` give a row other bits alone than among many: products
-    (:func:`product_problems`), elementwise ops and the head's reduction at each of :data:`CHECK_THREADS` (one
-    thread count off the CPU); empty when none."""
-    threads = CHECK_THREADS if torch.device(device).type == "cpu" else (torch.get_num_threads(),)
+    (:func:`product_problems`), elementwise ops and the head's reduction at each of :func:`check_threads`; empty
+    when none."""
+    threads = check_threads(device)
     return [
         *product_problems(kernels, seed=seed, device=device),
         *elementwise_problems(kernels, threads=threads, seed=seed, device=device),

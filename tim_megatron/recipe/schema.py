@@ -1283,7 +1283,8 @@ def _check_diagnostics(r: Recipe) -> None:
                 ["diagnostics.vexact", "model.dims.router_score"],
                 f"vexact = exact: model.dims.router_score = {r.model.dims.router_score} is not supported (torch's "
                 "float32 sigmoid computes a tensor's tail elements on another path, so a router score depends on "
-                "the token count); allowed: softmax",
+                "the token count, and the sigmoid inside megatron-core's top-k routing is not routed through the "
+                "row-invariant kernels); allowed: softmax",
             )
         if r.trainer.moe_dispatcher == "alltoall":
             raise RecipeValueError(
