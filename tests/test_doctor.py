@@ -220,7 +220,7 @@ def test_a_real_slurm_answers_and_a_missing_partition_is_a_fail(tmp_path):
 
 def test_the_stack_check_follows_the_rollout_backend(monkeypatch):
     """Each rollout backend has its stack check, and the recipe's backend decides which runs: the trainer backend
-    on a CUDA machine needs no engine, the vLLM backend always checks vLLM."""
+    needs no engine (on CUDA or CPU: it never imports vLLM), the vLLM backend always checks vLLM."""
     from tim_megatron.doctor import stack
     from tim_megatron.rollout.backends import BACKENDS
 
@@ -237,3 +237,8 @@ def test_the_stack_check_follows_the_rollout_backend(monkeypatch):
         assert [r.name for r in stack.check_rollout_backend(ctx)] == [want]
     names = [r.name for r in stack.check_rollout_backend(doctor.context_for(None, environ=os.environ))]
     assert names == ["vllm", "rollout backend"]  # no recipe: every backend's check
+    monkeypatch.setattr(stack, "cuda_available", lambda: False)
+    monkeypatch.setattr(stack, "check_vllm", lambda ctx: [doctor.Outcome("vllm", "fail", "not installed")])
+    ctx = doctor.context_for(TINY, ["diagnostics.vexact=exact"], environ=os.environ)
+    (only,) = stack.check_rollout_backend(ctx)  # a CPU without vLLM: the exact sampler still runs
+    assert only.name == "rollout backend" and only.status == "ok" and "this CPU" in only.detail, only

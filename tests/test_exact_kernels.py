@@ -82,8 +82,11 @@ def test_tiles_below_four_rows_devices_without_verified_kernels_and_failed_check
 
     with pytest.raises(ValueError, match=r"TiledCPUKernels.attention_rows = 1: allowed >= 4"):
         TiledCPUKernels(attention_rows=1)
-    with pytest.raises(ValueError, match=r"exact mode on cuda: no row-invariant kernels are verified"):
-        kernels_for("cuda")
+    with pytest.raises(ValueError, match=r"exact mode on mps: no row-invariant kernels .*allowed: cpu, cuda"):
+        kernels_for("mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"exact mode on cuda: torch sees no CUDA device"):
+            kernels_for("cuda")
     # What a process without exact mode's MKL setting meets on a multi-threaded MKL (this pytest process may be one).
     monkeypatch.setattr(kmod, "invariance_problems", lambda kernels: ["float32 linear, K = 2048, N = 64"])
     with pytest.raises(RuntimeError, match=r"not row-invariant .*K = 2048.* Set MKL_CBWR=AUTO,STRICT"):
@@ -162,6 +165,27 @@ def test_with_exact_modes_mkl_setting_the_tiles_are_invariant_at_wide_shapes_too
     assert res.stdout.strip() == "[]", res.stdout
 
 
+class _PlantedDecode(TiledCPUKernels):
+    """Tiled kernels whose attention products take another algorithm (float64, rounded) for a short query stack,
+    as flash does for a one-token decode query on an H200."""
+
+    def bmm(self, a, b):
+        if a.shape[1] <= 16:
+            return torch.bmm(a.double(), b.double()).to(a.dtype)
+        return super().bmm(a, b)
+
+
+def test_the_decode_check_catches_a_short_query_path_and_passes_the_tiled_kernels():
+    from tim_megatron.exact.kernels import DECODE_POSITIONS, decode_attention_problems
+
+    assert decode_attention_problems(TiledCPUKernels()) == []
+    found = decode_attention_problems(_PlantedDecode())
+    # float32: every position but 0 (one key: a single product, the same in float64), and the two-query stack; in
+    # bfloat16 the rounding of the scores and outputs may absorb the float64 path.
+    assert found and found[0].startswith("float32 decode attention"), found
+    assert str([*DECODE_POSITIONS[1:], (5, 6)]) in found[0], found
+
+
 class _PlantedActivation(TiledCPUKernels):
     """Tiled kernels with one non-invariant op planted: an elementwise op computed in float64 (and rounded) on
     tensors of more than 1,024 elements, as a kernel that picks another algorithm for large inputs would."""
@@ -230,3 +254,29 @@ def test_the_head_pads_a_one_row_chunk_so_its_cross_entropy_is_the_same_row_amon
     x = logits[:1].clone().requires_grad_(True)  # differentiable through the padding (the training forward's)
     cross_entropy(x * 1.0, targets[:1], spec).sum().backward()
     assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+
+
+def test_the_cuda_tiles_run_every_gemm_as_calls_of_the_same_shape_and_compute_torchs_products(monkeypatch):
+    """TiledCUDAKernels' code path, on this CPU: every bmm call holds exactly ``tiles_per_call`` tiles (zero tiles
+    added below, the last call overlapping above), so a row's tile always goes through the same call shape."""
+    from tim_megatron.exact.kernels import TiledCUDAKernels
+
+    kernels = TiledCUDAKernels()
+    shapes = []
+    real = torch.bmm
+
+    def bmm(a, b):
+        shapes.append(tuple(a.shape))
+        return real(a, b)
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 64, generator=g, dtype=torch.float64)
+    for m in (1, 31, 33, 255, 257, 600):
+        x = torch.randn(m, 64, generator=g, dtype=torch.float64)
+        shapes.clear()
+        monkeypatch.setattr(torch, "bmm", bmm)
+        y = kernels.linear(x, w)
+        monkeypatch.setattr(torch, "bmm", real)
+        assert set(shapes) == {(8, 32, 64)}, (m, shapes)
+        torch.testing.assert_close(y, x @ w.t())
+        assert torch.equal(kernels.linear(x[-1:], w)[0], y[-1])

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from patches.guard import PatchSpec, check_version
+from tim_megatron.exact.kernels import attend
 from tim_megatron.versions import MEGATRON_CORE
 
 SPEC = PatchSpec(
@@ -182,16 +183,6 @@ class _Decode:
     layer: int
     rows: torch.Tensor
     positions: torch.Tensor
-
-
-def attend(kernels, q, k, v, masked, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Scaled dot-product attention of ``q [B, Mq, hn]`` over ``k, v [B, W, hn]``; ``masked [B or 1, Mq, W]``
-    (True: excluded); the probabilities rounded to the model's ``dtype``. Shared by the training forward and the
-    decode step (whose cached keys and values may be stored wider), so both compute a row the same way."""
-    scores = kernels.bmm(q, k.transpose(1, 2)) * scale
-    scores = scores.float().masked_fill(masked, float("-inf"))
-    probs = kernels.softmax(scores).to(dtype)
-    return kernels.bmm(probs, v)
 
 
 def _attention_forward(

@@ -134,13 +134,21 @@ class TiledCPUKernels:
         n = weight.shape[0]
         rows = x.reshape(-1, k)
         m, r = rows.shape[0], self.linear_rows
-        tiles = -(-m // r) if m else 0
-        if tiles == 0:
+        if m == 0:
             return x.new_zeros(*lead, n)
+        tiles = self._tile_count(-(-m // r))
         wide = _wide(x.dtype)
         padded = F.pad(rows.to(wide), (0, 0, 0, tiles * r - m)).view(tiles, r, k)
-        out = torch.bmm(padded, weight.to(wide).t().unsqueeze(0).expand(tiles, k, n))
+        out = self._tile_products(padded, weight.to(wide).t())
         return out.reshape(tiles * r, n)[:m].reshape(*lead, n).to(x.dtype)
+
+    def _tile_count(self, tiles: int) -> int:
+        """How many tiles ``tiles`` tiles of rows are computed as (more, zero, on a device that needs it)."""
+        return tiles
+
+    def _tile_products(self, tiles: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``tiles [T, R, K] @ w [K, N]``: one ``bmm``, each tile one GEMM of it."""
+        return torch.bmm(tiles, w.unsqueeze(0).expand(tiles.shape[0], *w.shape))
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         batch, m, _k = a.shape
@@ -174,6 +182,57 @@ class TiledCPUKernels:
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """The dtype the tiles compute in: float32 for the 16-bit types (oneDNN's GEMMs, outside MKL's strict mode)."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+@dataclass(frozen=True)
+class TiledCUDAKernels(TiledCPUKernels):
+    """The same fixed-shape tiles on a CUDA device, in full float32 (no TF32, no reduced-precision reductions:
+    :func:`pin_cuda_reductions`). A CUDA elementwise kernel runs the same code on every element whatever its place,
+    so :meth:`elementwise` is the op itself; the self-check holds every claim to a measurement on the device
+    before a run (``docs/exact-mode.md``). Not yet run on a GPU: :func:`kernels_for` returns it only when
+    :func:`invariance_problems` and :func:`decode_attention_problems` find nothing there."""
+
+    tiles_per_call: int = 8
+    """GEMM tiles per ``bmm`` call, always exactly this many (zero tiles added, or the last call overlapping the
+    one before): cuBLAS picks its algorithm by the batch count too (an H200's float32 tiles gave a row other bits
+    at 1 tile than among 8)."""
+    name: str = "cuda-tiled"
+
+    def elementwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fn(x)
+
+    def _tile_count(self, tiles: int) -> int:
+        return max(tiles, self.tiles_per_call)
+
+    def _tile_products(self, tiles: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        g, count = self.tiles_per_call, tiles.shape[0]
+        ws = w.unsqueeze(0).expand(g, *w.shape)
+        out = tiles.new_empty(count, tiles.shape[1], w.shape[1])
+        for start in range(0, count, g):
+            first = min(
+                start, count - g
+            )  # the last call overlaps: same shape, same bits for the tiles it redoes
+            out[first : first + g] = torch.bmm(tiles[first : first + g], ws)
+        return out
+
+
+def pin_cuda_reductions() -> None:
+    """Full float32 products on CUDA: TF32 and reduced-precision (16-bit) reductions off, for the whole process
+    (exact mode's tiles compute 16-bit operands in float32; TF32 would round them again, by shape)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
+def attend(kernels: ExactKernels, q, k, v, masked, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Scaled dot-product attention of ``q [B, Mq, hn]`` over ``k, v [B, W, hn]``; ``masked [B or 1, Mq, W]``
+    (True: excluded); the probabilities rounded to the model's ``dtype``. The training forward and the decode step
+    (whose cached keys and values may be stored wider) both run it, so both compute a row the same way."""
+    scores = kernels.bmm(q, k.transpose(1, 2)) * scale
+    scores = scores.float().masked_fill(masked, float("-inf"))
+    probs = kernels.softmax(scores).to(dtype)
+    return kernels.bmm(probs, v)
 
 
 class PlainKernels:
@@ -241,10 +300,10 @@ def product_problems(
             w = torch.randn(n, k, generator=g).to(device, dtype)
             if not torch.equal(kernels.linear(x[:1], w)[0], kernels.linear(x, w)[0]):
                 found.append(f"{str(dtype)[6:]} linear, K = {k}, N = {n}")
-        p = torch.softmax(torch.randn(1, 64, 2048, generator=g), -1).to(device, dtype)
-        v = torch.randn(1, 2048, 64, generator=g).to(device, dtype)
-        if not torch.equal(kernels.bmm(p[:, :1], v)[0, 0], kernels.bmm(p, v)[0, 0]):
-            found.append(f"{str(dtype)[6:]} bmm over 2048 keys")
+        p = torch.softmax(torch.randn(16, 64, 2048, generator=g), -1).to(device, dtype)
+        v = torch.randn(16, 2048, 64, generator=g).to(device, dtype)
+        if not torch.equal(kernels.bmm(p[:1, :1], v[:1])[0, 0], kernels.bmm(p, v)[0, 0]):
+            found.append(f"{str(dtype)[6:]} bmm over 2048 keys, 1 row of 1 batch vs 64 rows of 16")
         scores = torch.randn(256, 2048, generator=g).to(device, dtype)
         if not torch.equal(kernels.softmax(scores[:1])[0], kernels.softmax(scores)[0]):
             found.append(f"{str(dtype)[6:]} softmax over 2048")
@@ -304,6 +363,42 @@ def reduction_problems(
     return found
 
 
+DECODE_POSITIONS = (0, 1, 7, 63, 64, 127, 200, 255)
+"""Positions of :func:`decode_attention_problems`'s one-token queries, in a causal pass of 256 (the H200 measured
+flash's short queries off at 64, 127, 511, 2047 and 4095 of 4096)."""
+
+
+def decode_attention_problems(
+    kernels: ExactKernels, *, seed: int = 0, device: torch.device | str = "cpu"
+) -> list[str]:
+    """The teacher-forced decode check: a one-token query at each of :data:`DECODE_POSITIONS` (and a two-query
+    prefill stack) over the same keys must give the bits of its row of the full causal pass, float32 and bfloat16,
+    8 heads of a key/value group stacked as rows as exact mode's attention stacks them."""
+    g = torch.Generator().manual_seed(seed)
+    width, hn, per = 256, 64, 8
+    found = []
+    causal = torch.ones(width, width, dtype=torch.bool).triu(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, per * width, hn, generator=g).to(device, dtype)
+        k = torch.randn(1, width, hn, generator=g).to(device, dtype)
+        v = torch.randn(1, width, hn, generator=g).to(device, dtype)
+        full_mask = causal.repeat(per, 1).view(1, per * width, width).to(device)
+        full = attend(kernels, q, k, v, full_mask, hn**-0.5, dtype).view(per, width, hn)
+        wide = kernels.compute_dtype(dtype)  # the cache's storage
+        kc, vc = k.to(wide), v.to(wide)
+        bad = []
+        for stack in [(p,) for p in DECODE_POSITIONS] + [(5, 6)]:
+            rows = torch.tensor(stack)
+            qd = q.view(per, width, hn)[:, rows].reshape(1, per * len(stack), hn)
+            md = causal[rows].repeat(per, 1).view(1, per * len(stack), width).to(device)
+            got = attend(kernels, qd, kc, vc, md, hn**-0.5, dtype).view(per, len(stack), hn)
+            if not torch.equal(got, full[:, rows]):
+                bad.append(stack if len(stack) > 1 else stack[0])
+        if bad:
+            found.append(f"{str(dtype)[6:]} decode attention, query positions {bad} of {width}")
+    return found
+
+
 def check_threads(device: torch.device | str) -> tuple[int, ...]:
     """The thread counts the self-check runs its elementwise and reduction probes at: :data:`CHECK_THREADS` on a
     CPU, the current one elsewhere (a GPU kernel's split does not follow torch's CPU threads)."""
@@ -313,25 +408,34 @@ def check_threads(device: torch.device | str) -> tuple[int, ...]:
 def invariance_checks(device: torch.device | str = "cpu") -> int:
     """How many cases :func:`invariance_problems` tries on ``device``."""
     per_thread = 2 * len(ELEMENTWISE_WIDTHS) * len(ACTIVATIONS) + len(REDUCTION_WIDTHS)
-    return PRODUCT_CHECKS + per_thread * len(check_threads(device))
+    return PRODUCT_CHECKS + 2 + per_thread * len(check_threads(device))
 
 
 def invariance_problems(
     kernels: ExactKernels, *, seed: int = 0, device: torch.device | str = "cpu"
 ) -> list[str]:
     """Every case where ``kernels`` give a row other bits alone than among many: products
-    (:func:`product_problems`), elementwise ops and the head's reduction at each of :func:`check_threads`; empty
-    when none."""
+    (:func:`product_problems`), a one-token decode query against the training rows
+    (:func:`decode_attention_problems`), elementwise ops and the head's reduction at each of
+    :func:`check_threads`; empty when none."""
     threads = check_threads(device)
     return [
         *product_problems(kernels, seed=seed, device=device),
+        *decode_attention_problems(kernels, seed=seed, device=device),
         *elementwise_problems(kernels, threads=threads, seed=seed, device=device),
         *reduction_problems(kernels, threads=threads, seed=seed, device=device),
     ]
 
 
+def tiled_kernels(device: torch.device | str) -> TiledCPUKernels:
+    """The tiled kernels for ``device``'s kind (not yet checked: :func:`kernels_for` checks them)."""
+    return TiledCUDAKernels() if torch.device(device).type == "cuda" else TiledCPUKernels()
+
+
 def kernels_for(device: torch.device | str) -> ExactKernels:
-    """The verified row-invariant kernels for ``device``, checked at a wide shape; raises where none holds."""
+    """The verified row-invariant kernels for ``device``, checked there before a run (products at wide shapes,
+    one-token decode queries against the training rows, activations and the head's reduction); raises, naming
+    every failing case, where they do not hold."""
     kind = torch.device(device).type
     if kind == "cpu":
         kernels = TiledCPUKernels()
@@ -344,7 +448,20 @@ def kernels_for(device: torch.device | str) -> ExactKernels:
                 "process's first matrix product (tim train does in exact mode), or run with OMP_NUM_THREADS=1"
             )
         return kernels
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("exact mode on cuda: torch sees no CUDA device in this process")
+        pin_cuda_reductions()
+        kernels = TiledCUDAKernels()
+        problems = invariance_problems(kernels, device=device)
+        if problems:
+            name = torch.cuda.get_device_name(torch.device(device))
+            raise RuntimeError(
+                f"exact mode on {name}: the tiled kernels are not row-invariant on this device "
+                f"({'; '.join(problems)}). See docs/exact-mode.md for what a CUDA path needs"
+            )
+        return kernels
     raise ValueError(
-        f"exact mode on {kind}: no row-invariant kernels are verified for this device (CPU only in this version). "
-        "A CUDA variant needs batch-invariant GEMM, bmm and row reductions; see tim_megatron/exact/kernels.py"
+        f"exact mode on {kind}: no row-invariant kernels for this device (allowed: cpu, cuda). "
+        "See docs/exact-mode.md"
     )

@@ -34,6 +34,7 @@ from tim_megatron.gpu_check.sections import (
     Bench,
     checkpoint_round_trip,
     exact_kernels,
+    exact_run,
     offload_round_trip,
     parity,
     train_step,
@@ -74,7 +75,10 @@ SECTIONS: tuple[Section, ...] = (
     Section("moe layer", lambda b: moe_layer(b, section="moe layer")),
     Section("checkpoint", lambda b: checkpoint_round_trip(b, b.tiny(), section="checkpoint")),
     Section("offload", lambda b: _offload(b)),
-    Section("exact kernels", lambda b: exact_kernels(b, section="exact kernels")),
+    Section(
+        "exact kernels",
+        lambda b: [*exact_kernels(b, section="exact kernels"), *exact_run(b, section="exact kernels")],
+    ),
     Section("vllm", lambda b: vllm_engine(b, b.tiny(), section="vllm"), needs="vllm"),
 )
 """What ``make gpu-check`` runs, in order (vLLM last: its engine keeps a share of the GPU until the end)."""

@@ -379,13 +379,16 @@ def exact_kernels(bench: Bench, *, section: str) -> list[Outcome]:
     are the contrast."""
     from tim_megatron.exact.kernels import (
         PlainKernels,
-        TiledCPUKernels,
         invariance_checks,
         invariance_problems,
+        pin_cuda_reductions,
+        tiled_kernels,
     )
 
+    if bench.on_gpu:
+        pin_cuda_reductions()  # what kernels_for sets before it checks
     out = []
-    for kernels in (TiledCPUKernels(), PlainKernels()):
+    for kernels in (tiled_kernels(bench.device), PlainKernels()):
         t = time.perf_counter()
         problems = invariance_problems(kernels, device=bench.device)
         bench.sync()
@@ -404,6 +407,63 @@ def exact_kernels(bench: Bench, *, section: str) -> list[Outcome]:
             finding(section, f"{kernels.name} kernels: check time", time.perf_counter() - t, "s", "info")
         )
     return out
+
+
+EXACT_RUN = "recipes/tiny-moe/vexact.yaml"
+
+
+def exact_run(bench: Bench, *, section: str, steps: int = 5) -> list[Outcome]:
+    """``tim train recipes/tiny-moe/vexact.yaml`` for ``steps`` steps on this device (the trainer samples; every
+    sampled token's logprob must equal the old pass's bit for bit, checked each step). On failure the note names
+    what broke: the case ``kernels_for`` found on the device, or the first token that differed."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out_dir = bench.workdir / "exact-run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tim_megatron.cli",
+        "train",
+        EXACT_RUN,
+        f"run.steps={steps}",
+        f"run.output_dir={out_dir}",
+        "run.val_every=0",
+        "logging.wandb.mode=disabled",
+        "checkpoint.every=0",
+        "checkpoint.at_end=false",
+        "diagnostics.dumps.every=0",
+    ]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=480)
+    seconds = time.perf_counter() - t
+    rows = [
+        json.loads(line)
+        for path in sorted(out_dir.rglob("metrics.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    exact = [
+        r for r in rows if r.get("exact/mismatched_tokens") == 0.0 and r.get("exact/checked_tokens", 0) > 0
+    ]
+    ok = proc.returncode == 0 and len(exact) == steps
+    why = ""
+    if not ok:
+        lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "exact mode" in ln]
+        why = (lines[-1] if lines else proc.stderr.strip()[-300:]).strip()
+    return [
+        finding(
+            section,
+            f"exact run on {bench.device}: steps with every token exact (of {steps})",
+            float(len(exact)),
+            "",
+            "ok" if ok else "fail",
+            f"{sum(r['exact/checked_tokens'] for r in exact):.0f} tokens checked" if ok else why[:300],
+        ),
+        finding(section, "exact run: wall time", seconds, "s", "info"),
+    ]
 
 
 # ---------------------------------------------------------------------------------------- checkpoint
