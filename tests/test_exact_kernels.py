@@ -280,3 +280,44 @@ def test_the_cuda_tiles_run_every_gemm_as_calls_of_the_same_shape_and_compute_to
         assert set(shapes) == {(8, 32, 64)}, (m, shapes)
         torch.testing.assert_close(y, x @ w.t())
         assert torch.equal(kernels.linear(x[-1:], w)[0], y[-1])
+
+
+def test_padding_entries_neither_enter_the_cache_nor_deepen_any_sequences_attention():
+    """Under EP every rank decodes as many entries as the busiest one: the rest are padding (row ``scratch``).
+    They are not stored, their outputs are zero, and the real entries' query stacks stay one row per head deep
+    (the former scratch row took them all, and its count set every sequence's depth)."""
+    import types
+
+    from patches.megatron import invariant_kernels as ik
+
+    class Recording(TiledCPUKernels):
+        def bmm(self, a, b):
+            shapes.append(tuple(a.shape))
+            return super().bmm(a, b)
+
+    heads, groups, hn, width = 4, 2, 8, 16
+    cache = KVCache(rows=3, width=width, dtype=torch.float32)
+    g = torch.Generator().manual_seed(8)
+
+    def step(rows, positions):
+        n = len(rows)
+        module = types.SimpleNamespace(_tim_kernels=Recording(), softmax_scale=hn**-0.5)
+        module._tim_decode = ik._Decode(
+            cache=cache, layer=0, rows=torch.tensor(rows), positions=torch.tensor(positions)
+        )
+        q = torch.randn(n, 1, heads, hn, generator=g)
+        kv = torch.randn(2, n, 1, groups, hn, generator=g)
+        return q, kv, ik._attention_forward(module, q, kv[0], kv[1], attention_mask=None)
+
+    shapes: list = []
+    step([0, 1, 2], [0, 0, 0])  # prefill one position per sequence
+    shapes.clear()
+    pad = cache.scratch
+    _q, _kv, out = step([0, 2] + [pad] * 30, [1, 1] + [0] * 30)
+    assert out.shape == (32, 1, heads * hn) and out[2:].abs().sum() == 0  # padding outputs: zero
+    assert (
+        int(cache.keys[0][:, :, 0].abs().sum(-1).gt(0).sum()) == 3 * groups
+    )  # only the 3 real entries stored
+    per = heads // groups
+    # Sequences 0..2 in the block (1 has no entry this step), one query row per head each: depth 1.
+    assert shapes[0][1] == per * 1 and shapes[0][0] == 3 * groups, shapes
