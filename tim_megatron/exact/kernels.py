@@ -36,10 +36,11 @@ Row reductions (norms, softmax, the head's cross-entropy) keep each row on one t
 rows or more; a lone row of 32,768 entries or more is split over the threads (ATen's two-pass reduction), so the
 head pads a chunk to :attr:`TiledCPUKernels.min_rows` rows (``trainer/logprobs.py``).
 
-:func:`invariance_problems` checks all of it at 1, 2, 4 and 8 threads, at odd widths and large row counts, before a
-run starts. A CUDA variant needs batch-invariant versions of these kernels and of those row reductions (split-K
-and tile choices there depend on the batch size); it plugs in here through :func:`kernels_for` without touching
-the sampler. None is verified in this version, so :func:`kernels_for` refuses CUDA (``docs/exact-mode.md``).
+:func:`invariance_problems` checks all of it at 1, 2, 4 and 8 threads, at odd widths and large row counts, and a
+one-token decode query against its row of a full causal pass, before a run starts. On CUDA,
+:class:`TiledCUDAKernels` runs the same tiles in full float32, every GEMM as ``bmm`` calls of one fixed shape;
+:func:`kernels_for` returns them only when the same checks pass on the device (never yet run on a GPU:
+``docs/exact-mode.md``).
 """
 
 from __future__ import annotations
