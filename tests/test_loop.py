@@ -683,3 +683,20 @@ def test_next_step_data_check_catches_a_bad_sync():
     # Most tokens off: a wrong sync.
     with pytest.raises(WeightSyncError, match=r"engine 0: 80% of 2 tokens within 0\.4"):
         check(old, torch.log(torch.tensor([[0.5, 0.5, 0.6]])), mask)
+
+
+def test_a_steps_cpu_seconds_count_a_child_while_it_runs_and_after_it_is_reaped():
+    """``time/step_cpu``'s clock: this process and its descendants, live or reaped (never going back when a child
+    that worked during the step ends)."""
+    import time
+
+    from tim_megatron.rl.phases import process_tree_cpu_seconds
+
+    start = process_tree_cpu_seconds()
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    time.sleep(0.3)
+    during = process_tree_cpu_seconds()
+    child.wait()
+    after = process_tree_cpu_seconds()
+    assert start <= during <= after and after - start >= 0.6, (start, during, after)

@@ -110,17 +110,21 @@ def _route_activations(model, kernels) -> int:
     mlps = _mlps(model)
     configs = {id(m.config): m.config for m in mlps}
     for cfg in configs.values():
-        if cfg.bias_activation_fusion or getattr(cfg, "use_te_activation_func", False):
-            raise ValueError(
-                "exact mode: bias_activation_fusion / use_te_activation_func run fused activation kernels that the "
-                "row-invariant kernels do not cover; both must be off"
-            )
         if not isinstance(cfg.activation_func, _Activation):
             cfg.activation_func = _Activation(kernels, cfg.activation_func)
     for m in mlps:
         if not isinstance(m.activation_func, _Activation):
             m.activation_func = _Activation(kernels, m.activation_func)
     return len(mlps)
+
+
+def _check_activations(model) -> None:
+    for m in _mlps(model):
+        if m.config.bias_activation_fusion or getattr(m.config, "use_te_activation_func", False):
+            raise ValueError(
+                "exact mode: bias_activation_fusion / use_te_activation_func run fused activation kernels that the "
+                "row-invariant kernels do not cover; both must be off"
+            )
 
 
 def _unroute_activations(model) -> None:
@@ -271,6 +275,7 @@ def apply(model, kernels) -> dict[str, int]:
         )
     for m in attention:
         _check_attention(m)
+    _check_activations(model)  # before anything is patched: a refusal leaves the model as it was
     for m in linears:
         m._forward_impl = types.MethodType(_linear_impl, m)
     for m in routers:

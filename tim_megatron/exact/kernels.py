@@ -72,7 +72,7 @@ ELEMENTWISE_BLOCK = 256 * VECTOR_SPAN
 """Elements per call of an invariant elementwise op: below ATen's ``GRAIN_SIZE`` (32,768), so one thread runs it."""
 
 CHECK_THREADS = (1, 2, 4, 8)
-"""Thread counts :func:`invariance_problems` runs its elementwise and reduction probes at."""
+"""Thread counts :func:`invariance_problems` runs its elementwise and reduction probes at (and the process's own)."""
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -159,8 +159,12 @@ class TiledCPUKernels:
         padded = F.pad(a.to(wide), (0, 0, 0, tiles * r - m))
         b = b.to(wide)
         # One bmm per tile, over the whole batch: b is never copied per tile.
-        parts = [torch.bmm(padded[:, t * r : (t + 1) * r], b) for t in range(tiles)]
+        parts = [self._batch_products(padded[:, t * r : (t + 1) * r], b) for t in range(tiles)]
         return torch.cat(parts, 1)[:, :m].to(a.dtype) if parts else a.new_zeros(batch, 0, b.shape[-1])
+
+    def _batch_products(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a [B, R, K] @ b [B, K, N]``: one ``bmm`` (each batch element computed on its own, measured on CPUs)."""
+        return torch.bmm(a, b)
 
     def softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x, dim=-1)
@@ -194,9 +198,9 @@ class TiledCUDAKernels(TiledCPUKernels):
     :func:`invariance_problems` and :func:`decode_attention_problems` find nothing there."""
 
     tiles_per_call: int = 8
-    """GEMM tiles per ``bmm`` call, always exactly this many (zero tiles added, or the last call overlapping the
-    one before): cuBLAS picks its algorithm by the batch count too (an H200's float32 tiles gave a row other bits
-    at 1 tile than among 8)."""
+    """GEMM tiles, and attention batch elements, per ``bmm`` call: always exactly this many (zeros added, or the
+    last call overlapping the one before). cuBLAS picks its algorithm by the batch count too: an H200's float32
+    tiles gave a row other bits at 1 tile than among 8."""
     name: str = "cuda-tiled"
 
     def elementwise(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -204,6 +208,19 @@ class TiledCUDAKernels(TiledCPUKernels):
 
     def _tile_count(self, tiles: int) -> int:
         return max(tiles, self.tiles_per_call)
+
+    def _batch_products(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Attention's tiles in calls of exactly ``tiles_per_call`` batch elements, as :meth:`_tile_products` does
+        for GEMM tiles (a batch smaller than that is zero-padded: a copy of at most that many elements of ``b``)."""
+        g, count = self.tiles_per_call, a.shape[0]
+        if count < g:
+            a = F.pad(a, (0, 0, 0, 0, 0, g - count))
+            b = F.pad(b, (0, 0, 0, 0, 0, g - count))
+        out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+        for start in range(0, a.shape[0], g):
+            first = min(start, a.shape[0] - g)
+            out[first : first + g] = torch.bmm(a[first : first + g], b[first : first + g])
+        return out[:count]
 
     def _tile_products(self, tiles: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         g, count = self.tiles_per_call, tiles.shape[0]
@@ -352,15 +369,16 @@ def reduction_problems(
     kernels: ExactKernels, *, threads: tuple[int, ...], seed: int = 0, device: torch.device | str = "cpu"
 ) -> list[str]:
     """Where the head's row reduction (given ``kernels.min_rows`` rows) gives a lone row other bits than the same
-    row among eight, float32, at vocabularies a lone row is split at, at each thread count."""
+    row among 64 (a device may pick its split by the number of rows), float32, at vocabularies a lone row is split
+    at, at each thread count."""
     g = torch.Generator().manual_seed(seed)
     found = []
     for vocab in REDUCTION_WIDTHS:
-        x = (torch.randn(8, vocab, generator=g) * 3).to(device)
+        x = (torch.randn(64, vocab, generator=g) * 3).to(device)
         for t in threads:
             with torch_threads(t):
                 if not torch.equal(_sum_of_exp(kernels, x[:1])[0], _sum_of_exp(kernels, x)[0]):
-                    found.append(f"float32 sum of exp over {vocab}, one row, {t} threads")
+                    found.append(f"float32 sum of exp over {vocab}, one row vs 64, {t} threads")
     return found
 
 
@@ -401,9 +419,12 @@ def decode_attention_problems(
 
 
 def check_threads(device: torch.device | str) -> tuple[int, ...]:
-    """The thread counts the self-check runs its elementwise and reduction probes at: :data:`CHECK_THREADS` on a
-    CPU, the current one elsewhere (a GPU kernel's split does not follow torch's CPU threads)."""
-    return CHECK_THREADS if torch.device(device).type == "cpu" else (torch.get_num_threads(),)
+    """The thread counts the self-check runs its elementwise and reduction probes at: :data:`CHECK_THREADS` and the
+    process's own on a CPU, the process's own elsewhere (a GPU kernel's split does not follow torch's threads)."""
+    own = torch.get_num_threads()
+    if torch.device(device).type != "cpu":
+        return (own,)
+    return tuple(sorted({*CHECK_THREADS, own}))
 
 
 def invariance_checks(device: torch.device | str = "cpu") -> int:

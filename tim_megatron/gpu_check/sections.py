@@ -377,16 +377,32 @@ def exact_kernels(bench: Bench, *, section: str) -> list[Outcome]:
     """Do exact mode's tiled kernels give a row the same bits alone as among many on this device (GEMMs at decode
     shapes, attention's bmm, softmax, the activations, the head's reduction; float32 and bfloat16)? torch's own ops
     are the contrast."""
-    from tim_megatron.exact.kernels import (
-        PlainKernels,
-        invariance_checks,
-        invariance_problems,
-        pin_cuda_reductions,
-        tiled_kernels,
-    )
+    from tim_megatron.exact.kernels import pin_cuda_reductions
 
-    if bench.on_gpu:
-        pin_cuda_reductions()  # what kernels_for sets before it checks
+    if bench.on_gpu:  # what kernels_for sets before it checks, for this section only
+        flags = torch.backends.cuda.matmul
+        saved = (
+            flags.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            flags.allow_fp16_reduced_precision_reduction,
+            flags.allow_bf16_reduced_precision_reduction,
+        )
+        pin_cuda_reductions()
+        try:
+            return _exact_cases(bench, section=section)
+        finally:
+            (
+                flags.allow_tf32,
+                torch.backends.cudnn.allow_tf32,
+                flags.allow_fp16_reduced_precision_reduction,
+                flags.allow_bf16_reduced_precision_reduction,
+            ) = saved
+    return _exact_cases(bench, section=section)
+
+
+def _exact_cases(bench: Bench, *, section: str) -> list[Outcome]:
+    from tim_megatron.exact.kernels import PlainKernels, invariance_checks, invariance_problems, tiled_kernels
+
     out = []
     for kernels in (tiled_kernels(bench.device), PlainKernels()):
         t = time.perf_counter()
@@ -437,7 +453,11 @@ def exact_run(bench: Bench, *, section: str, steps: int = 5) -> list[Outcome]:
         "diagnostics.dumps.every=0",
     ]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=480)
+    try:
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=480)
+        returncode, stderr = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        returncode, stderr = -1, f"{(e.stderr or b'')[-200:]!r}\nError: the exact run did not end in 480 s"
     seconds = time.perf_counter() - t
     rows = [
         json.loads(line)
@@ -448,11 +468,11 @@ def exact_run(bench: Bench, *, section: str, steps: int = 5) -> list[Outcome]:
     exact = [
         r for r in rows if r.get("exact/mismatched_tokens") == 0.0 and r.get("exact/checked_tokens", 0) > 0
     ]
-    ok = proc.returncode == 0 and len(exact) == steps
+    ok = returncode == 0 and len(exact) == steps
     why = ""
     if not ok:
-        lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "exact mode" in ln]
-        why = (lines[-1] if lines else proc.stderr.strip()[-300:]).strip()
+        lines = [ln for ln in stderr.splitlines() if "Error" in ln or "exact mode" in ln]
+        why = (lines[-1] if lines else stderr.strip()[-300:]).strip()
     return [
         finding(
             section,

@@ -59,8 +59,10 @@ class Timer:
 
 
 def process_tree_cpu_seconds() -> float:
-    """CPU seconds (user + system) this process and its live children (an in-process engine's workers, vLLM's
-    engine core) have used so far: a step's difference is its CPU cost, whatever the cores it ran on."""
+    """CPU seconds (user + system) this process and its descendants (vLLM's engine core, an engine's workers) have
+    used so far, live or reaped (a reaped process's time is in its parent's ``children_*`` times): a step's
+    difference is its CPU cost, whatever the cores it ran on. Ranks started by torchrun are siblings, not
+    children: each counts its own tree."""
     import psutil
 
     me = psutil.Process()
@@ -70,7 +72,7 @@ def process_tree_cpu_seconds() -> float:
             t = proc.cpu_times()
         except psutil.NoSuchProcess:  # ended between the listing and the reading
             continue
-        total += t.user + t.system
+        total += t.user + t.system + t.children_user + t.children_system
     return total
 
 
