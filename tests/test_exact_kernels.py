@@ -98,7 +98,7 @@ def test_the_kv_cache_writes_where_told_reads_in_place_and_refuses_positions_pas
     k = torch.arange(3 * 2 * 4, dtype=torch.bfloat16).view(3, 2, 4)
     # The third entry is padding (the scratch row): never stored.
     cache.write(0, torch.tensor([0, 1, cache.scratch]), torch.tensor([0, 5, 0]), k, -k)
-    keys, values = cache.span(0, 1, 2, active=1)  # rows 1..2: [2 rows x 2 groups, width, head_dim]
+    keys, values = cache.span(0, 1, 2)  # rows 1..2: [2 rows x 2 groups, width, head_dim]
     assert keys.shape == (4, 6, 4) and keys.dtype == torch.float32
     assert torch.equal(keys.view(2, 2, 6, 4)[0, :, 5], k[1].float()) and torch.equal(
         values.view(2, 2, 6, 4)[0, :, 5], -k[1].float()
@@ -108,7 +108,6 @@ def test_the_kv_cache_writes_where_told_reads_in_place_and_refuses_positions_pas
     )  # unwritten positions are zeros (masked, and finite)
     assert keys.data_ptr() == cache.keys[0][1].data_ptr()  # a view of the buffer, not a copy
     assert cache.read_bytes == 2 * 4 * 6 * 4 * 4 and cache.copied_bytes == 0
-    assert cache.gather_bytes == 2 * (2 * 2 * 6 * 4 * 4)  # one active row, gathered then reshaped
     assert cache.nbytes() == 2 * 3 * 2 * 6 * 4 * 4  # no scratch row allocated
     with pytest.raises(ValueError, match="position 6 outside the buffer width 6"):
         cache.write(0, torch.tensor([0]), torch.tensor([6]), k[:1], k[:1])

@@ -233,7 +233,7 @@ def _attention_forward(
     slot[order] = torch.arange(len(local), device=local.device) - starts[local[order]]
     depth, width = int(counts.max()), cache.width
     with torch.no_grad():
-        k, v = cache.span(state.layer, lo, hi, active=int((counts > 0).sum()))  # [span * ng, W, hn]
+        k, v = cache.span(state.layer, lo, hi)  # [span * ng, W, hn]
     q = query.new_zeros(span, depth, groups, per, hn)
     q[local, slot] = query[real, 0].reshape(len(real), groups, per, hn)
     pos = torch.full((span, depth), width - 1, dtype=torch.long, device=query.device)

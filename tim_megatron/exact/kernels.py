@@ -148,8 +148,8 @@ class TiledCPUKernels:
         return tiles
 
     def _tile_products(self, tiles: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``tiles [T, R, K] @ w [K, N]``: one ``bmm``, each tile one GEMM of it."""
-        return torch.bmm(tiles, w.unsqueeze(0).expand(tiles.shape[0], *w.shape))
+        """``tiles [T, R, K] @ w [K, N]``, each tile one GEMM (``w`` expanded over the tiles, never copied)."""
+        return self._batch_products(tiles, w.unsqueeze(0).expand(tiles.shape[0], *w.shape))
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         batch, m, _k = a.shape
@@ -210,37 +210,51 @@ class TiledCUDAKernels(TiledCPUKernels):
         return max(tiles, self.tiles_per_call)
 
     def _batch_products(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Attention's tiles in calls of exactly ``tiles_per_call`` batch elements, as :meth:`_tile_products` does
-        for GEMM tiles (a batch smaller than that is zero-padded: a copy of at most that many elements of ``b``)."""
+        """``bmm`` calls of exactly ``tiles_per_call`` batch elements, GEMM tiles (:meth:`_tile_count` gives a linear
+        at least that many) and attention's alike: the last call overlaps the one before (same shape, same bits
+        for what it redoes); a smaller batch is zero-padded (a copy of fewer than that many elements of ``b``)."""
         g, count = self.tiles_per_call, a.shape[0]
         if count < g:
-            a = F.pad(a, (0, 0, 0, 0, 0, g - count))
-            b = F.pad(b, (0, 0, 0, 0, 0, g - count))
+            a, b = pad_rows(a, g), pad_rows(b, g)
         out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
         for start in range(0, a.shape[0], g):
             first = min(start, a.shape[0] - g)
             out[first : first + g] = torch.bmm(a[first : first + g], b[first : first + g])
         return out[:count]
 
-    def _tile_products(self, tiles: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        g, count = self.tiles_per_call, tiles.shape[0]
-        ws = w.unsqueeze(0).expand(g, *w.shape)
-        out = tiles.new_empty(count, tiles.shape[1], w.shape[1])
-        for start in range(0, count, g):
-            first = min(
-                start, count - g
-            )  # the last call overlaps: same shape, same bits for the tiles it redoes
-            out[first : first + g] = torch.bmm(tiles[first : first + g], ws)
-        return out
+
+_CUDA_PRECISION = (
+    (torch.backends.cuda.matmul, "allow_tf32"),
+    (torch.backends.cudnn, "allow_tf32"),
+    (torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+    (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+)
+"""torch's CUDA settings that let a product round below float32 (TF32, 16-bit reductions)."""
 
 
 def pin_cuda_reductions() -> None:
-    """Full float32 products on CUDA: TF32 and reduced-precision (16-bit) reductions off, for the whole process
-    (exact mode's tiles compute 16-bit operands in float32; TF32 would round them again, by shape)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    """Full float32 products on CUDA: every :data:`_CUDA_PRECISION` setting off, for the whole process (exact
+    mode's tiles compute 16-bit operands in float32; TF32 would round them again, by shape)."""
+    for owner, name in _CUDA_PRECISION:
+        setattr(owner, name, False)
+
+
+@contextmanager
+def cuda_reductions_pinned() -> Iterator[None]:
+    """:func:`pin_cuda_reductions` for the block only (``make gpu-check``'s exact section)."""
+    saved = [getattr(owner, name) for owner, name in _CUDA_PRECISION]
+    pin_cuda_reductions()
+    try:
+        yield
+    finally:
+        for (owner, name), value in zip(_CUDA_PRECISION, saved, strict=True):
+            setattr(owner, name, value)
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zeros appended along its first dimension up to ``rows`` (as it is when it has as many)."""
+    missing = rows - t.shape[0]
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, missing)) if missing > 0 else t
 
 
 def attend(kernels: ExactKernels, q, k, v, masked, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -359,10 +373,7 @@ def elementwise_problems(
 
 def _sum_of_exp(kernels: ExactKernels, x: torch.Tensor) -> torch.Tensor:
     """The head's reduction (the cross-entropy's sum of exponentials), on at least ``kernels.min_rows`` rows."""
-    rows = x.shape[0]
-    if rows < kernels.min_rows:
-        x = F.pad(x, (0, 0, 0, kernels.min_rows - rows))
-    return torch.exp(x).sum(-1)[:rows]
+    return torch.exp(pad_rows(x, kernels.min_rows)).sum(-1)[: x.shape[0]]
 
 
 def reduction_problems(

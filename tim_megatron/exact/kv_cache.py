@@ -38,9 +38,6 @@ class KVCache:
     """Bytes of keys and values handed to decode steps (as views: read in place by the attention products)."""
     copied_bytes: int = 0
     """Bytes of keys and values copied: a finished sequence's slot refilled from the last live slot."""
-    gather_bytes: int = 0
-    """Bytes the reads would have copied had each step gathered its active rows' buffers (the gather, then the
-    heads' reshape: two copies): the traffic reading in place removes, for the bench's before / after."""
 
     slot: torch.Tensor = field(init=False)
     """``[rows + 1]``: each sequence's slot (-1 once released; entry ``rows``, the padding entries', is -1)."""
@@ -101,13 +98,10 @@ class KVCache:
         keys[slots, :, positions] = k.to(keys.dtype)
         values[slots, :, positions] = v.to(values.dtype)
 
-    def span(self, layer: int, lo: int, hi: int, *, active: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots ``lo .. hi`` (inclusive, ``active`` of them with entries) as views
-        ``[(hi - lo + 1) x groups, width, head_dim]``: no copy."""
+    def span(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``lo .. hi`` (inclusive) as views ``[(hi - lo + 1) x groups, width, head_dim]``: no copy."""
         keys, values = self.keys[layer][lo : hi + 1], self.values[layer][lo : hi + 1]
-        row_bytes = 2 * keys[0].numel() * keys.element_size()
-        self.read_bytes += row_bytes * (hi - lo + 1)
-        self.gather_bytes += 2 * row_bytes * active
+        self.read_bytes += 2 * keys.numel() * keys.element_size()
         flat = (-1, self.width, keys.shape[-1])
         return keys.view(flat), values.view(flat)
 
@@ -118,13 +112,3 @@ class KVCache:
 def cache_bytes(*, rows: int, width: int, layers: int, groups: int, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of the exact sampler's cache: keys and values of ``rows`` sequences at ``width`` positions."""
     return 2 * layers * rows * groups * width * head_dim * dtype_bytes
-
-
-def gathered_bytes_per_step(
-    *, rows: int, width: int, layers: int, groups: int, head_dim: int, dtype_bytes: int
-) -> int:
-    """Bytes a decode step would copy if it gathered every active row's whole buffer per layer (written once and
-    read back by the products): what reading the cache in place saves."""
-    return 2 * cache_bytes(
-        rows=rows, width=width, layers=layers, groups=groups, head_dim=head_dim, dtype_bytes=dtype_bytes
-    )

@@ -377,27 +377,13 @@ def exact_kernels(bench: Bench, *, section: str) -> list[Outcome]:
     """Do exact mode's tiled kernels give a row the same bits alone as among many on this device (GEMMs at decode
     shapes, attention's bmm, softmax, the activations, the head's reduction; float32 and bfloat16)? torch's own ops
     are the contrast."""
-    from tim_megatron.exact.kernels import pin_cuda_reductions
+    import contextlib
 
-    if bench.on_gpu:  # what kernels_for sets before it checks, for this section only
-        flags = torch.backends.cuda.matmul
-        saved = (
-            flags.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            flags.allow_fp16_reduced_precision_reduction,
-            flags.allow_bf16_reduced_precision_reduction,
-        )
-        pin_cuda_reductions()
-        try:
-            return _exact_cases(bench, section=section)
-        finally:
-            (
-                flags.allow_tf32,
-                torch.backends.cudnn.allow_tf32,
-                flags.allow_fp16_reduced_precision_reduction,
-                flags.allow_bf16_reduced_precision_reduction,
-            ) = saved
-    return _exact_cases(bench, section=section)
+    from tim_megatron.exact.kernels import cuda_reductions_pinned
+
+    # on a GPU, what kernels_for sets before it checks, for this section only
+    with cuda_reductions_pinned() if bench.on_gpu else contextlib.nullcontext():
+        return _exact_cases(bench, section=section)
 
 
 def _exact_cases(bench: Bench, *, section: str) -> list[Outcome]:
@@ -432,26 +418,16 @@ def exact_run(bench: Bench, *, section: str, steps: int = 5) -> list[Outcome]:
     """``tim train recipes/tiny-moe/vexact.yaml`` for ``steps`` steps on this device (the trainer samples; every
     sampled token's logprob must equal the old pass's bit for bit, checked each step). On failure the note names
     what broke: the case ``kernels_for`` found on the device, or the first token that differed."""
-    import json
     import subprocess
     import sys
 
+    from tim_megatron.bench.exact import QUIET
+    from tim_megatron.logging.tracker import read_metrics
+
     root = Path(__file__).resolve().parents[2]
     out_dir = bench.workdir / "exact-run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tim_megatron.cli",
-        "train",
-        EXACT_RUN,
-        f"run.steps={steps}",
-        f"run.output_dir={out_dir}",
-        "run.val_every=0",
-        "logging.wandb.mode=disabled",
-        "checkpoint.every=0",
-        "checkpoint.at_end=false",
-        "diagnostics.dumps.every=0",
-    ]
+    cmd = [sys.executable, "-m", "tim_megatron.cli", "train", EXACT_RUN, f"run.steps={steps}"]
+    cmd += [f"run.output_dir={out_dir}", *QUIET, "checkpoint.at_end=false"]
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=480)
@@ -459,12 +435,7 @@ def exact_run(bench: Bench, *, section: str, steps: int = 5) -> list[Outcome]:
     except subprocess.TimeoutExpired as e:
         returncode, stderr = -1, f"{(e.stderr or b'')[-200:]!r}\nError: the exact run did not end in 480 s"
     seconds = time.perf_counter() - t
-    rows = [
-        json.loads(line)
-        for path in sorted(out_dir.rglob("metrics.jsonl"))
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+    rows = [row for path in sorted(out_dir.rglob("metrics.jsonl")) for row in read_metrics(path)]
     exact = [
         r for r in rows if r.get("exact/mismatched_tokens") == 0.0 and r.get("exact/checked_tokens", 0) > 0
     ]

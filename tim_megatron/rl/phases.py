@@ -197,22 +197,19 @@ def rollouts(
     if r.diagnostics.vexact == "exact":
         # Every rank is in exact mode: the max is a collective all of them join.
         decoded = max(gen.response_tokens, 1)
-        forwards, cache, read, copied, gather = _max_over_world(
+        forwards, cache, read, copied = _max_over_world(
             [
                 float(gen.extra.get("forwards", 0)),
                 float(gen.extra.get("kv_cache_bytes", 0)),
                 gen.extra.get("kv_read_bytes", 0) / decoded,
                 gen.extra.get("kv_copied_bytes", 0) / decoded,
-                gen.extra.get("kv_gather_bytes", 0) / decoded,
             ]
         )
         metrics["exact/forwards"] = forwards
         metrics["exact/kv_cache_mib"] = cache / 2**20
-        # Per decoded token (the rank with the most): keys and values read in place, copied (slot refills), and what
-        # gathering the active rows' buffers every step (the cache's former read) would have copied.
+        # Per decoded token (the rank with the most): keys and values read in place, and copied (slot refills).
         metrics["exact/kv_read_kib_per_token"] = read / 2**10
         metrics["exact/kv_copied_kib_per_token"] = copied / 2**10
-        metrics["exact/kv_gather_kib_per_token"] = gather / 2**10
     probe = [g[0].prompt_ids + g[0].response_ids for g in groups[:8]]
     return batch, metrics, probe
 

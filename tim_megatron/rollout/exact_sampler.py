@@ -138,7 +138,6 @@ class ExactSampler:
                 "kv_cache_bytes": cache.nbytes() if cache else 0,
                 "kv_read_bytes": cache.read_bytes if cache else 0,
                 "kv_copied_bytes": cache.copied_bytes if cache else 0,
-                "kv_gather_bytes": cache.gather_bytes if cache else 0,
             },
         )
         return groups, stats

@@ -86,23 +86,21 @@ class ExactCache:
     width: int
     """Positions per row: the longest prompt plus the budget (the old-logprob pass's width)."""
     cache: int
-    """Bytes of keys and values per GPU, in the row-invariant kernels' compute dtype (float32 for 16-bit models)."""
-    read_per_step: int
-    """Bytes one decode step reads in place, all rows active: every row's keys and values, every layer."""
-    gather_per_step: int
-    """Bytes a decode step would copy were the rows gathered per step (the gather and the heads' reshape)."""
+    """Bytes of keys and values per GPU, in the row-invariant kernels' compute dtype (float32 for 16-bit models);
+    also what one decode step reads in place with every row live (a per-step gather of the rows would copy twice
+    that: the gather, then the heads' reshape)."""
 
 
 def exact_cache(recipe: Recipe) -> ExactCache | None:
     """:class:`ExactCache` for ``recipe`` (None for latent attention, which exact mode does not cache)."""
-    from tim_megatron.exact.kv_cache import cache_bytes, gathered_bytes_per_step
+    from tim_megatron.exact.kv_cache import cache_bytes
 
     d, r, p = recipe.model.dims, recipe.rollout, recipe.parallel
     if d.is_mla:
         return None
     rows = math.ceil(recipe.data.prompts_per_step * r.n / max(p.dp, 1))
     width = recipe.data.max_prompt_tokens + r.max_tokens
-    size = dict(
+    total = cache_bytes(
         rows=rows,
         width=width,
         layers=d.num_layers,
@@ -110,8 +108,7 @@ def exact_cache(recipe: Recipe) -> ExactCache | None:
         head_dim=d.head_dim,
         dtype_bytes=4,  # the tiles compute (and the cache stores) 16-bit models' keys and values in float32
     )
-    total = cache_bytes(**size)
-    return ExactCache(rows, width, total, total, gathered_bytes_per_step(**size))
+    return ExactCache(rows, width, total)
 
 
 def dispatch_fanout(d: ModelDims, *, ep: int) -> tuple[int, int]:
@@ -532,8 +529,8 @@ def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
     if ex is not None:
         lines.append(
             f"  {'exact sampler (vexact = exact)':<32} KV cache {ex.cache / GIB:.2f} GiB per GPU ({ex.rows} rows x "
-            f"{ex.width} positions, float32); a decode step reads {ex.read_per_step / GIB:.2f} GiB in place "
-            f"(a per-step gather would copy {ex.gather_per_step / GIB:.2f} GiB)"
+            f"{ex.width} positions, float32); a decode step reads {ex.cache / GIB:.2f} GiB in place "
+            f"(a per-step gather would copy {2 * ex.cache / GIB:.2f} GiB)"
             + (
                 f"; more than the GPU's {plan.gpu_gib} GiB: fewer rows per rank (more data-parallel ranks) or "
                 "a shorter width"

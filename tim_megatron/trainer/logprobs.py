@@ -72,13 +72,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, spec: HeadSpec) -
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     chunk, batch = targets.shape
-    need = 0 if spec.kernels is None else spec.kernels.min_rows
-    if chunk * batch >= need:
+    if spec.kernels is None or chunk * batch >= spec.kernels.min_rows:
         return vocab_parallel_cross_entropy(logits, targets)
-    pad = need - chunk * batch
-    flat = torch.nn.functional.pad(logits.reshape(chunk * batch, 1, -1), (0, 0, 0, 0, 0, pad))
-    t = torch.nn.functional.pad(targets.reshape(chunk * batch, 1), (0, 0, 0, pad))
-    return vocab_parallel_cross_entropy(flat, t)[: chunk * batch].reshape(chunk, batch)
+    from tim_megatron.exact.kernels import pad_rows
+
+    rows, need = chunk * batch, spec.kernels.min_rows
+    flat = pad_rows(logits.reshape(rows, 1, -1), need)
+    t = pad_rows(targets.reshape(rows, 1), need)
+    return vocab_parallel_cross_entropy(flat, t)[:rows].reshape(chunk, batch)
 
 
 def _chunk_logprobs(
