@@ -480,7 +480,7 @@ def _print_step(*, steps: int, prompts: int) -> None:
     print(
         f"[exact] step time, {COUNTDOWN} ({prompts} prompts x {res['n']} samples, max_tokens "
         f"{res['max_tokens']}, exact width <= {res['width']}), mean over steps 2..{steps}; CPU seconds of the "
-        "process and its live children (vLLM's engine core)"
+        "process and its descendants (vLLM's engine core)"
     )
     for arm, r in ((f"exact ({res['sampler']}, fp32 head)", ex), ("vLLM", vl)):
         line = (
