@@ -288,6 +288,7 @@ def apply(model, kernels) -> dict[str, int]:
         setattr(m, _MARK, True)
     mlps = _route_activations(model, kernels)
     setattr(gpt, _MARK, kernels)
+    gpt._tim_attention = tuple(attention)  # a decode step's layers, without a walk of the modules per step
     return {
         "linears": len(linears),
         "routers": len(routers),
@@ -312,16 +313,20 @@ def revert(model) -> None:
                 if name in m.__dict__:
                     delattr(m, name)
     gpt = _gpt
-    if _MARK in gpt.__dict__:
-        delattr(gpt, _MARK)
+    for name in (_MARK, "_tim_attention"):
+        if name in gpt.__dict__:
+            delattr(gpt, name)
 
 
 @contextlib.contextmanager
 def decoding(model, *, cache, rows: torch.Tensor, positions: torch.Tensor):
     """Inside: a forward of ``model`` on ``[1, n]`` entry tokens is a decode step (see the module docstring)."""
-    gpt, _linears, _routers, attention = _modules(model)
+    from tim_megatron.trainer.model import unwrap
+
+    gpt = unwrap(model)
     if kernels_of(model) is None:
         raise RuntimeError("decoding needs the invariant kernels (invariant_kernels.apply) on this model")
+    attention = gpt._tim_attention
     rope = gpt.rotary_pos_emb
     stock = type(rope).forward
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -83,12 +83,50 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 """The elementwise ops the self-check probes (the activations exact mode routes, and the head's exp)."""
 
 
+class WideWeights:
+    """The compute-dtype copies of 16-bit weight parameters, kept only inside :meth:`held`.
+
+    A tile computes a bfloat16 product in float32 (:func:`_wide`), so without this each call widens its weight
+    again: a decode step widens every weight of the model once more per generated token. Inside :meth:`held` the
+    caller promises the weights do not change (a rollout, an old-logprob pass, one minibatch's forward and
+    backward before its optimizer step), and each parameter is widened once; outside it nothing is kept, so no
+    copy can outlive an update. Only ``nn.Parameter`` weights are kept (a tensor made for one call is not)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep copies until the outermost ``held`` exits (nesting is allowed)."""
+        if self._copies is not None:
+            yield
+            return
+        self._copies = {}
+        try:
+            yield
+        finally:
+            self._copies = None
+
+    def of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``weight`` in ``dtype``: the kept copy inside :meth:`held`, a fresh one outside."""
+        if weight.dtype == dtype:
+            return weight
+        if self._copies is None or not isinstance(weight, torch.nn.Parameter) or torch.is_grad_enabled():
+            return weight.to(dtype)  # differentiable, as :meth:`ExactKernels.linear` promises
+        kept = self._copies.get(id(weight))
+        if kept is None or kept[0] is not weight:
+            kept = self._copies[id(weight)] = (weight, weight.detach().to(dtype))
+        return kept[1]
+
+
 class ExactKernels(Protocol):
     """Products whose every output row depends only on its own input row (and the other operand)."""
 
     name: str
     min_rows: int
     """Row reductions (the head's cross-entropy) are given at least this many rows."""
+    wide: WideWeights
+    """Widened weights, kept while the caller holds them fixed (:meth:`WideWeights.held`)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x [..., K] @ weight[N, K]^T -> [..., N]``; differentiable."""
@@ -122,6 +160,8 @@ class TiledCPUKernels:
     min_rows: int = 2
     """Rows a row reduction is given at least: a lone row of 32,768 entries or more is split over threads."""
     name: str = "cpu-tiled"
+    wide: WideWeights = field(default_factory=WideWeights, compare=False, repr=False)
+    """The float32 copies of 16-bit weights a held pass reuses (:class:`WideWeights`)."""
 
     def __post_init__(self):
         for key in ("linear_rows", "attention_rows"):
@@ -140,7 +180,7 @@ class TiledCPUKernels:
         tiles = self._tile_count(-(-m // r))
         wide = _wide(x.dtype)
         padded = F.pad(rows.to(wide), (0, 0, 0, tiles * r - m)).view(tiles, r, k)
-        out = self._tile_products(padded, weight.to(wide).t())
+        out = self._tile_products(padded, self.wide.of(weight, wide).t())
         return out.reshape(tiles * r, n)[:m].reshape(*lead, n).to(x.dtype)
 
     def _tile_count(self, tiles: int) -> int:

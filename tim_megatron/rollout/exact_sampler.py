@@ -17,8 +17,10 @@ around it; experts stay sparse (each token through its own top-k). Two samplers 
 
 Both sample through the trainer's own chunked head (:func:`tim_megatron.trainer.logprobs.token_logprobs`): this
 module's :class:`_Chooser` picks each next token from a chunk's logits, and the cross-entropy line the old pass uses
-computes the sampled token's logprob from the same logits. The two samplers give the same tokens and bits for the
-same seeds.
+computes the sampled token's logprob from the same logits. A token is drawn by a counter-based Gumbel-max
+(:func:`tim_megatron.exact.draws.gumbel_argmax`), a pure function of the sample's seed, its response position and
+the logits, every row of a forward at once on the head's device; so the two samplers give the same tokens and bits
+for the same seeds.
 
 Layout: one engine per data-parallel rank (its TP ranks together), generating exactly the rows that rank trains.
 Under expert parallelism the ranks' decode steps run in lockstep (the expert dispatch is a collective).
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.algo.injection import perturbed_logprobs, sampling_noise
+from tim_megatron.exact.draws import gumbel_argmax
 from tim_megatron.exact.kv_cache import KVCache
 from tim_megatron.rollout.base import FleetLayout, GenerationStats, RolloutInputError, Sample, sample_seed
 
@@ -99,18 +102,19 @@ class ExactSampler:
         ]
         results = [_Row(len(s)) for s in seqs]
         forwards, cache = 0, None
-        if self.recipe.diagnostics.exact_sampler == "kv-cache":
-            forwards, cache = self._cached(seqs, seeds, results, width, greedy, inject)
-        else:
-            for rows in self.trainer.micro_batches(len(seqs)):
-                forwards += self._micro_batch(
-                    [seqs[i] for i in rows],
-                    [seeds[i] for i in rows],
-                    [results[i] for i in rows],
-                    width,
-                    greedy,
-                    inject,
-                )
+        with self.trainer.weights_fixed():
+            if self.recipe.diagnostics.exact_sampler == "kv-cache":
+                forwards, cache = self._cached(seqs, seeds, results, width, greedy, inject)
+            else:
+                for rows in self.trainer.micro_batches(len(seqs)):
+                    forwards += self._micro_batch(
+                        [seqs[i] for i in rows],
+                        [seeds[i] for i in rows],
+                        [results[i] for i in rows],
+                        width,
+                        greedy,
+                        inject,
+                    )
         samples = [
             Sample(
                 s[: res.prompt_len],
@@ -153,7 +157,6 @@ class ExactSampler:
         parallelism to the largest count of any rank, whose forwards all run in step until every rank is done."""
         tr = self.trainer
         budget = self.recipe.rollout.max_tokens
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
         cache = KVCache(rows=len(seqs), width=width, dtype=tr.exact_cache_dtype())
         lockstep = tr.recipe.parallel.ep > 1 and dist.is_initialized() and dist.get_world_size() > 1
         forwards, prefill = 0, True
@@ -180,7 +183,6 @@ class ExactSampler:
                 trainer=tr,
                 rows=[0] * len(active),
                 lengths=[i + 1 for i in last],
-                generators=[gens[row] for row in active],
                 seeds=[seeds[row] for row in active],
                 positions=[len(results[row].logprobs) for row in active],
                 greedy=greedy,
@@ -210,7 +212,6 @@ class ExactSampler:
     def _micro_batch(self, seqs, seeds, results, width: int, greedy: bool, inject) -> int:
         """Generate one micro-batch in place (``seqs`` grow); returns the number of forwards."""
         budget = self.recipe.rollout.max_tokens
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         for row, s in enumerate(seqs):
             ids[row, : len(s)] = torch.tensor(s)
@@ -223,7 +224,6 @@ class ExactSampler:
                 trainer=self.trainer,
                 rows=active,
                 lengths=[len(seqs[row]) for row in active],
-                generators=[gens[row] for row in active],
                 seeds=[seeds[row] for row in active],
                 positions=[len(results[row].logprobs) for row in active],
                 greedy=greedy,
@@ -319,7 +319,6 @@ class _Chooser:
         trainer,
         rows: list[int],
         lengths: list[int],
-        generators: list[torch.Generator],
         seeds: list[int],
         positions: list[int],
         greedy: bool,
@@ -328,7 +327,6 @@ class _Chooser:
         self.trainer = trainer
         self.rows = rows
         self.pred = [length - 1 for length in lengths]  # the position whose logits predict the next token
-        self.generators = generators
         self.seeds = seeds
         self.positions = positions
         self.greedy = greedy
@@ -341,29 +339,40 @@ class _Chooser:
 
     def choose(self, start: int, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         here = [k for k, p in enumerate(self.pred) if start <= p < start + logits.shape[0]]
-        pos = torch.tensor([self.pred[k] - start for k in here])
-        rows = torch.tensor([self.rows[k] for k in here])
-        z = _full_vocab(logits[pos, rows].float())  # [k, V]: a copy (the cross-entropy consumes ``logits``)
+        pos = torch.tensor([self.pred[k] - start for k in here], device=logits.device)
+        rows = torch.tensor([self.rows[k] for k in here], device=logits.device)
+        z = _full_vocab(
+            logits[pos, rows].float()
+        )  # [k, V] on the head's device: a copy (cross-entropy consumes logits)
         tr = self.trainer
         temperature = tr.recipe.rollout.temperature
         z = z * (tr.head.temperature / temperature)  # the head divided by its own temperature already
+        seeds = torch.tensor([self.seeds[k] for k in here], dtype=torch.long)
+        positions = torch.tensor([self.positions[k] for k in here], dtype=torch.long)
+        scores = z if self.greedy or self.injection is None else self._mu(z, here)
+        tokens = gumbel_argmax(scores, seeds=seeds, positions=positions, greedy=self.greedy)
+        if self.mu_logprobs is not None:
+            mu = scores.gather(1, tokens[:, None])[:, 0].tolist()
+            for j, k in enumerate(here):
+                self.mu_logprobs[k] = mu[j]
+        for j, tok in zip(here, tokens.tolist(), strict=True):
+            self.tokens[j] = tok
         targets = targets.clone()
+        targets[pos, rows] = tokens.to(targets.device)
+        return targets
+
+    def _mu(self, z: torch.Tensor, here: list[int]) -> torch.Tensor:
+        """log mu ``[k, V]``: the injection's sampling distribution for the rows ``here`` (``z``: their logits)."""
+        inj = self.injection
+        out = []
         for j, k in enumerate(here):
-            if self.greedy:
-                tok = int(z[j].argmax())
-            elif self.injection is None:
-                tok = int(torch.multinomial(torch.softmax(z[j], -1), 1, generator=self.generators[k]))
-            else:
-                inj = self.injection
-                noise = None
-                if inj.type == "noise":
-                    noise = sampling_noise(
-                        seed=inj.seed,
-                        sample_seed=self.seeds[k],
-                        position=self.positions[k],
-                        vocab=z.shape[-1],
-                    )
-                logmu = perturbed_logprobs(
+            noise = None
+            if inj.type == "noise":
+                noise = sampling_noise(
+                    seed=inj.seed, sample_seed=self.seeds[k], position=self.positions[k], vocab=z.shape[-1]
+                ).to(z.device)
+            out.append(
+                perturbed_logprobs(
                     logits=z[j],
                     kind=inj.type,
                     dtype=inj.dtype,
@@ -372,11 +381,8 @@ class _Chooser:
                     pi_low=inj.pi_low,
                     noise=noise,
                 )
-                tok = int(torch.multinomial(torch.exp(logmu), 1, generator=self.generators[k]))
-                self.mu_logprobs[k] = float(logmu[tok])
-            self.tokens[k] = tok
-            targets[pos[j], rows[j]] = tok
-        return targets
+            )
+        return torch.stack(out)
 
 
 def _tp_group():
@@ -386,13 +392,13 @@ def _tp_group():
 
 
 def _full_vocab(local: torch.Tensor) -> torch.Tensor:
-    """``[k, V / tp]`` vocab shards -> ``[k, V]`` on every TP rank."""
+    """``[k, V / tp]`` vocab shards -> ``[k, V]`` on every TP rank, on their device."""
     group, size = _tp_group()
     if size == 1:
-        return local.cpu()
+        return local
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, -1).cpu()
+    return torch.cat(parts, -1)
 
 
 # ------------------------------------------------------------------------------------------------- check

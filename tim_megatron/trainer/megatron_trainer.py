@@ -383,19 +383,20 @@ class MegatronTrainer:
         lp = torch.zeros(n, cols)
         ent = torch.zeros(n, cols) if with_entropy else None
         routed = None
-        for rows in self.micro_batches(n):
-            mb, s = self._trimmed(batch, rows, width)
-            keep = min(s, cols)
-            with self._routing(routing, mb) as rec:
-                out = self._forward(mb.input_ids, with_entropy=with_entropy)
-            lp[rows, :keep] = out.logprobs[:, :keep].float().cpu()
-            if ent is not None:
-                ent[rows, :keep] = out.entropy[:, :keep].float().cpu()
-            if routing == "record":
-                rec_t = self._gather_recorded(rec.indices, len(rows), s)
-                if routed is None:
-                    routed = torch.zeros(rec_t.shape[0], n, cols, rec_t.shape[-1], dtype=torch.int16)
-                routed[:, rows, :keep] = rec_t[:, :, :keep].to(torch.int16)
+        with self.weights_fixed():
+            for rows in self.micro_batches(n):
+                mb, s = self._trimmed(batch, rows, width)
+                keep = min(s, cols)
+                with self._routing(routing, mb) as rec:
+                    out = self._forward(mb.input_ids, with_entropy=with_entropy)
+                lp[rows, :keep] = out.logprobs[:, :keep].float().cpu()
+                if ent is not None:
+                    ent[rows, :keep] = out.entropy[:, :keep].float().cpu()
+                if routing == "record":
+                    rec_t = self._gather_recorded(rec.indices, len(rows), s)
+                    if routed is None:
+                        routed = torch.zeros(rec_t.shape[0], n, cols, rec_t.shape[-1], dtype=torch.int16)
+                    routed[:, rows, :keep] = rec_t[:, :, :keep].to(torch.int16)
         self._check_clean()
         beyond = (
             torch.arange(cols)[None, :] >= batch.lengths[:, None]
@@ -423,6 +424,12 @@ class MegatronTrainer:
         routed = self._gather_recorded(rec.indices, ids.shape[0], ids.shape[1]) if record else None
         return out.logprobs.float().cpu(), routed
 
+    def weights_fixed(self) -> contextlib.AbstractContextManager:
+        """A span in which the caller leaves the weights as they are: exact mode's kernels widen each 16-bit
+        weight once inside it (:class:`~tim_megatron.exact.kernels.WideWeights`), not once per forward."""
+        kernels = invariant_kernels.kernels_of(self.model)
+        return kernels.wide.held() if kernels is not None else contextlib.nullcontext()
+
     def exact_cache_dtype(self) -> torch.dtype:
         """The dtype exact mode's KV cache stores keys and values in: what its kernels compute the model's in."""
         return invariant_kernels.kernels_of(self.model).compute_dtype(DTYPES[self.dtype])
@@ -446,7 +453,8 @@ class MegatronTrainer:
         ``record``, the experts of every entry ``[layers, n, k]``."""
         if not self.exact:
             raise RuntimeError("decode_forward is exact mode's (diagnostics.vexact = exact)")
-        self.model.eval()
+        if self.model.training:  # once per rollout: eval() walks every module
+            self.model.eval()
         dev = self._device()
         ids = ids.to(dev)
         mb = SeqBatch(ids, torch.full((1,), ids.shape[1]))
@@ -507,17 +515,18 @@ class MegatronTrainer:
         total_loss = 0.0
         t0 = time.perf_counter()
         width = batch.input_ids.shape[1]
-        for rows in self.micro_batches(len(batch)):
-            mb, s = self._trimmed(batch, rows)
-            keep = min(s, width)  # the layout's padding never reaches the loss
-            with self._routing(routing, mb):
-                out = self._forward(mb.input_ids)
-                loss, st = loss_fn(out.logprobs[:, :keep].float(), rows, keep)
-                with cpu_shims.cuda_placement_to_cpu():
-                    scaled = self.optimizer.scale_loss(loss)
-                scaled.backward()
-            stats.merge(st)
-            total_loss += float(loss.detach())
+        with self.weights_fixed():  # the optimizer step comes after
+            for rows in self.micro_batches(len(batch)):
+                mb, s = self._trimmed(batch, rows)
+                keep = min(s, width)  # the layout's padding never reaches the loss
+                with self._routing(routing, mb):
+                    out = self._forward(mb.input_ids)
+                    loss, st = loss_fn(out.logprobs[:, :keep].float(), rows, keep)
+                    with cpu_shims.cuda_placement_to_cpu():
+                        scaled = self.optimizer.scale_loss(loss)
+                    scaled.backward()
+                stats.merge(st)
+                total_loss += float(loss.detach())
         self._check_clean()
         finalize_model_grads([self.model])
         return total_loss, stats, {"fwd_bwd": time.perf_counter() - t0}
