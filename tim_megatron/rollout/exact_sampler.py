@@ -341,9 +341,8 @@ class _Chooser:
         here = [k for k, p in enumerate(self.pred) if start <= p < start + logits.shape[0]]
         pos = torch.tensor([self.pred[k] - start for k in here], device=logits.device)
         rows = torch.tensor([self.rows[k] for k in here], device=logits.device)
-        z = _full_vocab(
-            logits[pos, rows].float()
-        )  # [k, V] on the head's device: a copy (cross-entropy consumes logits)
+        # [k, V] on the head's device: a copy (the cross-entropy consumes ``logits``)
+        z = _full_vocab(logits[pos, rows].float())
         tr = self.trainer
         temperature = tr.recipe.rollout.temperature
         z = z * (tr.head.temperature / temperature)  # the head divided by its own temperature already
