@@ -91,10 +91,6 @@ def test_the_shape_invariant_moe_patch_refuses_an_unknown_megatron_version(monke
             "parallel.tp = 4 and an expert group of parallel.ep x parallel.expert_tp = 4",
         ),
         (["parallel.ep=4", "parallel.dp=4"], "an expert group of parallel.ep x parallel.expert_tp = 4"),
-        (
-            ["model.dims.router_score=sigmoid", "model.dims.router_expert_bias=true"],
-            "model.dims.router_score = sigmoid is not supported",
-        ),
         (["rl.correction.bypass=true"], "rl.correction.bypass"),
         (
             [
@@ -276,7 +272,8 @@ def test_kv_cache_and_full_forward_sample_the_same_tokens_with_the_same_bits(tmp
 def test_the_kv_cached_decode_gives_the_training_forwards_bits_at_every_position(tmp_path):
     """Given tokens, no sampling: random sequences (prompt 1-8 tokens, 1-40 more) prefilled and then decoded one
     position per step through the KV cache; every position's logprob equals the old-logprob pass's (the training
-    forward at the exact width), in float32 and in bfloat16 with the fp32 head, also at hidden size 1024."""
+    forward at the exact width), in float32 and in bfloat16 with the fp32 head, also at hidden size 1024, and on the
+    tiny GLM-4.5 (sigmoid router)."""
     require(importable("megatron.core"), "megatron-core")
     for name, extra in (
         ("fp32", []),
@@ -299,10 +296,23 @@ def test_the_kv_cached_decode_gives_the_training_forwards_bits_at_every_position
             "chunk1-vocab65536",
             ["trainer.logprob_chunk=1", "model.dims.vocab_size=65536", "model.tiny_warmup_steps=0"],
         ),
+        # GLM-4.5's sigmoid router (score-correction bias, routed scaling), shared expert, partial RoPE and q/k/v
+        # biases, in float32: the router's sigmoid goes through the row-invariant elementwise kernel.
+        (
+            "glm4-sigmoid-router",
+            [
+                "recipe=recipes/tiny-glm4-moe/grpo.yaml",
+                "diagnostics.vexact=exact",
+                "trainer.dtype=float32",
+                "rollout.dtype=float32",
+            ],
+        ),
     ):
         out = tmp_path / name
+        recipe = [x for x in extra if x.startswith("recipe=")]  # the worker takes it first
+        extra = [x for x in extra if not x.startswith("recipe=")]
         run_ok(
-            [sys.executable, str(WORKER), "forced", str(out), "rollout.max_model_len=64", *extra],
+            [sys.executable, str(WORKER), "forced", str(out), *recipe, "rollout.max_model_len=64", *extra],
             threads=2,
             timeout=600,
         )

@@ -320,3 +320,74 @@ def test_padding_entries_neither_enter_the_cache_nor_deepen_any_sequences_attent
     per = heads // groups
     # Sequences 0..2 in the block (1 has no entry this step), one query row per head each: depth 1.
     assert shapes[0][1] == per * 1 and shapes[0][0] == 3 * groups, shapes
+
+
+def _sigmoid_router(
+    *, experts: int = 8, topk: int = 2, groups: int | None = None, group_topk: int | None = None
+):
+    """megatron-core's TopKRouter as GLM-4.5 (groups None) and DeepSeek-V3 (grouped) configure it: sigmoid scores,
+    a score-correction bias, float32 routing, renormalized top-k, routed scaling."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_num_groups=groups,
+        moe_router_group_topk=group_topk,
+        use_cpu_initialization=True,
+    )
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "tp_cp", "tp_dp_cp"])
+    router = TopKRouter(cfg, pg_collection=pgs)
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.linspace(-0.05, 0.05, experts))
+    return router
+
+
+@pytest.mark.parametrize(("groups", "group_topk"), [(None, None), (4, 2)], ids=["glm", "grouped"])
+def test_a_sigmoid_routers_probabilities_for_a_token_are_the_same_bits_alone_and_among_many(
+    one_rank, groups, group_topk
+):
+    """torch's float32 sigmoid gives an element other bits on its scalar tail path than on its vector path: with the
+    stock router a token's routing probabilities differ alone (8 scores: all on the tail) and among 255 others; with
+    exact mode's routing (the sigmoid through ``ExactKernels.elementwise``) they are the same at any thread count,
+    and the gradient is the stock sigmoid's."""
+    from patches.megatron import invariant_kernels
+    from tim_megatron.exact.kernels import torch_threads
+
+    router = _sigmoid_router(topk=4 if groups else 2, groups=groups, group_topk=group_topk)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(256, 1, 8, generator=g) * 3
+
+    def rows_differing() -> int:
+        with torch.no_grad():
+            together, map_all = router.routing(logits)
+            bad = 0
+            for i in range(0, 256, 3):
+                alone, map_one = router.routing(logits[i : i + 1])
+                bad += int(not (torch.equal(alone[0], together[i]) and torch.equal(map_one[0], map_all[i])))
+        return bad
+
+    stock = rows_differing()
+    assert stock > 0, "the stock sigmoid gave every row the same bits: the probe no longer shows the break"
+    invariant_kernels.route_router(router, TiledCPUKernels())
+    for threads in (1, 2, 4, 8):
+        with torch_threads(threads):
+            assert rows_differing() == 0, threads
+    x = logits.clone().requires_grad_(True)
+    probs, _ = router.routing(x)
+    (probs * torch.arange(8.0)).sum().backward()
+    ref = logits.clone().requires_grad_(True)
+    ref_probs, _ = type(router).routing(router, ref)
+    (ref_probs * torch.arange(8.0)).sum().backward()
+    torch.testing.assert_close(probs, ref_probs)
+    torch.testing.assert_close(x.grad, ref.grad)

@@ -10,6 +10,11 @@ model (never the class):
   still runs for the backward (its TP/SP collectives and weight-gradient handling), and only its forward value is
   replaced, so a training forward's logprobs equal the old-logprob pass's and the first minibatch's ratio is 1;
 * every ``TopKRouter.gating``: the router logits, the same way;
+* a sigmoid router's scores (GLM-4.5, DeepSeek-V3): the sigmoid inside megatron-core's
+  ``topk_routing_with_score_function`` gives an element other bits on its scalar tail path, so each sigmoid
+  router gets its own ``routing``: megatron-core's code (the same code object) resolving ``torch.sigmoid`` to the
+  invariant one (:class:`_InvariantTorch`), everything else (top-k, group limit, replay, bias, aux losses) as it
+  is;
 * every MLP's activation (dense MLPs, every expert, shared experts): the value from
   :meth:`ExactKernels.elementwise` (torch's SiLU gives an element other bits on its scalar tail path than on its
   vector path, and which path an element takes depends on its place in the tensor and the thread count); the
@@ -54,6 +59,8 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel.layers.ColumnParallelLinear._forward_impl",
         "megatron.core.tensor_parallel.layers.RowParallelLinear._forward_impl",
         "megatron.core.transformer.moe.router.TopKRouter.gating",
+        "megatron.core.transformer.moe.router.TopKRouter.routing (sigmoid routers: globals of one copy)",
+        "megatron.core.transformer.moe.moe_utils.topk_routing_with_score_function (globals of one copy)",
         "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
         "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward",
         "megatron.core.transformer.mlp.MLP.activation_func (instance attribute)",
@@ -179,6 +186,62 @@ def _gating(self, input):
     return _with_reference(lambda: stock(self, input), value, input, self.weight)
 
 
+class _InvariantTorch:
+    """``torch`` as megatron-core's routing code sees it in a sigmoid router's own copy: ``sigmoid`` gives the value
+    of :meth:`ExactKernels.elementwise` and the gradient of the stock op; every other name is torch's."""
+
+    def __init__(self, kernels):
+        self._kernels = kernels
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            value = self._kernels.elementwise(torch.sigmoid, x)
+        return _with_reference(lambda: torch.sigmoid(x), value, x)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _sigmoid_routing(kernels):
+    """``TopKRouter.routing`` for one sigmoid router: megatron-core's own function, its call of
+    ``topk_routing_with_score_function`` resolved to a copy whose ``torch.sigmoid`` is invariant. The copies
+    differ from the originals only in their globals (no code is restated, nothing module-wide is changed)."""
+    from megatron.core.transformer.moe import moe_utils, router
+
+    def copy(fn, **names):
+        out = types.FunctionType(
+            fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        out.__kwdefaults__ = fn.__kwdefaults__
+        return out
+
+    topk = copy(moe_utils.topk_routing_with_score_function, torch=_InvariantTorch(kernels))
+    return copy(router.TopKRouter.routing, topk_routing_with_score_function=topk)
+
+
+def route_router(router, kernels) -> None:
+    """Route one ``TopKRouter``: its logits (``gating``) and, for a sigmoid router, its scores (``routing``)."""
+    _check_router(router)
+    router._tim_kernels = kernels
+    setattr(router, _MARK, True)
+    router.gating = types.MethodType(_gating, router)
+    if router.score_function == "sigmoid":
+        router.routing = types.MethodType(_sigmoid_routing(kernels), router)
+
+
+def _check_router(router) -> None:
+    if router.score_function not in ("softmax", "sigmoid"):
+        raise ValueError(
+            f"exact mode: router score function {router.score_function!r}; allowed softmax, sigmoid"
+        )
+    if router.config.moe_router_fusion:
+        raise ValueError(
+            "exact mode: moe_router_fusion runs a fused routing kernel the invariant kernels do not cover"
+        )
+    if router.routing_type == "sinkhorn":
+        raise ValueError("exact mode: sinkhorn routing is not covered by the invariant kernels")
+
+
 @dataclass
 class _Decode:
     """One decode forward's entries, seen by one attention layer."""
@@ -275,11 +338,13 @@ def apply(model, kernels) -> dict[str, int]:
         )
     for m in attention:
         _check_attention(m)
+    for m in routers:
+        _check_router(m)
     _check_activations(model)  # before anything is patched: a refusal leaves the model as it was
     for m in linears:
         m._forward_impl = types.MethodType(_linear_impl, m)
     for m in routers:
-        m.gating = types.MethodType(_gating, m)
+        route_router(m, kernels)
     for m in attention:
         m.forward = types.MethodType(_attention_forward, m)
         m._tim_decode = None
@@ -292,6 +357,7 @@ def apply(model, kernels) -> dict[str, int]:
     return {
         "linears": len(linears),
         "routers": len(routers),
+        "sigmoid routers": sum(m.score_function == "sigmoid" for m in routers),
         "attention": len(attention),
         "activations": mlps,
     }
@@ -309,7 +375,15 @@ def revert(model) -> None:
     _gpt, linears, routers, attention = _modules(model)
     for m in (*linears, *routers, *attention):
         if getattr(m, _MARK, False):
-            for name in ("_forward_impl", "gating", "forward", "_tim_decode", "_tim_kernels", _MARK):
+            for name in (
+                "_forward_impl",
+                "gating",
+                "routing",
+                "forward",
+                "_tim_decode",
+                "_tim_kernels",
+                _MARK,
+            ):
                 if name in m.__dict__:
                     delattr(m, name)
     gpt = _gpt

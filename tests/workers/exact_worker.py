@@ -348,7 +348,12 @@ def scenario_vllm(out: dict, overrides: list[str]) -> None:
 
 
 def main() -> None:
+    global RECIPE
     name, out_dir, *overrides = sys.argv[1:]
+    if overrides and overrides[0].startswith(
+        "recipe="
+    ):  # another recipe than vexact.yaml (then diagnostics.vexact)
+        RECIPE = ROOT / overrides.pop(0).removeprefix("recipe=")
     out: dict = {}
     {
         "doses": scenario_doses,

@@ -1278,14 +1278,6 @@ def _check_diagnostics(r: Recipe) -> None:
                 f"parallel.ep x parallel.expert_tp = {p.ep * etp}; allowed tp <= 2 and ep x expert_tp <= 2 (use more "
                 "data-parallel ranks instead)",
             )
-        if r.model.dims.is_moe and r.model.dims.router_score != "softmax":
-            raise RecipeValueError(
-                ["diagnostics.vexact", "model.dims.router_score"],
-                f"vexact = exact: model.dims.router_score = {r.model.dims.router_score} is not supported (torch's "
-                "float32 sigmoid computes a tensor's tail elements on another path, so a router score depends on "
-                "the token count, and the sigmoid inside megatron-core's top-k routing is not routed through the "
-                "row-invariant kernels); allowed: softmax",
-            )
         if r.trainer.moe_dispatcher == "alltoall":
             raise RecipeValueError(
                 ["diagnostics.vexact", "trainer.moe_dispatcher"],
