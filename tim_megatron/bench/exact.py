@@ -501,6 +501,10 @@ def _print_step(*, steps: int, prompts: int) -> None:
         group="exact",
     )
     print("  " + outcome.target_line(o) + note)
+    per_token = (ex["cpu_s"] / ex["response_len"]) / (vl["cpu_s"] / vl["response_len"])
+    print(
+        f"  ratio exact / vLLM, CPU seconds per response token = {per_token:.2f}x (not judged: lengths differ)"
+    )
     o = outcome.judged(
         "ratio exact / vLLM, wall", value=ratio, met=ratio <= 2, rule="<= 2x", unit="x", group="exact"
     )

@@ -178,9 +178,8 @@ class TiledCPUKernels:
         if m == 0:
             return x.new_zeros(*lead, n)
         tiles = self._tile_count(-(-m // r))
-        wide = _wide(x.dtype)
-        padded = F.pad(rows.to(wide), (0, 0, 0, tiles * r - m)).view(tiles, r, k)
-        out = self._tile_products(padded, self.wide.of(weight, wide).t())
+        padded = _padded(rows, tiles * r, _wide(x.dtype)).view(tiles, r, k)
+        out = self._tile_products(padded, self.wide.of(weight, padded.dtype).t())
         return out.reshape(tiles * r, n)[:m].reshape(*lead, n).to(x.dtype)
 
     def _tile_count(self, tiles: int) -> int:
@@ -196,7 +195,7 @@ class TiledCPUKernels:
         r = self.attention_rows
         tiles = -(-m // r)
         wide = _wide(a.dtype)
-        padded = F.pad(a.to(wide), (0, 0, 0, tiles * r - m))
+        padded = _padded(a, tiles * r, wide, dim=1)
         b = b.to(wide)
         # One bmm per tile, over the whole batch: b is never copied per tile.
         parts = [self._batch_products(padded[:, t * r : (t + 1) * r], b) for t in range(tiles)]
@@ -222,6 +221,19 @@ class TiledCPUKernels:
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return _wide(dtype)
+
+
+def _padded(x: torch.Tensor, count: int, dtype: torch.dtype, *, dim: int = 0) -> torch.Tensor:
+    """``x`` in ``dtype``, zero-padded along ``dim`` to ``count``: one contiguous buffer, one converting copy."""
+    m = x.shape[dim]
+    if m == count:
+        return x.to(dtype)
+    shape = list(x.shape)
+    shape[dim] = count
+    out = x.new_empty(shape, dtype=dtype)
+    out.narrow(dim, 0, m).copy_(x)
+    out.narrow(dim, m, count - m).zero_()
+    return out
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
