@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -298,7 +299,7 @@ def test_a_recovering_dip_is_not_a_collapse_and_a_sustained_drop_is():
     # the same fall, sustained: (6 x 0.40 + 4 x 0.05) / 10 = 0.26 <= 0.7 x 0.40 first at step 19
     assert collapse_step(*score_series(_reward_rows(base + [0.05] * 28))[:2]) == 19
     # a recovered dip, then a fall that lasts: the collapse is the second fall
-    twice = dip + [0.05] * 20
+    twice = dip + [0.05] * 30
     assert collapse_step(*score_series(_reward_rows(twice))[:2]) == len(dip) + 4
     # no best from a short window: a lucky first batch (0.40, then 0.20) is not a 30% fall
     lucky = [0.40] + [0.20] * 30
@@ -306,6 +307,57 @@ def test_a_recovering_dip_is_not_a_collapse_and_a_sustained_drop_is():
     # the grid's collapse_window sets the window
     x5, _, what = score_series(_reward_rows(lucky), window=5)
     assert x5[0] == 5 and "5-step" in what
+
+
+def score_series_of(rewards: list[float]):
+    """(steps, scores) of the collapse rule for a run that logged ``rewards`` (default window)."""
+    from tim_megatron.lab.runstats import score_series
+
+    return score_series(_reward_rows(rewards))[:2]
+
+
+def _flat_scores(rng, *, mean: float, sd: float = 0.05, steps: int = 200):
+    return score_series_of(np.clip(rng.normal(mean, sd, steps), 0.0, 1.0).tolist())
+
+
+def test_the_collapse_rule_flags_few_flat_series_and_every_sustained_halving():
+    """Flat reward series at the lab's measured per-step noise (SD 0.05) over 200 steps: at most 5% flagged at mean
+    0.15 (a fixed set of 400 series). Without the 20-step minimum the same series are flagged far more often (the
+    rule that flagged 2 of A's 3 'collapses' at steps 173 and 189). A sustained 50% drop at step 100 is flagged
+    in every series, within 15 steps of it."""
+    from tim_megatron.lab.runstats import COLLAPSE_MIN_STEPS, collapse_step
+
+    rng = np.random.default_rng(2024)
+    flat = [_flat_scores(rng, mean=0.15) for _ in range(400)]
+    flagged = [collapse_step(x, y) for x, y in flat]
+    assert sum(f is not None for f in flagged) <= 0.05 * 400
+    unguarded = sum(collapse_step(x, y, min_steps=1) is not None for x, y in flat)
+    assert unguarded > 0.05 * 400, unguarded  # the minimum is what keeps them out
+    assert COLLAPSE_MIN_STEPS == 20
+    for _ in range(50):
+        rewards = np.clip(
+            np.concatenate([rng.normal(0.4, 0.05, 99), rng.normal(0.2, 0.05, 101)]), 0, 1
+        ).tolist()
+        step = collapse_step(*score_series_of(rewards))
+        assert step is not None and 100 <= step <= 115, step
+
+
+def test_a_drop_in_the_last_steps_is_censored_not_a_collapse():
+    """A fall at step 189 of 200 cannot be seen persisting for 20 steps: censored. The same fall at step 150 is a
+    collapse; a grid's collapse_min_steps sets the minimum (lab/A.yaml and B.yaml keep their registered 1)."""
+    from tim_megatron.lab.grid import load_grid
+    from tim_megatron.lab.runstats import collapse_step
+
+    late = [0.4] * 188 + [0.05] * 12
+    assert collapse_step(*score_series_of(late)) is None
+    assert collapse_step(*score_series_of(late), min_steps=1) == 192  # (6 x 0.40 + 4 x 0.05) / 10 <= 0.28
+    early = [0.4] * 149 + [0.05] * 51
+    assert collapse_step(*score_series_of(early)) == 153
+    assert [load_grid(ROOT / "lab" / f"{g}.yaml").collapse_min_steps for g in ("A", "B", "long")] == [
+        1,
+        1,
+        20,
+    ]
 
 
 def test_final_window_reward_is_the_last_tenth_of_the_run():
@@ -364,6 +416,9 @@ def _fake_run(d: Path, spec: dict, *, steps: int, growth: float, seed: int, coll
                 "mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean": 0.002
                 * math.exp(growth * frac)
                 * math.exp(rng.gauss(0, 0.02)),
+                "mismatch/old_vs_rollout/log_ppl_abs_diff_seq_sum": 0.08
+                * math.exp(growth * frac)
+                * math.exp(rng.gauss(0, 0.02)),
                 "mismatch/old_vs_rollout/bucket/0.01-0.1/count": 100.0,
                 "mismatch/old_vs_rollout/bucket/0.01-0.1/rho_mean": 1.0 - 0.05 * frac,
                 "mismatch/old_vs_rollout/bucket/0.9-1/count": 500.0,
@@ -379,6 +434,7 @@ def _fake_run(d: Path, spec: dict, *, steps: int, growth: float, seed: int, coll
 GRID = """name: fake
 seeds: [1, 2, 3]
 tune_seeds: [1, 2]
+collapse_min_steps: 5
 overrides: [run.steps=30]
 arms:
   - {name: baseline}
@@ -626,13 +682,42 @@ def test_c1_needs_a_contrast_against_the_matched_control(tmp_path):
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, fell))["C1"]
     assert v.verdict == "reproduced" and v.p_value == pytest.approx(1 / 495)
     assert "0 of 4 exact run(s) and 8 of 8 injected" in v.detail and v.effect == 1.0
-    # exact collapsing as often as the injected arms: not reproduced
+    # exact collapsing as often as the injected arms, 4 seeds each: a rate difference of 0 whose interval still
+    # reaches a 25-point rise (lab A's situation), so not "not reproduced" but inconclusive
     both = {a: {s: _stats(a, s, collapse_step=50 if s <= 2 else None) for s in seeds} for a in arms}
-    assert _by_claim(_lab(tmp_path, VEXACT_GRID, both))["C1"].verdict == "not reproduced"
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, both))["C1"]
+    assert v.verdict == "inconclusive" and v.effect == 0.0 and v.ci_high >= 0.25, v
+    # with 40 seeds the same rates give an interval below 0.25: ruled out, not reproduced
+    many = {a: {s: _stats(a, s, collapse_step=50 if s % 2 else None) for s in range(1, 41)} for a in arms}
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, many))["C1"]
+    assert v.verdict == "not reproduced" and v.ci_high < 0.25, v
     # an exact run with rho_std > 0 is no zero-mismatch control
     leaky = {**fell, "exact": {**fell["exact"], 3: _stats("exact", 3, zero_mismatch=False)}}
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, leaky))["C1"]
     assert v.verdict == "inconclusive" and "not a zero-mismatch control" in v.detail
+
+
+def test_not_reproduced_needs_an_interval_that_excludes_the_smallest_effect(tmp_path):
+    """'Not reproduced' is impossible while the interval reaches the smallest effect of interest, whatever the
+    point estimate; and a significant effect whose interval lies wholly below that minimum is not reproduced (the
+    minimum comes first), not 'reproduced'."""
+    from tim_megatron.lab.claims import INCONCLUSIVE, NOT_REPRODUCED, decide
+    from tim_megatron.lab.stats import Interval
+
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        low, high = np.sort(rng.uniform(-1, 1, 2))
+        mean = float(rng.uniform(low, high))
+        mi = float(rng.uniform(0.01, 0.5))
+        verdict, _why = decide(Interval(mean, float(low), float(high), 4), min_effect=mi)
+        assert verdict in (NOT_REPRODUCED, INCONCLUSIVE)
+        assert (verdict == NOT_REPRODUCED) == (high < mi)
+    # C5's drift: 4 seeds tightly at +0.005, significant (p ~ 1e-5) but below the 0.01 that counts
+    seeds = (1, 2, 3, 4)
+    grid = "name: drift\nseeds: [1, 2, 3, 4]\narms:\n  - {name: baseline}\n"
+    runs = {"baseline": {s: _stats("baseline", s, bucket_drift=-0.005 - 0.0001 * s) for s in seeds}}
+    v = _by_claim(_lab(tmp_path, grid, runs))["C5"]
+    assert v.p_value < 0.001 and v.ci_high < 0.01 and v.verdict == "not reproduced", v
 
 
 def test_c2_reads_the_reward_deficit_against_the_dose(tmp_path):
@@ -688,3 +773,35 @@ def test_false_alarms_count_only_runs_that_can_fire():
     e = evaluate(TREND_RULE, traces, seeds="all")
     assert (e.runs, e.excluded, e.stable, e.collapsing) == (4, 2, 1, 1)
     assert e.warned == 1 and e.false_alarms == 0
+
+
+def test_the_rule_fixing_sentence_follows_git(tmp_path):
+    """The report's sentence on when the rules were fixed is read from git: the last commit of the rule code
+    against the first run's start, 'before' or 'after' as they fall; uncommitted rule code and a folder without
+    git history are said plainly; nothing is hard-coded."""
+    import subprocess
+    import time
+
+    from tim_megatron.lab.provenance import created_time, rules_fixed_text
+
+    repo = tmp_path / "repo"
+    (repo / "lab").mkdir(parents=True)
+    files = ("lab/rules.py",)
+    assert "cannot be stated" in rules_fixed_text(first_start=0.0, repo=repo, files=files)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "lab" / "rules.py").write_text("RULE = 1\n")
+    subprocess.run([*git, "add", "."], check=True)
+    committed = "2026-03-01T12:00:00"
+    env = {**__import__("os").environ, "GIT_COMMITTER_DATE": committed, "GIT_AUTHOR_DATE": committed}
+    subprocess.run([*git, "commit", "-q", "-m", "rules"], check=True, env=env)
+    at = created_time(committed)
+    before = rules_fixed_text(first_start=at + 3600, repo=repo, files=files)
+    assert "before the first run of this grid started" in before and "2026-03-01 12:00" in before
+    after = rules_fixed_text(first_start=at - 60, repo=repo, files=files)
+    assert "after the first run" in after and "not fixed before the runs" in after
+    assert "no run start" in rules_fixed_text(first_start=None, repo=repo, files=files)
+    (repo / "lab" / "rules.py").write_text("RULE = 2\n")
+    assert "uncommitted changes" in rules_fixed_text(first_start=at + 3600, repo=repo, files=files)
+    assert created_time("not a time") is None and created_time(None) is None
+    assert created_time(time.strftime("%Y-%m-%dT%H:%M:%S")) is not None

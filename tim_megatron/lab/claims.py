@@ -1,4 +1,5 @@
-"""The papers' claims C1..C9 (tim-megatron issue 13), each decided by a rule fixed here before any run.
+"""The papers' claims C1..C9, each decided by a rule stated here (a report says, from git, whether this code was
+last changed before its grid's first run: :mod:`tim_megatron.lab.provenance`).
 
 Every claim names the arms it reads (by the arm names of ``lab/*.yaml``) and an effect oriented so that a
 positive value supports it, computed per seed and summarized by a 95% t interval across seeds (paired by
@@ -12,6 +13,11 @@ claims tested in one report are adjusted together with Holm's method (:func:`ver
 * **not reproduced**: the interval lies below the smallest effect that would matter (``min_effect``), i.e.
   the data rule out an effect of that size in the claim's direction;
 * **inconclusive**: anything else, fewer than 2 seeds, or an arm that did not run (named in the row).
+
+Precedence: the smallest effect of interest first. A claim whose interval lies below it is not reproduced
+whatever its p-value (a significant but smaller effect is not the effect the paper claims); only then does the
+Holm-adjusted p decide between reproduced and inconclusive. "Not reproduced" therefore always rests on an interval
+that excludes the smallest effect of interest (:func:`decide`), never on a point estimate.
 
 Growth is the change of log(rho_std) over the run (:mod:`.runstats`), or of log(log_ppl_abs_diff) for TIM-LR's
 claims C8 and C9 (its Eq. 8); its ``min_effect`` is log(1.25), 25% more growth over the run. C1 and C2
@@ -48,14 +54,17 @@ DRIFT_MIN = 0.01
 """Smallest relative drift of the low-probability buckets' rho_mean over the run (1%)."""
 DEFICIT_MIN = 0.05
 """Smallest final-window reward deficit at the highest dose that counts (C2): 5 points of reward."""
+COLLAPSE_RATE_MIN = 0.25
+"""Smallest rise of the persistent-collapse rate with mismatch that counts (C1): 25 points."""
 ALPHA = 0.025
 """Family-wise level of the one-sided tests, after Holm's adjustment across the claims tested in one report."""
 CONTROL = "exact"
 """The zero-mismatch control of C1 and C2: the arm that samples from the trainer's own forward."""
 
 COMMON_RULE = (
-    "one-sided t test of effect > 0 across seeds: reproduced if its Holm-adjusted p <= 0.025; not reproduced if "
-    "the 95% CI lies below {min} (the smallest effect that would count); otherwise inconclusive"
+    "one-sided t test of effect > 0 across seeds: not reproduced if the 95% CI lies below {min} (the smallest "
+    "effect that would count; this comes first, whatever p); else reproduced if its Holm-adjusted p <= 0.025; "
+    "otherwise inconclusive"
 )
 
 
@@ -239,16 +248,8 @@ def c1(lab: LabData) -> ClaimVerdict:
     if k_m == 0:
         why = "no contrast: no run with mismatch collapsed either, so stability without it shows nothing"
         return _verdict("C1", spec, iv, INCONCLUSIVE, f"{why}; {context}", arms)
-    worse = k_e >= 1 and k_e / n_e >= k_m / n_m
-    return _verdict(
-        "C1",
-        spec,
-        iv,
-        NOT_REPRODUCED if worse else INCONCLUSIVE,
-        context,
-        arms,
-        p=fisher_fewer(k_e, n_e, k_m, n_m),
-    )
+    verdict, why = decide(iv, min_effect=COLLAPSE_RATE_MIN)
+    return _verdict("C1", spec, iv, verdict, f"{why}; {context}", arms, p=fisher_fewer(k_e, n_e, k_m, n_m))
 
 
 def c2(lab: LabData) -> ClaimVerdict:
@@ -381,7 +382,8 @@ def c8(lab: LabData) -> ClaimVerdict:
         return _verdict("C8", spec, NAN, INCONCLUSIVE, f"{detail}; (b) " + "; ".join(missing), arms)
     db = _diffs(lab.values("baseline", "ppl_growth"), lab.values("length-decay", "ppl_growth"))
     b = mean_ci(list(db.values()))
-    detail += f"; (b) growth of log_ppl_abs_diff, baseline - length-decay: {b.as_text()}"
+    detail += f"; (b) growth of log_ppl_abs_diff_seq_sum, baseline - length-decay: {b.as_text()}"
+    detail += "; " + _per_token(lab, "baseline", "length-decay")
     if a.n < 2 or b.n < 2:
         return _verdict(
             "C8", spec, b, INCONCLUSIVE, f"too few runs with both a surge and an onset; {detail}", arms
@@ -391,13 +393,22 @@ def c8(lab: LabData) -> ClaimVerdict:
     return _verdict("C8", spec, b, verdict, detail, arms, p=p)
 
 
+def _per_token(lab: LabData, more: str, less: str) -> str:
+    """The same gap on Eq. 8 per token (the mean over each sequence), reported beside the sequence sum."""
+    d = mean_ci(
+        list(_diffs(lab.values(more, "ppl_growth_token"), lab.values(less, "ppl_growth_token")).values())
+    )
+    return f"per token (log_ppl_abs_diff_token_mean), {more} - {less}: {d.as_text()}"
+
+
 def c9(lab: LabData) -> ClaimVerdict:
     extra = "; " + _growth_of(lab, "lr-high", "ppl_growth") if "lr-high" in lab.plans else ""
+    extra += "; " + _per_token(lab, "baseline", "lr-low")
     return _growth_gap("C9", CLAIMS["C9"], lab, "baseline", "lr-low", extra, key="ppl_growth")
 
 
 _G = "growth of log rho_std over the run"
-_P = "growth of log(log_ppl_abs_diff_token_mean) over the run (TIM-LR Eq. 8, per token)"
+_P = "growth of log(log_ppl_abs_diff_seq_sum) over the run (TIM-LR Eq. 8 as written, summed over each sequence)"
 CLAIMS: dict[str, dict] = {
     "C1": {
         "statement": "Zero mismatch stays stable: with rho = 1 exactly, training does not collapse where the same "
@@ -406,9 +417,10 @@ CLAIMS: dict[str, dict] = {
         "unit": "persistent-collapse rate, injected arms pooled minus exact (Newcombe 95% CI)",
         "rule": "against the matched zero-mismatch control: Fisher's exact test, one-sided (more collapses with "
         "mismatch); inconclusive if an exact seed logs rho_std > 0 or no injected run collapsed (no contrast); "
-        "reproduced if the Holm-adjusted p <= 0.025; not reproduced if an exact run collapses and exact's collapse "
-        "rate is at least the injected one; otherwise inconclusive. Collapse: the trailing 10-step mean reward at "
-        "or below 70% of its best so far, there to the end of the run",
+        f"not reproduced if the 95% CI of the rate difference lies below {COLLAPSE_RATE_MIN} (this comes first, "
+        "whatever p); else reproduced if the Holm-adjusted p <= 0.025; otherwise inconclusive. Collapse: the "
+        "grid's trailing mean reward at or below 70% of its best so far, there to the end of the run for at least "
+        "the grid's minimum number of steps",
         "fn": c1,
     },
     "C2": {
@@ -465,7 +477,7 @@ CLAIMS: dict[str, dict] = {
         "source": "TIM-LR (arXiv 2602.01826), Sec. 3.3-4.1, Fig. 1, 6, 7",
         "unit": f"(b): {_P}, constant LR minus Algorithm 1",
         "rule": "surge: the mean length doubles within 10 steps (the run's own surge settings); onset: the trend "
-        "rule on log_ppl_abs_diff_token_mean. One-sided t tests of (a) onset - surge > 0 and (b) > 0, p = the "
+        "rule on log_ppl_abs_diff_seq_sum. One-sided t tests of (a) onset - surge > 0 and (b) > 0, p = the "
         "larger: reproduced if its Holm-adjusted value <= 0.025; not reproduced if (a)'s CI lies below 0 or (b)'s "
         "below log 1.25; otherwise inconclusive (also with fewer than 2 runs having both a surge and an onset)",
         "fn": c8,
@@ -490,7 +502,7 @@ def verdicts(lab: LabData) -> list[ClaimVerdict]:
         v.p_holm = adjusted
         if not math.isfinite(adjusted):
             continue
-        if adjusted <= ALPHA and v.can_reproduce:
+        if adjusted <= ALPHA and v.can_reproduce and v.verdict != NOT_REPRODUCED:  # the minimum effect first
             v.verdict = REPRODUCED
         v.detail = (
             f"p = {v.p_value:.3g}, Holm-adjusted over {tested} tested claim(s) {adjusted:.3g}; {v.detail}"

@@ -8,6 +8,7 @@ data_seed: 0                  # every arm and seed sees the same prompts in the 
 tune_seeds: [1]               # the early-warning detector is tuned on these and checked on the others
 weights: seed                 # seed (default): the tiny model's initial weights follow the run seed; fixed: one set
 collapse_window: 10           # steps in the reward mean of the persistent-collapse rule (lab/runstats.py)
+collapse_min_steps: 20        # steps a collapse must last to the end of the run (later drops are censored)
 overrides: [run.steps=24]     # applied to every arm
 arms:
   - name: baseline
@@ -41,7 +42,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 """A grid's or an arm's name; used with ``fullmatch`` (``match`` with ``$`` would pass a trailing newline)."""
 GRID_KEYS = {
     "name", "description", "base_recipe", "seeds", "data_seed", "tune_seeds", "overrides", "arms", "weights",
-    "collapse_window",
+    "collapse_window", "collapse_min_steps",
 }  # fmt: skip
 WEIGHTS = ("seed", "fixed")
 """``weights``: ``seed`` sets ``model.tiny_seed`` to the run seed (seeds vary the initial weights as well as the
@@ -79,6 +80,9 @@ class Grid:
     """``seed``: the tiny model's initial weights follow the run seed; ``fixed``: every run starts from one set."""
     collapse_window: int = 10
     """Steps in the trailing reward mean of the persistent-collapse rule."""
+    collapse_min_steps: int = 20
+    """Steps a collapse must last, to the end of the run; a drop in the last ``collapse_min_steps - 1`` steps is
+    censored (it has no room to be seen persisting)."""
 
     def arm(self, name: str) -> Arm | None:
         return next((a for a in self.arms if a.name == name), None)
@@ -172,6 +176,9 @@ def load_grid(path: str | Path) -> Grid:
     window = data.get("collapse_window", 10)
     if not isinstance(window, int) or isinstance(window, bool) or window < 2:
         raise _fail(path, f"collapse_window = {window!r}: expected an integer >= 2 (steps)")
+    min_steps = data.get("collapse_min_steps", 20)
+    if not isinstance(min_steps, int) or isinstance(min_steps, bool) or min_steps < 1:
+        raise _fail(path, f"collapse_min_steps = {min_steps!r}: expected an integer >= 1 (steps)")
     raw = data.get("arms")
     if not isinstance(raw, list) or not raw:
         raise _fail(path, "arms: expected a non-empty list of {name, overrides, ...}")
@@ -216,6 +223,7 @@ def load_grid(path: str | Path) -> Grid:
         description=str(data.get("description") or ""),
         weights=weights,
         collapse_window=window,
+        collapse_min_steps=min_steps,
     )
 
 

@@ -38,7 +38,13 @@ def collect(grid: Grid, plans, root: Path) -> LabData:
         for seed in grid.seeds:
             d = run_dir(root, p.arm.name, seed)
             if foreign(root, d) is None and is_complete(d, run_spec(grid, p, seed)):
-                stats = run_stats(d, arm=p.arm.name, seed=seed, window=grid.collapse_window)
+                stats = run_stats(
+                    d,
+                    arm=p.arm.name,
+                    seed=seed,
+                    window=grid.collapse_window,
+                    min_steps=grid.collapse_min_steps,
+                )
                 runs.setdefault(p.arm.name, {})[seed] = stats
     return LabData(grid=grid, plans={p.arm.name: p for p in plans}, runs=runs)
 

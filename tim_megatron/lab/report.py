@@ -27,7 +27,17 @@ import numpy as np
 
 from tim_megatron.lab.claims import GROWTH_MIN, ClaimVerdict, LabData
 from tim_megatron.lab.detectors import TUNE_GRID, Evaluation
-from tim_megatron.lab.runstats import HIGH_BUCKET, LOW_BUCKETS, P, RunStats, pooled_bucket, run_rows, series
+from tim_megatron.lab.provenance import created_time, rules_fixed_text
+from tim_megatron.lab.runstats import (
+    HIGH_BUCKET,
+    LOW_BUCKETS,
+    P,
+    RunStats,
+    pooled_bucket,
+    run_meta,
+    run_rows,
+    series,
+)
 from tim_megatron.lab.stats import mean_ci
 from tim_megatron.report.build import CSS
 from tim_megatron.report.plots import _label, _plt, slug
@@ -37,6 +47,12 @@ CURVES = (
     ("reward/mean", "Training reward", "mean reward", "linear"),
     ("val/accuracy", "Validation accuracy (greedy)", "accuracy", "linear"),
     (P + "rho_std", "Mismatch: rho_std (old vs rollout)", "std of pi_train / pi_infer", "log"),
+    (
+        P + "log_ppl_abs_diff_seq_sum",
+        "log-ppl |diff| per sequence (TIM-LR Eq. 8)",
+        "nats per sequence",
+        "log",
+    ),
     (P + "log_ppl_abs_diff_token_mean", "log-ppl |diff| per token", "nats per token", "log"),
     ("response/length_mean", "Response length", "tokens", "linear"),
     ("objective/J", "Surrogate J = sum A (phi - 1)", "J", "linear"),
@@ -145,6 +161,7 @@ def arm_rows(lab: LabData) -> list[dict]:
                 "final_reward": ci("final_reward", "{:.3f}"),
                 "dose_kl_per_token": avg("dose"),
                 "ppl_growth": ci("ppl_growth"),
+                "ppl_growth_token": ci("ppl_growth_token"),
                 "length_start": avg("length_start"),
                 "length_end": avg("length_end"),
                 "surge_steps": " ".join(str(r.surge_step) for r in runs if r.surge_step is not None),
@@ -209,8 +226,8 @@ MD_VERDICT = (
     "detail",
 )
 MD_ARM = (
-    "arm", "seeds", "growth", "ppl_growth", "rho_std_start", "rho_std_end", "dose_kl_per_token", "j_step_pcc",
-    "bucket_drift", "collapsed", "collapse_steps", "reward_start", "final_reward", "length_start", "length_end",
+    "arm", "seeds", "growth", "ppl_growth", "ppl_growth_token", "rho_std_start", "rho_std_end", "dose_kl_per_token",
+    "j_step_pcc", "bucket_drift", "collapsed", "collapse_steps", "reward_start", "final_reward", "length_start", "length_end",
     "surge_steps", "wall_seconds",
 )  # fmt: skip
 
@@ -273,7 +290,7 @@ def write_report(
         verdicts=verdicts,
         arms=arms,
         detectors=detectors,
-        method=method_text(lab.grid),
+        method=method_text(lab.grid, rules=rules_text(lab)),
     )
     figs = curve_panels(lab, out)
     e = html.escape
@@ -297,7 +314,7 @@ def write_report(
             "rebuilds this report (completed runs are reused).</div>"
         )
     parts.append("<h2>Verdicts</h2>")
-    parts.append(f"<p class='muted'>{e(method_text(g))}</p>")
+    parts.append(f"<p class='muted'>{e(method_text(g, rules=rules_text(lab)))}</p>")
     parts.append(
         _table(
             [
@@ -360,8 +377,20 @@ def write_report(
     return page
 
 
-def method_text(grid) -> str:
-    """How the verdicts were reached, for the report and tables.md: the rules, the correction, the seeds."""
+def rules_text(lab) -> str:
+    """When the rule code was fixed against the first run's start (:mod:`tim_megatron.lab.provenance`)."""
+    starts = [
+        created_time(run_meta(Path(r.path)).get("created"))
+        for runs in lab.runs.values()
+        for r in runs.values()
+    ]
+    known = [s for s in starts if s is not None]
+    return rules_fixed_text(first_start=min(known) if known else None)
+
+
+def method_text(grid, *, rules: str) -> str:
+    """How the verdicts were reached, for the report and tables.md: the rules (``rules``: when they were fixed,
+    from :func:`rules_text`), the correction, the seeds."""
     weights = (
         "Seeds vary the initial weights (the tiny model's seed follows the run seed), the sampling and the "
         "run; the data seed is fixed."
@@ -370,14 +399,15 @@ def method_text(grid) -> str:
         "(weights: fixed), so the intervals leave out initialization variance."
     )
     return (
-        "Each claim is decided by the rule in its row, fixed in tim_megatron/lab/claims.py before any run. Effects "
+        f"Each claim is decided by the rule in its row. {rules} Effects "
         "are oriented so that a positive value supports the claim; the interval is a 95% Student t interval "
         "across seeds (paired by seed between arms). Tests are one-sided, and their p-values are adjusted with "
         "Holm's method across the claims tested in this report (family-wise 0.025). Growth = change of "
         f"log(mismatch) over the run (Theil-Sen slope x steps); log 1.25 = {GROWTH_MIN:.3f} is the smallest growth "
         "difference that counts. Collapse: the training reward's trailing "
         f"{grid.collapse_window}-step mean at 70% of its best so far or lower, and still there at the end of the "
-        "run (a dip that recovers is not a collapse). Final-window reward: the mean over the last 10% of the "
+        f"run, at least {grid.collapse_min_steps} step(s) later (a dip that recovers is not a collapse, and a drop "
+        f"in the last {grid.collapse_min_steps - 1} step(s) is censored). Final-window reward: the mean over the last 10% of the "
         "steps. Dose: the run's mean KL(pi || mu) per token. " + weights
     )
 

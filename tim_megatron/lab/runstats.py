@@ -10,14 +10,20 @@ Every number comes from the run's ``metrics.jsonl`` (read with :func:`tim_megatr
 * collapse (persistent): the score is the training reward's trailing mean over ``window`` steps (10 unless the
   grid says otherwise; defined from the window-th step on, so no 'best' rests on fewer steps), not validation
   accuracy (greedy accuracy on the 31 validation prompts has a sampling SD of about 0.07 at 20% accuracy). The
-  run collapses at the first step whose score is at most 70% of the best score so far (issue 13's "30% below
-  its best") and stays there, every later score included, to the end of the run: a dip that climbs back above
-  70% of that best is not a collapse;
+  run collapses at the first step whose score is at most 70% of the best score so far ("30% below its best")
+  and stays there, every later score included, to the end of the run, for at least ``min_steps`` steps (20 unless
+  the grid says otherwise): a dip that climbs back above 70% of that best is not a collapse, and neither is a
+  drop in the run's last ``min_steps - 1`` steps, which has no room to be seen persisting (censored). Without
+  the minimum, flat reward series at the measured noise (SD 0.05 per step, 200 steps) were flagged in 14% of
+  runs at mean 0.15 and 40% at 0.10, nearly all in the last 30 steps; with 20 steps, 0% and 3.6% (2,000 series
+  each; ``tests/test_lab.py`` checks the rate at 0.15);
 * final-window reward: the mean training reward over the last 10% of the steps (at least ``window`` steps);
 * dose: the run's mean KL(pi || mu) per token (``kl_old_rollout_k3``: pi the trainer, mu the sampling
   distribution), the common scale on which injected mismatches of different kinds are compared;
-* mismatch growth in TIM-LR's measure: as growth, on ``log_ppl_abs_diff_token_mean`` (its Eq. 8, per token),
-  and its onset: the first step the trend rule (recipe defaults) fires on it;
+* mismatch growth in TIM-LR's measure: as growth, on ``log_ppl_abs_diff_seq_sum`` (its Eq. 8 as written: the
+  absolute difference of the sequences' summed log-probabilities, which also grows with the response length),
+  and its onset: the first step the trend rule (recipe defaults) fires on it; the same growth on the per-token
+  ``log_ppl_abs_diff_token_mean`` beside it;
 * length surge: :class:`~tim_megatron.algo.early_warning.SurgeDetector` on the mean response length, built from
   the run's own recipe (``remedies.lr_schedule.surge``, read from the run folder's recipe.yaml);
 * warnings: the first step each early-warning rule fires on rho_std, replayed over the logged values.
@@ -55,8 +61,10 @@ def run_meta(path: Path) -> dict:
 
 
 P = "mismatch/old_vs_rollout/"
-PPL_DIFF = P + "log_ppl_abs_diff_token_mean"
-"""TIM-LR's mismatch (Eq. 8, per token), read by its claims C8 and C9."""
+PPL_DIFF = P + "log_ppl_abs_diff_seq_sum"
+"""TIM-LR's mismatch (Eq. 8 as written, summed over each sequence), read by its claims C8 and C9."""
+PPL_DIFF_TOKEN = P + "log_ppl_abs_diff_token_mean"
+"""The same per token (the mean over a sequence instead of the sum), reported beside it."""
 DOSE = P + "kl_old_rollout_k3"
 """KL(pi || mu) per token: the dose of an injected mismatch on a scale common to every kind."""
 LOW_BUCKETS = ("0-0.01", "0.01-0.1")
@@ -64,6 +72,8 @@ HIGH_BUCKET = "0.9-1"
 COLLAPSE_DROP = 0.3
 COLLAPSE_WINDOW = 10
 """Steps in the reward mean the persistent-collapse rule reads (a grid may set its own: ``collapse_window``)."""
+COLLAPSE_MIN_STEPS = 20
+"""Steps a collapse must last, to the end of the run (a grid may set its own: ``collapse_min_steps``)."""
 FINAL_FRACTION = 0.1
 """The final window: this share of the run's steps (at least the collapse window)."""
 
@@ -99,9 +109,11 @@ class RunStats:
     dose: float = float("nan")
     """Mean KL(pi || mu) per token over the run (0 with zero mismatch)."""
     ppl_growth: float = float("nan")
-    """Change of log(log_ppl_abs_diff_token_mean) over the run (TIM-LR's measure)."""
+    """Change of log(log_ppl_abs_diff_seq_sum) over the run (TIM-LR's Eq. 8 as written)."""
     ppl_onset: int | None = None
-    """First step the trend rule fires on log_ppl_abs_diff_token_mean (None: never)."""
+    """First step the trend rule fires on log_ppl_abs_diff_seq_sum (None: never)."""
+    ppl_growth_token: float = float("nan")
+    """Change of log(log_ppl_abs_diff_token_mean) over the run (Eq. 8 per token, reported beside)."""
     can_warn: bool = True
     """The run logs a positive rho_std (a zero-mismatch run cannot fire a rule on it)."""
     warnings: dict[str, int | None] = field(default_factory=dict)
@@ -162,9 +174,12 @@ def score_series(rows: list[dict], window: int = COLLAPSE_WINDOW) -> tuple[np.nd
     return x[w - 1 :], smooth, f"reward/mean (trailing {w}-step mean, from step {w})"
 
 
-def collapse_step(x: np.ndarray, y: np.ndarray, drop: float = COLLAPSE_DROP) -> int | None:
+def collapse_step(
+    x: np.ndarray, y: np.ndarray, drop: float = COLLAPSE_DROP, *, min_steps: int = COLLAPSE_MIN_STEPS
+) -> int | None:
     """The first step whose score is at most (1 - drop) x the best score so far and stays so to the end of the
-    run; None when every drop recovers (or there is none)."""
+    run, at least ``min_steps`` steps from it to the last one (both counted); None when every drop recovers, when
+    the only lasting one starts too late to be seen persisting, or when there is none."""
     y = np.asarray(y, dtype=float)
     if not len(y):
         return None
@@ -173,6 +188,8 @@ def collapse_step(x: np.ndarray, y: np.ndarray, drop: float = COLLAPSE_DROP) -> 
     tail_max = np.maximum.accumulate(y[::-1])[::-1]
     for i in range(len(y)):
         limit = best[i] * (1 - drop)
+        if x[-1] - x[i] + 1 < min_steps:
+            return None  # censored: later drops have even less room
         if best[i] > 0 and tail_max[i] <= limit:
             return int(x[i])
     return None
@@ -247,6 +264,7 @@ def run_stats(
     seed: int,
     rules: tuple[Rule, ...] = (OLD_RULE, TREND_RULE),
     window: int = COLLAPSE_WINDOW,
+    min_steps: int = COLLAPSE_MIN_STEPS,
 ) -> RunStats:
     rows, meta = run_rows(path), run_meta(path)
     x, rho = series(rows, MISMATCH)
@@ -254,6 +272,7 @@ def run_stats(
     slope, growth = log_growth(x, rho)
     px, ppl = series(rows, PPL_DIFF)
     _, ppl_growth = log_growth(px, ppl)
+    _, ppl_growth_token = log_growth(*series(rows, PPL_DIFF_TOKEN))
     _, dose = series(rows, DOSE)
     xj, j = series(rows, "objective/J")
     lx, low = pooled_bucket(rows, LOW_BUCKETS)
@@ -288,7 +307,7 @@ def run_stats(
         zero_mismatch=zero,
         j_step_pcc=pearson(xj, j),
         bucket_drift=drift,
-        collapse_step=collapse_step(sx, score),
+        collapse_step=collapse_step(sx, score, min_steps=min_steps),
         collapse_metric=metric,
         best_score=float(score.max()) if len(score) else float("nan"),
         final_score=float(score[-1]) if len(score) else float("nan"),
@@ -301,6 +320,7 @@ def run_stats(
         dose=float(dose.mean()) if len(dose) else float("nan"),
         ppl_growth=ppl_growth,
         ppl_onset=first_fire(TREND_RULE.make(PPL_DIFF), px, ppl),
+        ppl_growth_token=ppl_growth_token,
         can_warn=bool((rho > 0).any()),
         warnings={rule.name: first_fire(rule.make(), x, rho) for rule in rules},
     )
