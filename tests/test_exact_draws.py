@@ -8,11 +8,14 @@ import math
 import pytest
 import torch
 
-from tim_megatron.exact.draws import gumbel_argmax, splitmix64, splitmix64_reference, uniforms
-
-
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
+from tim_megatron.exact.draws import (
+    _signed,
+    gumbel_argmax,
+    splitmix64,
+    splitmix64_reference,
+    uniforms,
+    unit_interval,
+)
 
 
 def test_the_int64_hash_is_splitmix64_modulo_two_to_the_64():
@@ -98,9 +101,14 @@ def test_greedy_is_the_argmax_and_a_draw_is_not_always_the_argmax():
     assert set(drawn[0::2].tolist()) >= {1, 2} and set(drawn[1::2].tolist()) >= {0, 2}
 
 
-def test_uniform_bits_are_the_top_53_of_the_hash():
-    u = uniforms(seeds=torch.tensor([5]), positions=torch.tensor([9]), count=3)[0].tolist()
+def test_uniform_bits_are_the_top_52_of_the_hash_and_never_reach_zero_or_one():
+    u = uniforms(seeds=torch.tensor([5]), positions=torch.tensor([9]), count=64)[0].tolist()
     key = splitmix64_reference(5 * (1 << 32) + 9)
-    want = [((splitmix64_reference(key ^ i) >> 11) + 0.5) * 2.0**-53 for i in range(3)]
-    assert u == want
-    assert all(math.isfinite(-math.log(-math.log(x))) for x in u)
+    assert u == [((splitmix64_reference(key ^ i) >> 12) + 0.5) * 2.0**-52 for i in range(64)]
+    # The extremes: all-zero and all-one hash bits (int64 0 and -1), and the largest below each half.
+    ends = unit_interval(torch.tensor([0, -1, (1 << 63) - 1, -(1 << 63)])).tolist()
+    assert ends == [2.0**-53, 1 - 2.0**-53, 0.5 - 2.0**-53, 0.5 + 2.0**-53]
+    assert all(0 < x < 1 and math.isfinite(-math.log(-math.log(x))) for x in ends)
+    # a -inf score stays undrawable even at the largest uniform
+    z = torch.tensor([[0.0, float("-inf")]])
+    assert gumbel_argmax(z, seeds=torch.tensor([0]), positions=torch.tensor([0])).tolist() == [0]

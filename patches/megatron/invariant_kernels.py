@@ -202,11 +202,13 @@ class _InvariantTorch:
         return getattr(torch, name)
 
 
-def _sigmoid_routing(kernels):
-    """``TopKRouter.routing`` for one sigmoid router: megatron-core's own function, its call of
-    ``topk_routing_with_score_function`` resolved to a copy whose ``torch.sigmoid`` is invariant. The copies
-    differ from the originals only in their globals (no code is restated, nothing module-wide is changed)."""
-    from megatron.core.transformer.moe import moe_utils, router
+def _sigmoid_routing(router, kernels):
+    """``routing`` for one sigmoid router: its class's own function (megatron-core's ``TopKRouter.routing``), its
+    call of ``topk_routing_with_score_function`` resolved to a copy whose ``torch.sigmoid`` is invariant. The
+    copies differ from the originals only in their globals, taken when the router is routed (no code is restated,
+    nothing module-wide is changed). The aux-loss scores (``compute_routing_scores_for_aux_loss``, training only)
+    keep the stock sigmoid: they enter the loss, not a logprob."""
+    from megatron.core.transformer.moe import moe_utils
 
     def copy(fn, **names):
         out = types.FunctionType(
@@ -216,7 +218,7 @@ def _sigmoid_routing(kernels):
         return out
 
     topk = copy(moe_utils.topk_routing_with_score_function, torch=_InvariantTorch(kernels))
-    return copy(router.TopKRouter.routing, topk_routing_with_score_function=topk)
+    return copy(type(router).routing, topk_routing_with_score_function=topk)
 
 
 def route_router(router, kernels) -> None:
@@ -226,7 +228,7 @@ def route_router(router, kernels) -> None:
     setattr(router, _MARK, True)
     router.gating = types.MethodType(_gating, router)
     if router.score_function == "sigmoid":
-        router.routing = types.MethodType(_sigmoid_routing(kernels), router)
+        router.routing = types.MethodType(_sigmoid_routing(router, kernels), router)
 
 
 def _check_router(router) -> None:

@@ -4,13 +4,15 @@ Exact mode samples every row of a rollout in one forward. A stateful generator p
 on the CPU and draws one row at a time; a counter-based draw needs no state: the uniform for vocabulary entry
 ``i`` of the token at response position ``p`` of the sample with seed ``s`` is a hash of ``(s, p, i)``. The same
 integer arithmetic runs on the CPU and on a CUDA device (int64 products wrap modulo 2^64 on both), so a row's
-draw does not depend on the device, on the other rows of the batch, on their order or on how many were drawn
-before: a resumed, regenerated or re-batched row draws the same token from the same logits.
+uniforms do not depend on the device, on the other rows of the batch, on their order or on how many were drawn
+before: a resumed, regenerated or re-batched row draws the same token from the same logits. (The float64 ``log``
+of the Gumbel noise may differ in the last bit between devices, which could flip a near-tie; it has not run on
+a GPU.)
 
 The token is the Gumbel-max choice ``argmax_i (z_i + g_i)`` with ``g_i = -log(-log u_i)``, which samples
 ``softmax(z)`` exactly (for greedy decoding ``g = 0``). The hash is SplitMix64's finaliser (Steele, Lea and
 Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014), applied twice: once to the row's key
-``s * 2^32 + p``, once to that result xor ``i``. ``tests/test_exact_draws.py`` checks the integer arithmetic
+``s * 2^32 + p``, once to that result xor ``i``; the top 52 bits make the uniform (:func:`unit_interval`). ``tests/test_exact_draws.py`` checks the integer arithmetic
 against a Python reference modulo 2^64 and the draw's frequencies against the distribution it samples.
 """
 
@@ -50,9 +52,18 @@ def splitmix64_reference(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def uniforms(*, seeds: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """int64 hash bits -> float64 in (0, 1): the top 52 bits, centred, so the extremes are 2^-53 and 1 - 2^-53
+    (both exact in float64: a draw is never 0 or 1, so ``-log(-log u)`` is finite)."""
+    return (_shr(bits, 12).double() + 0.5) * 2.0**-52
+
+
+def uniforms(
+    *, seeds: torch.Tensor, positions: torch.Tensor, count: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """``[rows, count]`` float64 uniforms in (0, 1): entry ``(r, i)`` a function of ``(seeds[r], positions[r], i)``
-    only, on the device of ``seeds``. ``seeds`` below 2^31 and ``positions`` below 2^32 (int64)."""
+    only, on ``device`` (default: the device of ``seeds``; the keys are checked where they are, before moving).
+    ``seeds`` below 2^31 and ``positions`` below 2^32 (int64)."""
     if seeds.shape != positions.shape or seeds.dim() != 1:
         raise ValueError(
             f"uniforms: seeds {tuple(seeds.shape)} and positions {tuple(positions.shape)} must be [rows]"
@@ -61,10 +72,10 @@ def uniforms(*, seeds: torch.Tensor, positions: torch.Tensor, count: int) -> tor
         raise ValueError("uniforms: seeds must lie in [0, 2^31)")
     if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= 1 << 32):
         raise ValueError("uniforms: positions must lie in [0, 2^32)")
-    key = splitmix64(seeds.long() * (1 << 32) + positions.long())
-    index = torch.arange(count, dtype=torch.long, device=seeds.device)
-    bits = splitmix64(key[:, None] ^ index[None, :])
-    return (_shr(bits, 11).double() + 0.5) * 2.0**-53  # the top 53 bits, centred: never 0 or 1
+    device = seeds.device if device is None else device
+    key = splitmix64(seeds.long().to(device) * (1 << 32) + positions.long().to(device))
+    index = torch.arange(count, dtype=torch.long, device=device)
+    return unit_interval(splitmix64(key[:, None] ^ index[None, :]))
 
 
 def gumbel_argmax(
@@ -75,6 +86,6 @@ def gumbel_argmax(
     when ``greedy``. Returns ``[rows]`` int64 on ``scores``' device."""
     z = scores.double()
     if not greedy:
-        u = uniforms(seeds=seeds.to(z.device), positions=positions.to(z.device), count=z.shape[-1])
+        u = uniforms(seeds=seeds, positions=positions, count=z.shape[-1], device=z.device)
         z = z - torch.log(-torch.log(u))
     return z.argmax(-1)

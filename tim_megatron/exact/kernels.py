@@ -93,7 +93,12 @@ class WideWeights:
     copy can outlive an update. Only ``nn.Parameter`` weights are kept (a tensor made for one call is not)."""
 
     def __init__(self) -> None:
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._copies: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def holding(self) -> bool:
+        """Inside :meth:`held`: a weight must not change (the trainer's optimizer step refuses to run)."""
+        return self._copies is not None
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -113,9 +118,10 @@ class WideWeights:
             return weight
         if self._copies is None or not isinstance(weight, torch.nn.Parameter) or torch.is_grad_enabled():
             return weight.to(dtype)  # differentiable, as :meth:`ExactKernels.linear` promises
-        kept = self._copies.get(id(weight))
+        key = (id(weight), dtype)
+        kept = self._copies.get(key)
         if kept is None or kept[0] is not weight:
-            kept = self._copies[id(weight)] = (weight, weight.detach().to(dtype))
+            kept = self._copies[key] = (weight, weight.detach().to(dtype))
         return kept[1]
 
 
@@ -305,8 +311,7 @@ def cuda_reductions_pinned() -> Iterator[None]:
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zeros appended along its first dimension up to ``rows`` (as it is when it has as many)."""
-    missing = rows - t.shape[0]
-    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, missing)) if missing > 0 else t
+    return _padded(t, rows, t.dtype) if rows > t.shape[0] else t
 
 
 def attend(kernels: ExactKernels, q, k, v, masked, scale: float, dtype: torch.dtype) -> torch.Tensor:

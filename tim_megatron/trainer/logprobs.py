@@ -53,7 +53,8 @@ def head_gemm(h: torch.Tensor, weight: torch.Tensor, spec: HeadSpec) -> torch.Te
     """The LM-head GEMM, in float32 with the FP32 head remedy, else in the weight's dtype."""
     linear = torch.nn.functional.linear if spec.kernels is None else spec.kernels.linear
     if spec.fp32:
-        return linear(h.float(), weight.float())
+        # the kernels widen the weight themselves (once per held pass: ExactKernels.wide), the same float32 values
+        return linear(h.float(), weight if spec.kernels is not None else weight.float())
     return linear(h.to(weight.dtype), weight)
 
 

@@ -534,6 +534,9 @@ class MegatronTrainer:
     def step(self, *, lr: float, loss: float = 0.0) -> StepResult:
         """Apply the accumulated gradients (skipped when they are not finite; see trainer.nan_guard_max)."""
         self.require_resident(PARTS, "an optimizer step")
+        kernels = invariant_kernels.kernels_of(self.model)
+        if kernels is not None and kernels.wide.holding:
+            raise RuntimeError("an optimizer step inside weights_fixed(): the widened weights would go stale")
         t1 = time.perf_counter()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
