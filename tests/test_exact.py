@@ -428,9 +428,11 @@ def test_rho_std_rises_with_the_dose(doses, kind):
 @pytest.mark.parametrize("kind", ["noise", "bias"])
 def test_injection_changes_the_tokens_and_the_gradient(doses, kind):
     """Same step, same seeds as the zero run: at the strongest dose, tokens drawn from mu differ from those drawn
-    from pi, and so does the GRPO gradient computed on them."""
+    from pi, and so does the GRPO gradient computed on them. An injected sampler asked for the policy itself (the
+    lab's policy evaluation, ``injection=False``) draws the zero run's tokens."""
     top = doses[kind][-1]
     assert top["tokens_differing"] > 0 and top["grad_max_diff"] > 0, top
+    assert doses["policy_tokens_unchanged"]
 
 
 @pytest.mark.slow

@@ -647,6 +647,7 @@ def _stats(arm: str, seed: int, **kw):
         rho_std_start=nan, rho_std_end=nan, zero_mismatch=arm == "exact", j_step_pcc=nan, bucket_drift=nan,
         collapse_step=None, collapse_metric="", best_score=0.4, final_score=0.4, reward_start=0.2, reward_end=0.4,
         length_start=30.0, length_end=40.0, surge_step=None, final_reward=0.4, dose=0.0 if arm == "exact" else 0.01,
+        policy_reward=0.4,
     )  # fmt: skip
     base.update(kw)
     return RunStats(**base)
@@ -720,24 +721,34 @@ def test_not_reproduced_needs_an_interval_that_excludes_the_smallest_effect(tmp_
     assert v.p_value < 0.001 and v.ci_high < 0.01 and v.verdict == "not reproduced", v
 
 
-def test_c2_reads_the_reward_deficit_against_the_dose(tmp_path):
-    """C2: per seed, the final-window reward deficit against exact regressed on the measured dose (KL per token)
-    through the origin, read at the highest dose; deficits proportional to the dose give that deficit."""
+def test_c2_reads_the_policys_reward_deficit_against_the_dose(tmp_path):
+    """C2: per seed, the policy reward deficit against exact (val/policy_reward: the trained policy sampled
+    without the injection) regressed on the measured dose (KL per token) through the origin, read at the highest
+    dose; deficits proportional to the dose give that deficit. The training reward (the distorted sampler's) is
+    reported beside it and decides nothing; without a policy evaluation C2 is inconclusive."""
     seeds = (1, 2, 3, 4)
     dose = {"inject-bias-3": 0.02, "inject-noise-0.3": 0.01}
-    runs = {"exact": {s: _stats("exact", s, final_reward=0.40 + 0.01 * s) for s in seeds}}
+    runs = {"exact": {s: _stats("exact", s, policy_reward=0.40 + 0.01 * s) for s in seeds}}
     for a, d in dose.items():
-        # deficit = 10 x dose, a little seed noise: 0.2 at the highest dose
+        # deficit = 10 x dose, a little seed noise: 0.2 at the highest dose; the training reward far lower still
         runs[a] = {
-            s: _stats(a, s, dose=d, final_reward=0.40 + 0.01 * s - 10 * d - 0.002 * (s % 2)) for s in seeds
+            s: _stats(
+                a, s, dose=d, policy_reward=0.40 + 0.01 * s - 10 * d - 0.002 * (s % 2), final_reward=0.05
+            )
+            for s in seeds
         }
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, runs))["C2"]
     assert v.effect == pytest.approx(0.2, abs=0.01) and v.verdict == "reproduced"
-    assert "highest arm-mean dose 0.02" in v.detail
-    flat = {**runs, **{a: {s: _stats(a, s, dose=d, final_reward=0.40 + 0.01 * s + 0.001 * (s % 2 - 0.5))
-                              for s in seeds} for a, d in dose.items()}}  # fmt: skip
+    assert "highest arm-mean dose 0.02" in v.detail and "(training reward 0.050" in v.detail
+    flat = {**runs, **{a: {s: _stats(a, s, dose=d, policy_reward=0.40 + 0.01 * s + 0.001 * (s % 2 - 0.5),
+                                     final_reward=0.05) for s in seeds} for a, d in dose.items()}}  # fmt: skip
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, flat))["C2"]
-    assert v.verdict == "not reproduced" and v.ci_high < 0.05  # no deficit, tightly: ruled out
+    # the sampler's reward collapsed, the policy's did not: no deficit, tightly: ruled out
+    assert v.verdict == "not reproduced" and v.ci_high < 0.05
+    nan = float("nan")
+    unmeasured = {a: {s: _stats(a, s, policy_reward=nan, dose=dose.get(a, 0.0)) for s in seeds} for a in runs}
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, unmeasured))["C2"]
+    assert v.verdict == "inconclusive" and "run.val_samples = 0" in v.detail
 
 
 def test_lab_surge_detector_is_the_runs_own_recipe(tmp_path):
@@ -805,3 +816,13 @@ def test_the_rule_fixing_sentence_follows_git(tmp_path):
     assert "uncommitted changes" in rules_fixed_text(first_start=at + 3600, repo=repo, files=files)
     assert created_time("not a time") is None and created_time(None) is None
     assert created_time(time.strftime("%Y-%m-%dT%H:%M:%S")) is not None
+
+
+def test_the_policy_outcome_is_the_mean_of_the_last_two_evaluations():
+    from tim_megatron.lab.runstats import policy_outcome
+
+    rows = [{"step": s, "reward/mean": 0.1} for s in range(1, 31)]
+    assert policy_outcome(rows) != policy_outcome(rows)  # none logged: NaN
+    for s, v in ((10, 0.2), (20, 0.5), (30, 0.7)):
+        rows[s - 1]["val/policy_reward"] = v
+    assert policy_outcome(rows) == pytest.approx(0.6)

@@ -118,6 +118,10 @@ def scenario_doses(out: dict, overrides: list[str]) -> None:
             r["dose"] = dose
             out[kind].append(r)
     out["zero_grad_norm"] = float(zero["grad"].norm())
+    # The policy evaluation (run.val_samples): an injected sampler asked for the policy draws the zero run's tokens.
+    injected = ExactSampler(tr, eos_id=tok.eos_token_id, injection=SamplingInjection(type="noise", std=3.0))
+    policy, _ = injected.generate(prompts, step=1, injection=False)
+    out["policy_tokens_unchanged"] = [s.response_ids for g in policy for s in g] == zero["tokens"]
     tr.close()
 
 

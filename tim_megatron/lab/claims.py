@@ -22,7 +22,8 @@ that excludes the smallest effect of interest (:func:`decide`), never on a point
 Growth is the change of log(rho_std) over the run (:mod:`.runstats`), or of log(log_ppl_abs_diff) for TIM-LR's
 claims C8 and C9 (its Eq. 8); its ``min_effect`` is log(1.25), 25% more growth over the run. C1 and C2
 (VeXact) compare outcomes against the matched zero-mismatch control (the ``exact`` arm): persistent collapses
-and the final-window reward. Nothing here is tuned to the results: the thresholds are the papers' (30%
+of the training reward (C1), and the trained policy's reward, sampled without the injection (C2, :data:`OUTCOME`;
+an injected arm's training reward is its distorted sampler's), with the training reward reported beside it. Nothing here is tuned to the results: the thresholds are the papers' (30%
 collapse) or round numbers stated with the rule.
 """
 
@@ -58,6 +59,8 @@ COLLAPSE_RATE_MIN = 0.25
 """Smallest rise of the persistent-collapse rate with mismatch that counts (C1): 25 points."""
 ALPHA = 0.025
 """Family-wise level of the one-sided tests, after Holm's adjustment across the claims tested in one report."""
+OUTCOME = "policy_reward"
+"""What the claims about outcomes read: the trained policy's reward, sampled without the injection."""
 CONTROL = "exact"
 """The zero-mismatch control of C1 and C2: the arm that samples from the trainer's own forward."""
 
@@ -229,14 +232,19 @@ def c1(lab: LabData) -> ClaimVerdict:
     k_m = sum(_collapses(lab, a)[0] for a in ran)
     n_m = sum(_collapses(lab, a)[1] for a in ran)
     iv = rate_difference(k_m, n_m, k_e, n_e)
-    per_seed: dict[int, list[float]] = {}
-    for a in ran:
-        for seed, v in lab.values(a, "final_reward").items():
-            per_seed.setdefault(seed, []).append(v)
-    reward = paired_ci(lab.values(CONTROL, "final_reward"), {s: sum(v) / len(v) for s, v in per_seed.items()})
+
+    def gap(key: str) -> str:
+        per_seed: dict[int, list[float]] = {}
+        for a in ran:
+            for seed, v in lab.values(a, key).items():
+                per_seed.setdefault(seed, []).append(v)
+        return paired_ci(
+            lab.values(CONTROL, key), {s: sum(v) / len(v) for s, v in per_seed.items()}
+        ).as_text()
+
     context = (
-        f"{k_e} of {n_e} exact run(s) and {k_m} of {n_m} injected run(s) collapsed persistently; final-window "
-        f"reward, exact minus injected: {reward.as_text()}"
+        f"{k_e} of {n_e} exact run(s) and {k_m} of {n_m} injected run(s) collapsed persistently; exact minus "
+        f"injected: policy reward {gap(OUTCOME)}, final-window training reward {gap('final_reward')}"
     )
     context += "".join(f"; {m}" for m in lab.missing(injected))
     nonzero = [s for s, r in lab.runs[CONTROL].items() if not r.zero_mismatch]
@@ -264,13 +272,21 @@ def c2(lab: LabData) -> ClaimVerdict:
     if nr:
         return nr
     ran = [a for a in injected if lab.runs.get(a)]
-    control = lab.values(CONTROL, "final_reward")
+    control = lab.values(CONTROL, OUTCOME)
+
+    def both(arm: str) -> str:
+        policy = mean_ci(list(lab.values(arm, OUTCOME).values())).as_text("{:.3f}")
+        training = mean_ci(list(lab.values(arm, "final_reward").values())).as_text("{:.3f}")
+        return f"policy reward {policy} (training reward {training})"
+
     mean_dose = {a: mean_ci(list(lab.values(a, "dose").values())).mean for a in ran}
-    notes = [f"{CONTROL}: final reward {mean_ci(list(control.values())).as_text('{:.3f}')}"]
+    notes = [f"{CONTROL}: {both(CONTROL)}"]
     for a in ran:
         k, n = _collapses(lab, a)
-        reward = mean_ci(list(lab.values(a, "final_reward").values())).as_text("{:.3f}")
-        notes.append(f"{a}: dose {mean_dose[a]:.3g}, final reward {reward}, collapsed {k}/{n}")
+        notes.append(f"{a}: dose {mean_dose[a]:.3g}, {both(a)}, collapsed {k}/{n}")
+    if not any(math.isfinite(v) for v in control.values()):
+        why = "no policy evaluation in the control's runs (run.val_samples = 0): the outcome is not measured"
+        return _verdict("C2", spec, NAN, INCONCLUSIVE, f"{why}; " + "; ".join(notes), arms)
     notes += lab.missing(injected)
     doses = [d for d in mean_dose.values() if math.isfinite(d) and d > 0]
     if not doses:
@@ -283,8 +299,8 @@ def c2(lab: LabData) -> ClaimVerdict:
         pts = []
         for a in ran:
             r = lab.runs[a].get(seed)
-            if r is not None and math.isfinite(r.dose) and r.dose > 0 and math.isfinite(r.final_reward):
-                pts.append((r.dose, base - r.final_reward))
+            if r is not None and math.isfinite(r.dose) and r.dose > 0 and math.isfinite(r.policy_reward):
+                pts.append((r.dose, base - r.policy_reward))
         if pts and math.isfinite(base):
             effects.append(d_max * sum(d * y for d, y in pts) / sum(d * d for d, _ in pts))
     iv = mean_ci(effects)
@@ -426,8 +442,8 @@ CLAIMS: dict[str, dict] = {
     "C2": {
         "statement": "Injected TIM degrades or collapses training, more so at a larger dose.",
         "source": "VeXact (arXiv 2605.14220), abstract; issue 13 item 2",
-        "unit": "final-window reward deficit against exact, fitted through the origin against the dose (KL(pi || "
-        "mu) per token) and read at the highest arm-mean dose",
+        "unit": "policy reward deficit against exact (val/policy_reward, the last two evaluations), fitted through "
+        "the origin against the dose (KL(pi || mu) per token) and read at the highest arm-mean dose",
         "rule": COMMON_RULE.format(min=DEFICIT_MIN) + " (a persistent collapse lasts to the final window)",
         "fn": c2,
     },

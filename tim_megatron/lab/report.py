@@ -46,6 +46,7 @@ from tim_megatron.safe_files import check_inside, save_figure, write_atomic
 CURVES = (
     ("reward/mean", "Training reward", "mean reward", "linear"),
     ("val/accuracy", "Validation accuracy (greedy)", "accuracy", "linear"),
+    ("val/policy_reward", "Policy reward (sampled, no injection)", "mean reward", "linear"),
     (P + "rho_std", "Mismatch: rho_std (old vs rollout)", "std of pi_train / pi_infer", "log"),
     (
         P + "log_ppl_abs_diff_seq_sum",
@@ -159,6 +160,7 @@ def arm_rows(lab: LabData) -> list[dict]:
                 "reward_start": avg("reward_start"),
                 "reward_end": avg("reward_end"),
                 "final_reward": ci("final_reward", "{:.3f}"),
+                "policy_reward": ci("policy_reward", "{:.3f}"),
                 "dose_kl_per_token": avg("dose"),
                 "ppl_growth": ci("ppl_growth"),
                 "ppl_growth_token": ci("ppl_growth_token"),
@@ -227,7 +229,8 @@ MD_VERDICT = (
 )
 MD_ARM = (
     "arm", "seeds", "growth", "ppl_growth", "ppl_growth_token", "rho_std_start", "rho_std_end", "dose_kl_per_token",
-    "j_step_pcc", "bucket_drift", "collapsed", "collapse_steps", "reward_start", "final_reward", "length_start", "length_end",
+    "j_step_pcc", "bucket_drift", "collapsed", "collapse_steps", "reward_start", "final_reward", "policy_reward",
+    "length_start", "length_end",
     "surge_steps", "wall_seconds",
 )  # fmt: skip
 

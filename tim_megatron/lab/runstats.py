@@ -18,6 +18,9 @@ Every number comes from the run's ``metrics.jsonl`` (read with :func:`tim_megatr
   runs at mean 0.15 and 40% at 0.10, nearly all in the last 30 steps; with 20 steps, 0% and 3.6% (2,000 series
   each; ``tests/test_lab.py`` checks the rate at 0.15);
 * final-window reward: the mean training reward over the last 10% of the steps (at least ``window`` steps);
+* policy reward: the mean of ``val/policy_reward`` (``run.val_samples``: the trained policy sampled without the
+  injection) over the run's last two evaluations, the outcome the claims about outcomes read (an injected run's
+  training reward is its distorted sampler's);
 * dose: the run's mean KL(pi || mu) per token (``kl_old_rollout_k3``: pi the trainer, mu the sampling
   distribution), the common scale on which injected mismatches of different kinds are compared;
 * mismatch growth in TIM-LR's measure: as growth, on ``log_ppl_abs_diff_seq_sum`` (its Eq. 8 as written: the
@@ -108,6 +111,8 @@ class RunStats:
     """Mean training reward over the last 10% of the steps."""
     dose: float = float("nan")
     """Mean KL(pi || mu) per token over the run (0 with zero mismatch)."""
+    policy_reward: float = float("nan")
+    """Mean val/policy_reward over the run's last two evaluations (NaN: the run logged none)."""
     ppl_growth: float = float("nan")
     """Change of log(log_ppl_abs_diff_seq_sum) over the run (TIM-LR's Eq. 8 as written)."""
     ppl_onset: int | None = None
@@ -202,6 +207,16 @@ def final_window(rows: list[dict], window: int = COLLAPSE_WINDOW) -> float:
         return float("nan")
     k = min(len(y), max(window, round(FINAL_FRACTION * len(y))))
     return float(y[-k:].mean())
+
+
+POLICY_EVALS = 2
+"""Evaluations the policy outcome averages: the run's last ones."""
+
+
+def policy_outcome(rows: list[dict], evals: int = POLICY_EVALS) -> float:
+    """Mean ``val/policy_reward`` over the last ``evals`` evaluations (NaN when the run logged none)."""
+    _, y = series(rows, "val/policy_reward")
+    return float(y[-evals:].mean()) if len(y) else float("nan")
 
 
 def surge_detector(path: Path) -> SurgeDetector:
@@ -317,6 +332,7 @@ def run_stats(
         length_end=n1,
         surge_step=first_fire(surge_detector(path), lx2, length),
         final_reward=final_window(rows, window),
+        policy_reward=policy_outcome(rows),
         dose=float(dose.mean()) if len(dose) else float("nan"),
         ppl_growth=ppl_growth,
         ppl_onset=first_fire(TREND_RULE.make(PPL_DIFF), px, ppl),

@@ -969,6 +969,11 @@ class RunConfig(Section):
     """Folder holding ``<name>/<timestamp>/`` run folders."""
     val_every: int = Field(0, ge=0)
     """Validate every this many steps (0: off)."""
+    val_samples: int = Field(0, ge=0)
+    """Sampled policy evaluation at each validation: this many samples per validation prompt, drawn with the
+    rollout's sampling settings from the policy itself (no sampling injection), scored, and logged as
+    ``val/policy_reward`` (0: off). The lab's outcome: an injected arm's training reward is its distorted
+    sampler's, not its policy's."""
     sweep_id: str | None = Field(None, pattern=NAME_PATTERN)
     """Set by ``make sweep``: tags every variant of one sweep."""
 

@@ -217,7 +217,9 @@ def rollouts(
 def validate(
     *, recipe: Recipe, rollout, prompts: PromptSource, step: int, observer: StepObserver = NO_OBSERVER
 ) -> dict:
-    """Greedy accuracy on the validation prompts, each engine taking its block of them."""
+    """Greedy accuracy on the validation prompts, each engine taking its block of them; with
+    ``run.val_samples``, also the policy's mean reward over that many samples per prompt, drawn without the
+    sampling injection (the trained policy's outcome, where the training reward is the sampler's)."""
     items = prompts.validation_items(recipe.data.val_prompts)
     if not items:
         return {}
@@ -229,7 +231,20 @@ def validate(
         for it, g in zip(mine, groups, strict=True)
     )
     (total,) = _sum_over_engines(rollout, [float(correct)])
-    return {"val/accuracy": total / len(items)}
+    out = {"val/accuracy": total / len(items)}
+    k = recipe.run.val_samples
+    if k:
+        mine, groups, _ = _generate(
+            items=items, rollout=rollout, prompts=prompts, step=step, observer=observer, n=k, injection=False
+        )
+        reward = sum(
+            score(it.reward, prompts.decode(s.response_ids), it.answer)
+            for it, g in zip(mine, groups, strict=True)
+            for s in g
+        )
+        (policy,) = _sum_over_engines(rollout, [float(reward)])
+        out["val/policy_reward"] = policy / (len(items) * k)
+    return out
 
 
 # --------------------------------------------------------------------------------- trainer-side logprobs

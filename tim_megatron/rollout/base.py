@@ -162,9 +162,11 @@ class RolloutEngine(Protocol):
         first_index: int,
         n: int | None = None,
         greedy: bool = False,
+        injection: bool = True,
     ) -> tuple[list[list[Sample]], GenerationStats]:
         """``n`` samples of each prompt of this engine's block; ``first_index`` is the block's first global
-        prompt index (it seeds the samples)."""
+        prompt index (it seeds the samples). ``injection=False`` samples the policy itself, without the recipe's
+        sampling injection (greedy decoding never applies it)."""
         ...
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

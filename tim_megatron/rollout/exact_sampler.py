@@ -84,6 +84,7 @@ class ExactSampler:
         first_index: int = 0,
         n: int | None = None,
         greedy: bool = False,
+        injection: bool = True,
     ) -> tuple[list[list[Sample]], GenerationStats]:
         r = self.recipe.rollout
         n = r.n if n is None else n
@@ -95,7 +96,7 @@ class ExactSampler:
                 )
         t0 = time.perf_counter()
         width = self.trainer.exact_width(max((len(p) for p in prompts), default=0))  # every rank calls
-        inject = None if greedy or self.injection.type == "off" else self.injection
+        inject = None if greedy or not injection or self.injection.type == "off" else self.injection
         seqs = [list(p) for p in prompts for _ in range(n)]
         seeds = [
             sample_seed(self.recipe.run.seed, step, first_index + k // n, k % n) for k in range(len(seqs))

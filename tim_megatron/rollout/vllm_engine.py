@@ -355,10 +355,12 @@ class VLLMEngine:
         n: int | None = None,
         greedy: bool = False,
         max_tokens: int | None = None,
+        injection: bool = True,
     ) -> tuple[list[list[Sample]], GenerationStats]:
         """``n`` samples for each prompt (token ids), grouped per prompt; ``first_index`` is the global index of
         ``prompts[0]`` in the step (it seeds the samples, so they do not depend on how prompts are split).
-        ``max_tokens`` overrides ``rollout.max_tokens`` (tests capture routing on a prompt with 1 token)."""
+        ``max_tokens`` overrides ``rollout.max_tokens`` (tests capture routing on a prompt with 1 token).
+        ``injection=False``: the policy itself, without the sampling injection."""
         from vllm import SamplingParams
 
         r = self.recipe.rollout
@@ -380,7 +382,7 @@ class VLLMEngine:
                         stop=list(r.stop) or None,
                         logprobs=0,
                         seed=sample_seed(self.recipe.run.seed, step, first_index + i, j),
-                        extra_args=self._injection_args(step, first_index + i, j, greedy),
+                        extra_args=self._injection_args(step, first_index + i, j, greedy or not injection),
                         **({"return_routed_experts": True} if self._native_capture else {}),
                     )
                 )
@@ -422,9 +424,9 @@ class VLLMEngine:
         n_prompt = sum(len(p) for p in prompts) * n
         return samples, GenerationStats(seconds=seconds, prompt_tokens=n_prompt, response_tokens=n_resp)
 
-    def _injection_args(self, step: int, prompt: int, sample: int, greedy: bool) -> dict | None:
-        """The sampling injection's per-request arguments (sampled requests only: validation sees the policy)."""
-        if self.injection is None or greedy:
+    def _injection_args(self, step: int, prompt: int, sample: int, off: bool) -> dict | None:
+        """The sampling injection's per-request arguments (none when ``off``: validation sees the policy)."""
+        if self.injection is None or off:
             return None
         from tim_megatron.rollout.vllm_injection import request_args
 
