@@ -740,6 +740,15 @@ def test_c2_reads_the_policys_reward_deficit_against_the_dose(tmp_path):
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, runs))["C2"]
     assert v.effect == pytest.approx(0.2, abs=0.01) and v.verdict == "reproduced"
     assert "highest arm-mean dose 0.02" in v.detail and "(training reward 0.050" in v.detail
+    assert "no start-of-run policy evaluation" in v.detail
+    # the manipulation check: the untrained policy's reward, per seed, in every arm
+    from dataclasses import replace
+
+    started = {a: {s: replace(r, policy_reward_start=0.2 + 0.01 * s) for s, r in by_seed.items()}
+               for a, by_seed in runs.items()}  # fmt: skip
+    started["inject-noise-0.3"][3] = replace(runs["inject-noise-0.3"][3], policy_reward_start=0.9)
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, started))["C2"]
+    assert "same in every arm for seed(s) [1, 2, 4], differs for seed(s) [3]" in v.detail, v.detail
     flat = {**runs, **{a: {s: _stats(a, s, dose=d, policy_reward=0.40 + 0.01 * s + 0.001 * (s % 2 - 0.5),
                                      final_reward=0.05) for s in seeds} for a, d in dose.items()}}  # fmt: skip
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, flat))["C2"]

@@ -114,11 +114,16 @@ def one_step(
     t = phases.Timer()
     cpu = phases.process_tree_cpu_seconds()
     with t("step"):
+        start = {}
+        if step == 1 and r.run.val_every and r.run.val_samples:
+            with t("validation"):  # the untrained policy: the lab's manipulation check (equal in every arm)
+                start = phases.validate(recipe=r, rollout=ro, prompts=prompts, step=0, observer=observer)
         with t("rollout"):  # each engine samples its block of the prompts and scores its samples
             batch, metrics, probe = phases.rollouts(
                 recipe=r, trainer=tr, rollout=ro, prompts=prompts, step=step, observer=observer
             )
             metrics.update(memory.to_trainer())
+            metrics.update({f"{k}_start": v for k, v in start.items()})
         with t("old_logprobs"):  # the trainer at the sampling weights; checks the last sync on these samples
             old = phases.old_logprobs(
                 recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=batch, step=step, observer=observer

@@ -284,6 +284,7 @@ def c2(lab: LabData) -> ClaimVerdict:
     for a in ran:
         k, n = _collapses(lab, a)
         notes.append(f"{a}: dose {mean_dose[a]:.3g}, {both(a)}, collapsed {k}/{n}")
+    notes.append(_manipulation_check(lab, [CONTROL, *ran]))
     if not any(math.isfinite(v) for v in control.values()):
         why = "no policy evaluation in the control's runs (run.val_samples = 0): the outcome is not measured"
         return _verdict("C2", spec, NAN, INCONCLUSIVE, f"{why}; " + "; ".join(notes), arms)
@@ -307,6 +308,22 @@ def c2(lab: LabData) -> ClaimVerdict:
     verdict, why = decide(iv, min_effect=DEFICIT_MIN)
     detail = f"{why}; highest arm-mean dose {d_max:.3g} nats per token; " + "; ".join(notes)
     return _verdict("C2", spec, iv, verdict, detail, arms, p=t_test_greater(effects))
+
+
+def _manipulation_check(lab: LabData, arms: list[str]) -> str:
+    """Whether the untrained policy's reward (before step 1) is the same in every arm, seed by seed: the arms of a
+    seed start from the same weights, and the policy evaluation never sees the injection."""
+    starts: dict[int, set[float]] = {}
+    for a in arms:
+        for seed, v in lab.values(a, "policy_reward_start").items():
+            if math.isfinite(v):
+                starts.setdefault(seed, set()).add(v)
+    if not starts:
+        return "manipulation check: no start-of-run policy evaluation logged"
+    same = sorted(s for s, v in starts.items() if len(v) == 1)
+    differ = sorted(s for s, v in starts.items() if len(v) > 1)
+    text = f"manipulation check: the untrained policy's reward is the same in every arm for seed(s) {same or 'none'}"
+    return text + (f", differs for seed(s) {differ}" if differ else "")
 
 
 def c3(lab: LabData) -> ClaimVerdict:

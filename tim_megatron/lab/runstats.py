@@ -113,6 +113,8 @@ class RunStats:
     """Mean KL(pi || mu) per token over the run (0 with zero mismatch)."""
     policy_reward: float = float("nan")
     """Mean val/policy_reward over the run's last two evaluations (NaN: the run logged none)."""
+    policy_reward_start: float = float("nan")
+    """val/policy_reward_start: the untrained policy's reward, before step 1 (NaN: not logged)."""
     ppl_growth: float = float("nan")
     """Change of log(log_ppl_abs_diff_seq_sum) over the run (TIM-LR's Eq. 8 as written)."""
     ppl_onset: int | None = None
@@ -333,6 +335,10 @@ def run_stats(
         surge_step=first_fire(surge_detector(path), lx2, length),
         final_reward=final_window(rows, window),
         policy_reward=policy_outcome(rows),
+        policy_reward_start=next(
+            (float(r["val/policy_reward_start"]) for r in rows if "val/policy_reward_start" in r),
+            float("nan"),
+        ),
         dose=float(dose.mean()) if len(dose) else float("nan"),
         ppl_growth=ppl_growth,
         ppl_onset=first_fire(TREND_RULE.make(PPL_DIFF), px, ppl),

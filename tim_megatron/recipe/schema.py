@@ -972,8 +972,9 @@ class RunConfig(Section):
     val_samples: int = Field(0, ge=0)
     """Sampled policy evaluation at each validation: this many samples per validation prompt, drawn with the
     rollout's sampling settings from the policy itself (no sampling injection), scored, and logged as
-    ``val/policy_reward`` (0: off). The lab's outcome: an injected arm's training reward is its distorted
-    sampler's, not its policy's."""
+    ``val/policy_reward`` (0: off); the untrained policy too, before step 1's rollout (``val/policy_reward_start``
+    and ``val/accuracy_start`` in step 1's row). The lab's outcome: an injected arm's training reward is its
+    distorted sampler's, not its policy's."""
     sweep_id: str | None = Field(None, pattern=NAME_PATTERN)
     """Set by ``make sweep``: tags every variant of one sweep."""
 
