@@ -835,3 +835,32 @@ def test_the_policy_outcome_is_the_mean_of_the_last_two_evaluations():
     for s, v in ((10, 0.2), (20, 0.5), (30, 0.7)):
         rows[s - 1]["val/policy_reward"] = v
     assert policy_outcome(rows) == pytest.approx(0.6)
+
+
+def test_experiment_ds_policy_deficits_are_paired_per_arm_with_holm_across_arms(tmp_path):
+    """D's primary analysis: per injected arm, the exact arm's policy reward minus the arm's, paired by seed,
+    one-sided t, Holm across the arms, the smallest effect (0.1) first."""
+    from tim_megatron.lab.deficits import policy_deficits
+
+    seeds = range(1, 9)
+    runs = {
+        "exact": {s: _stats("exact", s, policy_reward=0.5 + 0.02 * s) for s in seeds},
+        # a deficit of 0.2 with a little seed noise: reproduced
+        "inject-bias-3": {
+            s: _stats("inject-bias-3", s, dose=0.02, policy_reward=0.3 + 0.02 * s + 0.01 * (s % 3))
+            for s in seeds
+        },
+        # no deficit, tightly: below the 0.1 that counts, whatever the p
+        "inject-noise-0.3": {
+            s: _stats("inject-noise-0.3", s, dose=0.01, policy_reward=0.5 + 0.02 * s + 0.004 * (s % 2 - 0.5))
+            for s in seeds
+        },
+    }
+    rows = {r.arm: r for r in policy_deficits(_lab(tmp_path, VEXACT_GRID, runs))}
+    bias, noise = rows["inject-bias-3"], rows["inject-noise-0.3"]
+    assert bias.verdict == "reproduced" and bias.deficit == pytest.approx(0.2, abs=0.02) and bias.n_seeds == 8
+    assert bias.p_value < noise.p_value and bias.p_holm == pytest.approx(min(1.0, 2 * bias.p_value))
+    assert noise.verdict == "not reproduced" and noise.ci_high < 0.1 and noise.dose == pytest.approx(0.01)
+    nan = float("nan")
+    unmeasured = {a: {s: _stats(a, s, policy_reward=nan) for s in seeds} for a in runs}
+    assert policy_deficits(_lab(tmp_path, VEXACT_GRID, unmeasured)) == []

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from tim_megatron.lab.claims import GROWTH_MIN, ClaimVerdict, LabData
+from tim_megatron.lab.deficits import D_MIN_EFFECT, policy_deficits
 from tim_megatron.lab.detectors import TUNE_GRID, Evaluation
 from tim_megatron.lab.provenance import created_time, rules_fixed_text
 from tim_megatron.lab.runstats import (
@@ -254,6 +255,7 @@ def write_tables_md(
     arms: list[dict],
     detectors: list[Evaluation],
     method: str = "",
+    deficits: list[dict] = (),
 ) -> None:
     det = [d.row() for d in detectors]
     parts = [
@@ -261,6 +263,14 @@ def write_tables_md(
         method,
         "## Verdicts",
         markdown_table([v.row() for v in verdicts], MD_VERDICT),
+    ]
+    if deficits:
+        parts += [
+            f"## Policy reward deficit per injected arm (exact minus arm, paired by seed; Holm across arms; "
+            f"smallest effect {D_MIN_EFFECT})",
+            markdown_table(list(deficits), tuple(deficits[0])),
+        ]
+    parts += [
         "## Arms (mean over seeds, 95% CI in brackets)",
         markdown_table(arms, MD_ARM),
         "## Early-warning detectors",
@@ -287,6 +297,9 @@ def write_report(
     runs: list[RunStats] = [r for a in lab.runs.values() for r in a.values()]
     write_csv(inside(out, "runs.csv"), [r.row() for r in sorted(runs, key=lambda r: (r.arm, r.seed))])
     write_csv(inside(out, "detectors.csv"), [d.row() for d in detectors])
+    deficits = [d.row() for d in policy_deficits(lab)]
+    if deficits:
+        write_csv(inside(out, "deficits.csv"), deficits)
     write_tables_md(
         inside(out, "tables.md"),
         title=lab.grid.name,
@@ -294,6 +307,7 @@ def write_report(
         arms=arms,
         detectors=detectors,
         method=method_text(lab.grid, rules=rules_text(lab)),
+        deficits=deficits,
     )
     figs = curve_panels(lab, out)
     e = html.escape
