@@ -864,3 +864,17 @@ def test_experiment_ds_policy_deficits_are_paired_per_arm_with_holm_across_arms(
     nan = float("nan")
     unmeasured = {a: {s: _stats(a, s, policy_reward=nan) for s in seeds} for a in runs}
     assert policy_deficits(_lab(tmp_path, VEXACT_GRID, unmeasured)) == []
+
+
+def test_the_seed_count_for_80_percent_power_follows_the_paired_t_test():
+    """t's one-sided critical values against the table; the power of the paired t test by a fixed simulation:
+    Cohen's d = 1 at one-sided 0.025 needs 10-11 pairs (G*Power: 10, power 0.803), more pairs at a larger SD."""
+    from tim_megatron.lab.stats import paired_power, seeds_for_power, t_critical
+
+    assert t_critical(0.025, 9) == pytest.approx(2.262, abs=1e-3)
+    assert t_critical(0.025, 1) == pytest.approx(12.706, abs=1e-3)
+    assert t_critical(0.0125, 12) == pytest.approx(2.560, abs=2e-3)
+    assert seeds_for_power(effect=1.0, sd=1.0, alpha=0.025) in (10, 11)
+    assert paired_power(n=10, effect=1.0, sd=1.0, alpha=0.025) == pytest.approx(0.80, abs=0.015)
+    counts = [seeds_for_power(effect=0.1, sd=sd, alpha=0.0125) for sd in (0.05, 0.1, 0.15)]
+    assert counts == sorted(counts) and counts[0] < counts[-1]

@@ -197,3 +197,38 @@ def rate_difference(k_a: int, n_a: int, k_b: int, n_b: int) -> Interval:
     low = d - math.sqrt((a.mean - a.low) ** 2 + (b.high - b.mean) ** 2)
     high = d + math.sqrt((a.high - a.mean) ** 2 + (b.mean - b.low) ** 2)
     return Interval(d, low, high, n_a + n_b)
+
+
+def t_critical(alpha: float, df: int) -> float:
+    """The one-sided critical value: t with ``t_sf(t, df) = alpha`` (bisection)."""
+    lo, hi = 0.0, 1000.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if t_sf(mid, df) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def paired_power(
+    *, n: int, effect: float, sd: float, alpha: float, reps: int = 20_000, seed: int = 0
+) -> float:
+    """Power of the one-sided paired t test at level ``alpha`` with ``n`` pairs whose differences are normal with
+    mean ``effect`` and SD ``sd``: the share of ``reps`` simulated experiments that reject (fixed seed, so the
+    same inputs give the same number)."""
+    if n < 2:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    d = rng.normal(effect, sd, size=(reps, n))
+    t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
+    return float((t > t_critical(alpha, n - 1)).mean())
+
+
+def seeds_for_power(*, effect: float, sd: float, alpha: float, power: float = 0.8, most: int = 200) -> int:
+    """The fewest pairs (>= 2) whose one-sided paired t test reaches ``power`` (:func:`paired_power`); ``most``
+    + 1 when even ``most`` do not."""
+    for n in range(2, most + 1):
+        if paired_power(n=n, effect=effect, sd=sd, alpha=alpha) >= power:
+            return n
+    return most + 1
