@@ -323,8 +323,8 @@ def _flat_scores(rng, *, mean: float, sd: float = 0.05, steps: int = 200):
 def test_the_collapse_rule_flags_few_flat_series_and_every_sustained_halving():
     """Flat reward series at the lab's measured per-step noise (SD 0.05) over 200 steps: at most 5% flagged at mean
     0.15 (a fixed set of 400 series). Without the 20-step minimum the same series are flagged far more often (the
-    rule that flagged 2 of A's 3 'collapses' at steps 173 and 189). A sustained 50% drop at step 100 is flagged
-    in every series, within 15 steps of it."""
+    rule that flagged A's collapse at step 189 of 200). A sustained 50% drop at step 100 is flagged in every
+    series, within 15 steps of it."""
     from tim_megatron.lab.runstats import COLLAPSE_MIN_STEPS, collapse_step
 
     rng = np.random.default_rng(2024)
@@ -346,13 +346,14 @@ def test_a_drop_in_the_last_steps_is_censored_not_a_collapse():
     """A fall at step 189 of 200 cannot be seen persisting for 20 steps: censored. The same fall at step 150 is a
     collapse; a grid's collapse_min_steps sets the minimum (lab/A.yaml and B.yaml keep their registered 1)."""
     from tim_megatron.lab.grid import load_grid
-    from tim_megatron.lab.runstats import collapse_step
+    from tim_megatron.lab.runstats import censored_drop, collapse_step
 
     late = [0.4] * 188 + [0.05] * 12
     assert collapse_step(*score_series_of(late)) is None
+    assert censored_drop(*score_series_of(late)) and not censored_drop(*score_series_of([0.4] * 200))
     assert collapse_step(*score_series_of(late), min_steps=1) == 192  # (6 x 0.40 + 4 x 0.05) / 10 <= 0.28
     early = [0.4] * 149 + [0.05] * 51
-    assert collapse_step(*score_series_of(early)) == 153
+    assert collapse_step(*score_series_of(early)) == 153 and not censored_drop(*score_series_of(early))
     assert [load_grid(ROOT / "lab" / f"{g}.yaml").collapse_min_steps for g in ("A", "B", "long")] == [
         1,
         1,
@@ -688,6 +689,13 @@ def test_c1_needs_a_contrast_against_the_matched_control(tmp_path):
     both = {a: {s: _stats(a, s, collapse_step=50 if s <= 2 else None) for s in seeds} for a in arms}
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, both))["C1"]
     assert v.verdict == "inconclusive" and v.effect == 0.0 and v.ci_high >= 0.25, v
+    # a censored run (a lasting drop too late to judge) is in neither count, and the row says so
+    late = {
+        **fell,
+        "inject-bias-3": {**fell["inject-bias-3"], 4: _stats("inject-bias-3", 4, collapse_censored=True)},
+    }
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, late))["C1"]
+    assert "and 7 of 7 injected" in v.detail and "1 run(s) left out as censored" in v.detail, v.detail
     # with 40 seeds the same rates give an interval below 0.25: ruled out, not reproduced
     many = {a: {s: _stats(a, s, collapse_step=50 if s % 2 else None) for s in range(1, 41)} for a in arms}
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, many))["C1"]
@@ -749,6 +757,11 @@ def test_c2_reads_the_policys_reward_deficit_against_the_dose(tmp_path):
     started["inject-noise-0.3"][3] = replace(runs["inject-noise-0.3"][3], policy_reward_start=0.9)
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, started))["C2"]
     assert "same in every arm for seed(s) [1, 2, 4], differs for seed(s) [3]" in v.detail, v.detail
+    del started["inject-bias-3"][4]  # a seed one arm did not log is not counted as the same
+    v = _by_claim(_lab(tmp_path, VEXACT_GRID, started))["C2"]
+    assert "for seed(s) [1, 2], differs for seed(s) [3]; seed(s) [4] not logged by every arm" in v.detail, (
+        v.detail
+    )
     flat = {**runs, **{a: {s: _stats(a, s, dose=d, policy_reward=0.40 + 0.01 * s + 0.001 * (s % 2 - 0.5),
                                      final_reward=0.05) for s in seeds} for a, d in dose.items()}}  # fmt: skip
     v = _by_claim(_lab(tmp_path, VEXACT_GRID, flat))["C2"]
@@ -832,6 +845,8 @@ def test_the_policy_outcome_is_the_mean_of_the_last_two_evaluations():
 
     rows = [{"step": s, "reward/mean": 0.1} for s in range(1, 31)]
     assert policy_outcome(rows) != policy_outcome(rows)  # none logged: NaN
+    rows[29]["val/policy_reward"] = 0.7
+    assert policy_outcome(rows) != policy_outcome(rows)  # one is not two: NaN
     for s, v in ((10, 0.2), (20, 0.5), (30, 0.7)):
         rows[s - 1]["val/policy_reward"] = v
     assert policy_outcome(rows) == pytest.approx(0.6)
@@ -840,6 +855,8 @@ def test_the_policy_outcome_is_the_mean_of_the_last_two_evaluations():
 def test_experiment_ds_policy_deficits_are_paired_per_arm_with_holm_across_arms(tmp_path):
     """D's primary analysis: per injected arm, the exact arm's policy reward minus the arm's, paired by seed,
     one-sided t, Holm across the arms, the smallest effect (0.1) first."""
+    from dataclasses import replace
+
     from tim_megatron.lab.deficits import policy_deficits
 
     seeds = range(1, 9)
@@ -861,6 +878,11 @@ def test_experiment_ds_policy_deficits_are_paired_per_arm_with_holm_across_arms(
     assert bias.verdict == "reproduced" and bias.deficit == pytest.approx(0.2, abs=0.02) and bias.n_seeds == 8
     assert bias.p_value < noise.p_value and bias.p_holm == pytest.approx(min(1.0, 2 * bias.p_value))
     assert noise.verdict == "not reproduced" and noise.ci_high < 0.1 and noise.dose == pytest.approx(0.01)
+    # significant (p < 0.001 after Holm) but wholly below the 0.1 that counts: not reproduced, whatever the p
+    small = {**runs, "inject-noise-0.3": {s: replace(r, policy_reward=r.policy_reward - 0.03 - 0.001 * (s % 2))
+                                         for s, r in runs["inject-noise-0.3"].items()}}  # fmt: skip
+    row = {r.arm: r for r in policy_deficits(_lab(tmp_path, VEXACT_GRID, small))}["inject-noise-0.3"]
+    assert row.p_holm < 0.001 and row.ci_high < 0.1 and row.verdict == "not reproduced", row
     nan = float("nan")
     unmeasured = {a: {s: _stats(a, s, policy_reward=nan) for s in seeds} for a in runs}
     assert policy_deficits(_lab(tmp_path, VEXACT_GRID, unmeasured)) == []
@@ -876,5 +898,5 @@ def test_the_seed_count_for_80_percent_power_follows_the_paired_t_test():
     assert t_critical(0.0125, 12) == pytest.approx(2.560, abs=2e-3)
     assert seeds_for_power(effect=1.0, sd=1.0, alpha=0.025) in (10, 11)
     assert paired_power(n=10, effect=1.0, sd=1.0, alpha=0.025) == pytest.approx(0.80, abs=0.015)
-    counts = [seeds_for_power(effect=0.1, sd=sd, alpha=0.0125) for sd in (0.05, 0.1, 0.15)]
-    assert counts == sorted(counts) and counts[0] < counts[-1]
+    # D's sizing (docs/prereg/D.md): SD 0.1, a 0.1 deficit, Holm's first step over two arms
+    assert [seeds_for_power(effect=0.1, sd=sd, alpha=0.0125) for sd in (0.05, 0.1, 0.15)] == [6, 13, 24]

@@ -195,8 +195,15 @@ def _growth_of(lab: LabData, arm: str, key: str = "growth") -> str:
 
 
 def _collapses(lab: LabData, arm: str) -> tuple[int, int]:
-    runs = lab.runs.get(arm, {})
-    return sum(r.collapse_step is not None for r in runs.values()), len(runs)
+    """(collapsed runs, judged runs) of ``arm``: a run whose lasting drop started too late to be judged
+    (censored) is in neither count."""
+    runs = [r for r in lab.runs.get(arm, {}).values() if not r.collapse_censored]
+    return sum(r.collapse_step is not None for r in runs), len(runs)
+
+
+def _censored(lab: LabData, arms: list[str]) -> str:
+    n = sum(r.collapse_censored for a in arms for r in lab.runs.get(a, {}).values())
+    return f"; {n} run(s) left out as censored (a lasting drop too late to judge)" if n else ""
 
 
 def dose_groups(lab: LabData) -> dict[str, list[str]]:
@@ -246,6 +253,7 @@ def c1(lab: LabData) -> ClaimVerdict:
         f"{k_e} of {n_e} exact run(s) and {k_m} of {n_m} injected run(s) collapsed persistently; exact minus "
         f"injected: policy reward {gap(OUTCOME)}, final-window training reward {gap('final_reward')}"
     )
+    context += _censored(lab, [CONTROL, *ran])
     context += "".join(f"; {m}" for m in lab.missing(injected))
     nonzero = [s for s, r in lab.runs[CONTROL].items() if not r.zero_mismatch]
     if nonzero:
@@ -313,17 +321,20 @@ def c2(lab: LabData) -> ClaimVerdict:
 def _manipulation_check(lab: LabData, arms: list[str]) -> str:
     """Whether the untrained policy's reward (before step 1) is the same in every arm, seed by seed: the arms of a
     seed start from the same weights, and the policy evaluation never sees the injection."""
-    starts: dict[int, set[float]] = {}
+    starts: dict[int, list[float]] = {}
     for a in arms:
         for seed, v in lab.values(a, "policy_reward_start").items():
             if math.isfinite(v):
-                starts.setdefault(seed, set()).add(v)
+                starts.setdefault(seed, []).append(v)
     if not starts:
         return "manipulation check: no start-of-run policy evaluation logged"
-    same = sorted(s for s, v in starts.items() if len(v) == 1)
-    differ = sorted(s for s, v in starts.items() if len(v) > 1)
+    whole = {s: v for s, v in starts.items() if len(v) == len(arms)}  # a seed logged by every arm
+    same = sorted(s for s, v in whole.items() if len(set(v)) == 1)
+    differ = sorted(s for s, v in whole.items() if len(set(v)) > 1)
     text = f"manipulation check: the untrained policy's reward is the same in every arm for seed(s) {same or 'none'}"
-    return text + (f", differs for seed(s) {differ}" if differ else "")
+    text += f", differs for seed(s) {differ}" if differ else ""
+    partial = sorted(set(starts) - set(whole))
+    return text + (f"; seed(s) {partial} not logged by every arm" if partial else "")
 
 
 def c3(lab: LabData) -> ClaimVerdict:
@@ -336,13 +347,22 @@ def c3(lab: LabData) -> ClaimVerdict:
     d2 = _diffs(lab.values("objective-sigma", "growth"), lab.values("gspo", "growth"))
     e1, e2 = mean_ci(list(d1.values())), mean_ci(list(d2.values()))
     sigma_grows = e2.n >= 2 and e2.low > 0
+    # sigma growing at least as much as delta, on an interval: delta - sigma paired by seed, wholly at or below 0
+    e3 = mean_ci(
+        list(
+            _diffs(lab.values("objective-delta", "growth"), lab.values("objective-sigma", "growth")).values()
+        )
+    )
     if min(e1.n, e2.n) < 2:
         verdict = INCONCLUSIVE
-    elif e1.high < GROWTH_MIN or (sigma_grows and e2.mean >= e1.mean):
+    elif e1.high < GROWTH_MIN or (sigma_grows and e3.n >= 2 and e3.high <= 0):
         verdict = NOT_REPRODUCED
     else:
         verdict = INCONCLUSIVE
-    detail = f"delta - gspo {e1.as_text()}; sigma - gspo {e2.as_text()} (growth of log rho_std over the run)"
+    detail = (
+        f"delta - gspo {e1.as_text()}; sigma - gspo {e2.as_text()}; delta - sigma {e3.as_text()} (growth of log "
+        "rho_std over the run)"
+    )
     return _verdict(
         "C3",
         spec,
@@ -471,7 +491,8 @@ CLAIMS: dict[str, dict] = {
         "unit": f"{_G}, delta arm minus GSPO",
         "rule": "one-sided t test of delta - gspo > 0: reproduced if its Holm-adjusted p <= 0.025 and CI(sigma - "
         "gspo) does not lie above 0; not reproduced if CI(delta - gspo) lies below log 1.25, or sigma grows "
-        "significantly and at least as much as delta; otherwise inconclusive",
+        "significantly (CI(sigma - gspo) above 0) and at least as much as delta (CI(delta - sigma) at or below 0); "
+        "otherwise inconclusive",
         "fn": c3,
     },
     "C4": {

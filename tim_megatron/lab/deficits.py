@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from tim_megatron.lab.claims import (
     ALPHA,
     CONTROL,
-    INCONCLUSIVE,
     NOT_REPRODUCED,
     OUTCOME,
     REPRODUCED,
@@ -71,6 +70,4 @@ def policy_deficits(lab: LabData, *, min_effect: float = D_MIN_EFFECT) -> list[A
         row.p_holm = adjusted
         if math.isfinite(adjusted) and adjusted <= ALPHA and row.verdict != NOT_REPRODUCED:
             row.verdict = REPRODUCED
-        elif row.verdict not in (NOT_REPRODUCED, REPRODUCED):
-            row.verdict = INCONCLUSIVE
     return rows

@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tim_megatron.lab.runstats import COLLAPSE_MIN_STEPS
 from tim_megatron.recipe.loader import LoadedRecipe, RecipeError, load_recipe, read_yaml_file
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -80,7 +81,7 @@ class Grid:
     """``seed``: the tiny model's initial weights follow the run seed; ``fixed``: every run starts from one set."""
     collapse_window: int = 10
     """Steps in the trailing reward mean of the persistent-collapse rule."""
-    collapse_min_steps: int = 20
+    collapse_min_steps: int = COLLAPSE_MIN_STEPS
     """Steps a collapse must last, to the end of the run; a drop in the last ``collapse_min_steps - 1`` steps is
     censored (it has no room to be seen persisting)."""
 
@@ -176,7 +177,7 @@ def load_grid(path: str | Path) -> Grid:
     window = data.get("collapse_window", 10)
     if not isinstance(window, int) or isinstance(window, bool) or window < 2:
         raise _fail(path, f"collapse_window = {window!r}: expected an integer >= 2 (steps)")
-    min_steps = data.get("collapse_min_steps", 20)
+    min_steps = data.get("collapse_min_steps", COLLAPSE_MIN_STEPS)
     if not isinstance(min_steps, int) or isinstance(min_steps, bool) or min_steps < 1:
         raise _fail(path, f"collapse_min_steps = {min_steps!r}: expected an integer >= 1 (steps)")
     raw = data.get("arms")

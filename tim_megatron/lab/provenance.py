@@ -14,8 +14,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RULE_FILES = ("tim_megatron/lab/claims.py", "tim_megatron/lab/runstats.py")
-"""The code that decides the verdicts: the claims' rules and the per-run numbers they read (collapse, growth)."""
+RULE_FILES = (
+    "tim_megatron/lab/claims.py",
+    "tim_megatron/lab/runstats.py",
+    "tim_megatron/lab/deficits.py",
+    "tim_megatron/lab/stats.py",
+    "tim_megatron/lab/grid.py",
+)
+"""The code that decides the verdicts: the claims' rules, the per-run numbers they read (collapse, growth, the
+policy outcome), the per-arm deficits, the statistics and the grid's rule keys."""
 
 
 def _git(repo: Path, *args: str) -> str | None:

@@ -15,8 +15,9 @@ Every number comes from the run's ``metrics.jsonl`` (read with :func:`tim_megatr
   the grid says otherwise): a dip that climbs back above 70% of that best is not a collapse, and neither is a
   drop in the run's last ``min_steps - 1`` steps, which has no room to be seen persisting (censored). Without
   the minimum, flat reward series at the measured noise (SD 0.05 per step, 200 steps) were flagged in 14% of
-  runs at mean 0.15 and 40% at 0.10, nearly all in the last 30 steps; with 20 steps, 0% and 3.6% (2,000 series
-  each; ``tests/test_lab.py`` checks the rate at 0.15);
+  runs at mean 0.15 and 40% at 0.10, nearly all in the last 30 steps; with 20 steps, 0-0.8% and 3.6-5.5% (two
+  simulations of 2,000 and 400 series; ``tests/test_lab.py`` checks the rate at 0.15). A drop censored so is
+  recorded (``collapse_censored``) and left out of the collapse counts;
 * final-window reward: the mean training reward over the last 10% of the steps (at least ``window`` steps);
 * policy reward: the mean of ``val/policy_reward`` (``run.val_samples``: the trained policy sampled without the
   injection) over the run's last two evaluations, the outcome the claims about outcomes read (an injected run's
@@ -112,7 +113,9 @@ class RunStats:
     dose: float = float("nan")
     """Mean KL(pi || mu) per token over the run (0 with zero mismatch)."""
     policy_reward: float = float("nan")
-    """Mean val/policy_reward over the run's last two evaluations (NaN: the run logged none)."""
+    """Mean val/policy_reward over the run's last two evaluations (NaN: fewer than two logged)."""
+    collapse_censored: bool = False
+    """A lasting drop started within the run's last ``min_steps - 1`` steps: neither collapsed nor stable."""
     policy_reward_start: float = float("nan")
     """val/policy_reward_start: the untrained policy's reward, before step 1 (NaN: not logged)."""
     ppl_growth: float = float("nan")
@@ -202,6 +205,17 @@ def collapse_step(
     return None
 
 
+def censored_drop(
+    x: np.ndarray, y: np.ndarray, drop: float = COLLAPSE_DROP, *, min_steps: int = COLLAPSE_MIN_STEPS
+) -> bool:
+    """A drop that lasts to the end of the run but starts too late for ``min_steps``: the run can be judged
+    neither collapsed nor stable (claims leave it out of their counts and say so)."""
+    return (
+        collapse_step(x, y, drop, min_steps=min_steps) is None
+        and collapse_step(x, y, drop, min_steps=1) is not None
+    )
+
+
 def final_window(rows: list[dict], window: int = COLLAPSE_WINDOW) -> float:
     """Mean training reward over the last 10% of the logged steps (at least ``window`` steps)."""
     _, y = series(rows, "reward/mean")
@@ -216,9 +230,9 @@ POLICY_EVALS = 2
 
 
 def policy_outcome(rows: list[dict], evals: int = POLICY_EVALS) -> float:
-    """Mean ``val/policy_reward`` over the last ``evals`` evaluations (NaN when the run logged none)."""
+    """Mean ``val/policy_reward`` over the last ``evals`` evaluations (NaN when the run logged fewer)."""
     _, y = series(rows, "val/policy_reward")
-    return float(y[-evals:].mean()) if len(y) else float("nan")
+    return float(y[-evals:].mean()) if len(y) >= evals else float("nan")
 
 
 def surge_detector(path: Path) -> SurgeDetector:
@@ -325,6 +339,7 @@ def run_stats(
         j_step_pcc=pearson(xj, j),
         bucket_drift=drift,
         collapse_step=collapse_step(sx, score, min_steps=min_steps),
+        collapse_censored=censored_drop(sx, score, min_steps=min_steps),
         collapse_metric=metric,
         best_score=float(score.max()) if len(score) else float("nan"),
         final_score=float(score[-1]) if len(score) else float("nan"),

@@ -119,10 +119,25 @@ def _engine_block(items: list, rollout) -> tuple[list, int]:
     return [items[i] for i in block], block.start
 
 
-def _generate(*, items: list, rollout, prompts: PromptSource, step: int, observer: StepObserver, **how):
-    """Generate for this engine's block of ``items`` and tell the observer: its items, groups and stats."""
+EVAL_INDEX_BASE = 1 << 24
+"""Added to a validation prompt's index in its sample seeds: the policy evaluation of step s draws other random
+numbers than step s's training rollout (whose prompt indices lie below this)."""
+
+
+def _generate(
+    *,
+    items: list,
+    rollout,
+    prompts: PromptSource,
+    step: int,
+    observer: StepObserver,
+    index_base: int = 0,
+    **how,
+):
+    """Generate for this engine's block of ``items`` and tell the observer: its items, groups and stats.
+    ``index_base`` offsets the prompts' global indices (their sample seeds)."""
     mine, first = _engine_block(items, rollout)
-    groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=first, **how)
+    groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=index_base + first, **how)
     observer.generated(
         step=step,
         engine=rollout.engine_index,
@@ -235,7 +250,14 @@ def validate(
     k = recipe.run.val_samples
     if k:
         mine, groups, _ = _generate(
-            items=items, rollout=rollout, prompts=prompts, step=step, observer=observer, n=k, injection=False
+            items=items,
+            rollout=rollout,
+            prompts=prompts,
+            step=step,
+            observer=observer,
+            index_base=EVAL_INDEX_BASE,
+            n=k,
+            injection=False,
         )
         reward = sum(
             score(it.reward, prompts.decode(s.response_ids), it.answer)
