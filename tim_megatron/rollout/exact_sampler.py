@@ -273,7 +273,9 @@ class ExactSampler:
 
         w = head_weight(self.trainer.model)
         with torch.no_grad():
-            return str(head_gemm(torch.zeros(1, w.shape[1], dtype=w.dtype), w, self.trainer.head).dtype)
+            # beside the weight, on a GPU too
+            probe = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
+            return str(head_gemm(probe, w, self.trainer.head).dtype)
 
     def describe(self) -> dict:
         return {
