@@ -874,6 +874,17 @@ def lab_cmd(
     aggregate_only: bool = typer.Option(
         False, "--aggregate-only", help="run nothing; rebuild the report from the runs on disk"
     ),
+    from_archive: Path = typer.Option(
+        None,
+        "--from-archive",
+        help="with --aggregate-only: rebuild the report from this archive of the grid's runs (lab/data/<grid>.tar.xz) "
+        "instead of --root",
+    ),
+    write_archive: Path = typer.Option(
+        None,
+        "--write-archive",
+        help="after the report, write the grid's completed runs (the files the report reads) to this .tar.xz",
+    ),
     timeout_minutes: float = typer.Option(None, "--timeout-minutes", help="stop any one run after this long"),
     jobs: int = typer.Option(
         1,
@@ -908,6 +919,8 @@ def lab_cmd(
             root=root,
             only=arms,
             aggregate_only=aggregate_only,
+            from_archive=from_archive,
+            write_archive_to=write_archive,
             timeout_s=timeout_minutes * 60 if timeout_minutes else None,
             jobs=jobs,
             command=argv,

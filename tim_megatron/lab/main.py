@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from tim_megatron.lab.archive import unpacked, write_archive
 from tim_megatron.lab.claims import LabData, verdicts
 from tim_megatron.lab.detectors import detector_table, load_traces
 from tim_megatron.lab.grid import Grid, GridError, load_grid, plan
 from tim_megatron.lab.report import write_report
-from tim_megatron.lab.runner import foreign, is_complete, run_dir, run_grid, run_spec
+from tim_megatron.lab.runner import completed_runs, run_grid
 from tim_megatron.lab.runstats import run_stats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,23 +30,13 @@ def resolve_grid(name: str) -> Path:
 
 
 def collect(grid: Grid, plans, root: Path) -> LabData:
-    """Every completed run of the grid (made with the grid's current overrides) and its statistics; a run folder
-    that is a link, or lies under one, is not read (it may lead out of ``root``)."""
+    """Every completed run of the grid (made with the grid's current overrides) and its statistics."""
     runs: dict[str, dict] = {}
-    for p in plans:
-        if not p.runnable:
-            continue
-        for seed in grid.seeds:
-            d = run_dir(root, p.arm.name, seed)
-            if foreign(root, d) is None and is_complete(d, run_spec(grid, p, seed)):
-                stats = run_stats(
-                    d,
-                    arm=p.arm.name,
-                    seed=seed,
-                    window=grid.collapse_window,
-                    min_steps=grid.collapse_min_steps,
-                )
-                runs.setdefault(p.arm.name, {})[seed] = stats
+    for arm, seed, d in completed_runs(grid, plans, root):
+        stats = run_stats(
+            d, arm=arm, seed=seed, window=grid.collapse_window, min_steps=grid.collapse_min_steps
+        )
+        runs.setdefault(arm, {})[seed] = stats
     return LabData(grid=grid, plans={p.arm.name: p for p in plans}, runs=runs)
 
 
@@ -56,6 +47,8 @@ def run_lab(
     root: Path | None = None,
     only: set[str] | None = None,
     aggregate_only: bool = False,
+    from_archive: Path | None = None,
+    write_archive_to: Path | None = None,
     timeout_s: float | None = None,
     jobs: int = 1,
     command: str = "",
@@ -71,6 +64,13 @@ def run_lab(
             raise GridError(f"--only {what} in {grid.path}; its arms: {', '.join(names)}")
     root = root or Path("runs") / "lab" / grid.name
     out = out or Path("report") / grid.name
+    if from_archive is not None:
+        if not aggregate_only or write_archive_to is not None:
+            raise GridError(
+                "--from-archive reads runs and runs nothing: it needs --aggregate-only, and not --write-archive"
+            )
+        with unpacked(grid, plans, from_archive) as archived:
+            return _report(grid, plans, archived, out, records=[], wall=None, command=command)
     t0 = time.perf_counter()
     records = (
         []
@@ -78,6 +78,14 @@ def run_lab(
         else run_grid(grid, plans, root, only=only, timeout_s=timeout_s, jobs=jobs, log=log)
     )
     wall = time.perf_counter() - t0 if records else None
+    res = _report(grid, plans, root, out, records=records, wall=wall, command=command)
+    if write_archive_to is not None:
+        n = write_archive(grid, plans, root, write_archive_to)
+        log(f"archive: {write_archive_to} ({n} runs)")
+    return res
+
+
+def _report(grid: Grid, plans, root: Path, out: Path, *, records, wall, command: str) -> dict:
     lab = collect(grid, plans, root)
     vs = verdicts(lab)
     traces = load_traces([r for arm in lab.runs.values() for r in arm.values()])

@@ -169,6 +169,20 @@ def is_complete(d: Path, spec: dict) -> bool:
         return False
 
 
+def completed_runs(grid: Grid, plans, root: Path) -> list[tuple[str, int, Path]]:
+    """``(arm, seed, folder)`` of every completed run of ``grid`` under ``root``, in grid order; a run folder that
+    is a link, or lies under one, is left out (it may lead out of ``root``)."""
+    out = []
+    for p in plans:
+        if not p.runnable:
+            continue
+        for seed in grid.seeds:
+            d = run_dir(root, p.arm.name, seed)
+            if foreign(root, d) is None and is_complete(d, run_spec(grid, p, seed)):
+                out.append((p.arm.name, seed, d))
+    return out
+
+
 def _not_ours(d: Path) -> str | None:
     """Why the existing folder ``d`` is not one the lab made (None: it is, it is empty but for its lock, or it does
     not exist): it holds files and no ``lab.json``."""
