@@ -422,3 +422,77 @@ def test_widened_weights_are_kept_only_inside_a_held_span_and_per_dtype():
     with wide.held():  # gradients on: a differentiable conversion, never a kept copy
         out = wide.of(w, torch.float32)
         assert out.requires_grad and out is not wide.of(w, torch.float32)
+
+
+def test_the_combine_is_fixed_order_on_a_gpu_and_as_it_is_on_a_cpu():
+    """megatron-core's ``unpermute`` adds a token's top-k expert outputs by ``scatter_add_``: in index order on a
+    CPU, by atomics on a GPU (on an H200 five runs over the same inputs gave other bits). Exact mode's combine turns
+    torch's deterministic algorithms on for the call when the tokens are on a GPU (``index_add_`` in the sorted
+    indices' order), restores the setting after it, also when the call raises, and leaves a CPU call as it is."""
+    from patches.megatron.invariant_kernels import _fixed_order
+
+    seen = []
+
+    def unpermute(tokens, *args, fail=False, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        if fail:
+            raise RuntimeError("planted")
+        return tokens
+
+    class OnGPU:
+        is_cuda = True
+
+    call = _fixed_order(unpermute)
+    assert not torch.are_deterministic_algorithms_enabled()
+    call(OnGPU())
+    call(torch.zeros(2))
+    with pytest.raises(RuntimeError, match="planted"):
+        call(OnGPU(), fail=True)
+    assert seen == [True, False, True]
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_each_dispatchers_combine_goes_through_the_fixed_order_call_and_a_token_combines_alone_as_among_many(
+    one_rank,
+):
+    """The all-gather dispatcher's combine is a copy of megatron-core's own method with ``unpermute`` resolved to
+    the fixed-order call (the class is untouched); through it a token's top-8 combine gives the same bits alone and
+    among 64 tokens; a fused unpermute is refused."""
+    import copy
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from patches.megatron import invariant_kernels
+
+    kw = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_router_topk=8)
+    cfg = TransformerConfig(**kw, use_cpu_initialization=True)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    d = MoEAllGatherTokenDispatcher(8, list(range(8)), cfg, pg_collection=pgs)
+    invariant_kernels.route_combine(d)
+    routed = d.__dict__["combine_preprocess"]
+    assert routed.__func__.__code__ is MoEAllGatherTokenDispatcher.combine_preprocess.__code__
+    assert routed.__func__.__globals__["unpermute"]._tim_fixed_order
+    stock = MoEAllGatherTokenDispatcher.combine_preprocess.__globals__["unpermute"]
+    assert not hasattr(stock, "_tim_fixed_order")  # megatron-core's module is as it was
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(64, 1, 64, generator=g).bfloat16()
+    probs = torch.rand(64, 8, generator=g)
+    routing_map = torch.ones(64, 8, dtype=torch.bool)
+
+    def combine(rows: slice) -> torch.Tensor:
+        h, p = d.dispatch_preprocess(hidden[rows], routing_map[rows], probs[rows])
+        h, p = d.token_dispatch(h, p)
+        permuted, _counts, _probs = d.dispatch_postprocess(h, p)
+        expert_out = permuted * 1.5 + 0.25  # any per-row expert
+        return d.combine_postprocess(d.token_combine(d.combine_preprocess(expert_out)))
+
+    together = combine(slice(0, 64))
+    for i in (0, 17, 63):
+        assert torch.equal(combine(slice(i, i + 1))[0], together[i])
+    fused = MoEAllGatherTokenDispatcher(8, list(range(8)), cfg, pg_collection=pgs)
+    fused.config = copy.copy(cfg)  # megatron-core validates the flag only with transformer-engine installed
+    fused.config.moe_permute_fusion = True
+    with pytest.raises(ValueError, match="moe_permute_fusion"):
+        invariant_kernels.route_combine(fused)

@@ -322,7 +322,7 @@ def test_cpu_run_of_every_section_that_can_run_on_cpu(tmp_path):
         )
         assert 0 <= f["value"] <= cases and f["rule"]
     # a 5-step exact run on this device, every sampled token checked against the old pass
-    run = finding("exact kernels", "exact run on cpu: steps with every token exact (of 5)")
+    run = finding("exact kernels", "exact run on cpu, top-8: steps with every token exact (of 5)")
     assert run["value"] == 5 and run["verdict"] == "pass" and "tokens checked" in run["rule"], run
     assert finding("vllm", "vLLM bf16 vs HF fp32, mean |dlogp|")["verdict"] == "pass"
     assert finding("vllm", "after wake_up vs before sleep, max |dlogp|")["value"] == 0.0

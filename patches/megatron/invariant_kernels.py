@@ -23,6 +23,9 @@ model (never the class):
   with the query heads of one key/value group stacked as rows (no repeated keys), the causal mask applied as
   ``-inf`` and the softmax in float32 (megatron's ``attention_softmax_in_fp32``).
 
+* every MoE layer's combine (the sum of a token's top-k expert outputs, megatron-core's ``unpermute``): on a GPU
+  in one fixed order (:func:`_fixed_order`); its ``scatter_add_`` adds by atomics there.
+
 Inside :func:`decoding` the same attention runs a decode step instead: the model's input is a set of entries
 (one token each, laid out as one sequence of batch 1), each with its own cache row and position. Each layer first
 writes the entries' keys and values into the :class:`~tim_megatron.exact.kv_cache.KVCache`, then every entry
@@ -64,6 +67,8 @@ SPEC = PatchSpec(
         "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
         "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.forward",
         "megatron.core.transformer.mlp.MLP.activation_func (instance attribute)",
+        "megatron.core.transformer.moe.token_dispatcher.MoEAllGatherTokenDispatcher.combine_preprocess (copy)",
+        "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.combine_postprocess (copy)",
         "megatron.core.transformer.transformer_config.TransformerConfig.activation_func (this model's configs)",
     ),
 )
@@ -210,15 +215,84 @@ def _sigmoid_routing(router, kernels):
     keep the stock sigmoid: they enter the loss, not a logprob."""
     from megatron.core.transformer.moe import moe_utils
 
-    def copy(fn, **names):
-        out = types.FunctionType(
-            fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__, fn.__closure__
-        )
-        out.__kwdefaults__ = fn.__kwdefaults__
-        return out
+    topk = _copy(moe_utils.topk_routing_with_score_function, torch=_InvariantTorch(kernels))
+    return _copy(type(router).routing, topk_routing_with_score_function=topk)
 
-    topk = copy(moe_utils.topk_routing_with_score_function, torch=_InvariantTorch(kernels))
-    return copy(type(router).routing, topk_routing_with_score_function=topk)
+
+def _copy(fn, **names):
+    """``fn`` with the same code, defaults and closure, its globals ``names`` replaced (a copy, not a patch)."""
+    out = types.FunctionType(
+        fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+_COMBINES = ("combine_preprocess", "combine_postprocess")
+"""The dispatcher methods that call megatron-core's ``unpermute`` (all-gather: pre; all-to-all: post)."""
+
+
+def _fixed_order(unpermute):
+    """megatron-core's ``unpermute`` with torch's deterministic algorithms on for the call when the tokens are on a
+    GPU: it then adds each token's expert outputs with ``index_add_`` in the order of the sorted indices (one fixed
+    order, expert by expert, whatever else the batch holds), where ``scatter_add_`` adds them by atomics in the
+    order the threads arrive (on an H200, five runs over the same inputs gave other bits). On a CPU the call is
+    as it is: ``scatter_add_`` there adds in index order."""
+
+    def call(permuted_tokens, *args, **kwargs):
+        if not permuted_tokens.is_cuda:
+            return unpermute(permuted_tokens, *args, **kwargs)
+        was, warn_only = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            return unpermute(permuted_tokens, *args, **kwargs)
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+    call._tim_fixed_order = True
+    return call
+
+
+def _dispatchers(model) -> list:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from tim_megatron.trainer.model import unwrap
+
+    return [m.token_dispatcher for m in unwrap(model).modules() if isinstance(m, MoELayer)]
+
+
+def _check_dispatcher(dispatcher) -> None:
+    from megatron.core.transformer.moe.token_dispatcher import (
+        MoEAllGatherTokenDispatcher,
+        MoEAlltoAllTokenDispatcher,
+    )
+
+    if not isinstance(dispatcher, MoEAllGatherTokenDispatcher | MoEAlltoAllTokenDispatcher):
+        raise ValueError(
+            f"exact mode: token dispatcher {type(dispatcher).__name__}; allowed the all-gather and all-to-all "
+            "dispatchers (their combine is megatron-core's unpermute, which exact mode keeps in a fixed order)"
+        )
+    if dispatcher.config.moe_permute_fusion:
+        raise ValueError(
+            "exact mode: moe_permute_fusion runs a fused unpermute the fixed-order combine does not cover"
+        )
+
+
+def route_combine(dispatcher) -> None:
+    """One dispatcher's combine through :func:`_fixed_order`: its class's own ``combine_*`` functions, copied with
+    ``unpermute`` resolved to the fixed-order call (instance attributes; nothing module-wide changes)."""
+    _check_dispatcher(dispatcher)
+    for name in _COMBINES:
+        fn = getattr(type(dispatcher), name)
+        if "unpermute" in fn.__code__.co_names:
+            setattr(
+                dispatcher,
+                name,
+                types.MethodType(_copy(fn, unpermute=_fixed_order(fn.__globals__["unpermute"])), dispatcher),
+            )
 
 
 def route_router(router, kernels) -> None:
@@ -343,6 +417,9 @@ def apply(model, kernels) -> dict[str, int]:
     for m in routers:
         _check_router(m)
     _check_activations(model)  # before anything is patched: a refusal leaves the model as it was
+    dispatchers = _dispatchers(model)
+    for d in dispatchers:
+        _check_dispatcher(d)
     for m in linears:
         m._forward_impl = types.MethodType(_linear_impl, m)
     for m in routers:
@@ -354,6 +431,8 @@ def apply(model, kernels) -> dict[str, int]:
         m._tim_kernels = kernels
         setattr(m, _MARK, True)
     mlps = _route_activations(model, kernels)
+    for d in dispatchers:
+        route_combine(d)
     setattr(gpt, _MARK, kernels)
     gpt._tim_attention = tuple(attention)  # a decode step's layers, without a walk of the modules per step
     return {
@@ -362,6 +441,7 @@ def apply(model, kernels) -> dict[str, int]:
         "sigmoid routers": sum(m.score_function == "sigmoid" for m in routers),
         "attention": len(attention),
         "activations": mlps,
+        "combines": len(dispatchers),
     }
 
 
@@ -388,6 +468,9 @@ def revert(model) -> None:
             ):
                 if name in m.__dict__:
                     delattr(m, name)
+    for d in _dispatchers(model):
+        for name in _COMBINES:
+            d.__dict__.pop(name, None)
     gpt = _gpt
     for name in (_MARK, "_tim_attention"):
         if name in gpt.__dict__:
