@@ -3,7 +3,7 @@
 Every module in this package except ``base`` defines ``FAMILY`` (whose name is the module's name), a :class:`~.base.Family`: how to read the
 model's config.json, its megatron-core config and layer specs, its HF <-> Megatron weight table, its tiny test
 model and its parameter count. The registry imports them all; adding a family means adding one module (see the
-README, "Adding a model family").
+docs/families.md, "Adding a model family").
 """
 
 from __future__ import annotations
@@ -82,6 +82,6 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
                 return fam
     raise UnsupportedModelError(
         f"architecture {shown(archs or mt)} is not supported; supported: {', '.join(architectures())} "
-        "(to support another family, add a module under tim_megatron/trainer/families/: README, "
+        "(to support another family, add a module under tim_megatron/trainer/families/: docs/families.md, "
         "'Adding a model family')"
     )

@@ -82,7 +82,7 @@ class Family:
     """Extra deterministic initialization of a freshly built tiny HF model (model, seed), e.g. a non-zero
     expert bias so the tests exercise it."""
     notes: tuple[str, ...] = ()
-    """What the family leaves out on purpose (the README lists it too)."""
+    """What the family leaves out on purpose (docs/families.md lists it too)."""
 
     def __post_init__(self):
         defaults = {
