@@ -264,11 +264,18 @@ def test_run_folder_holds_recipe_metrics_dumps_png_summary_and_wandb(tmp_path):
             "diagnostics.dumps.routed_experts=true",
             "rollout.capture_routed_experts=true",
             "run.val_every=3",
+            "run.val_samples=2",
         ],
         tmp_path,
     )
     d = run_folder(tmp_path)
     assert d.parent.name == "tiny-moe-grpo"
+    from tim_megatron import metric_names
+
+    names = [v for k, v in vars(metric_names).items() if k.isupper()]
+    written = set().union(*(row.keys() for row in metrics(d)))
+    # the names the readers use are the ones the step writes
+    assert len(names) >= 10 and not [n for n in names if n not in written]
     for f in ("recipe.yaml", "metrics.jsonl", "curves.png", "summary.txt", "run.json", "events.json"):
         assert (d / f).exists() and (d / f).stat().st_size > 0, f
     assert json.loads((d / "run.json").read_text())["status"] == "completed"

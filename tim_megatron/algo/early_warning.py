@@ -25,6 +25,8 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from tim_megatron import metric_names as names
+
 MAD_TO_SD = 1.4826
 """Scale of the median absolute deviation to a normal SD."""
 
@@ -173,7 +175,7 @@ class SurgeDetector:
     """The current length at each of the last ``within`` steps (before this one)."""
     seen: int = 0
     fired_at: int | None = None
-    metric: str = "response/length_mean"
+    metric: str = names.RESPONSE_LENGTH
 
     def update(self, step: int, mean_length: float) -> Event | None:
         if mean_length is None or not math.isfinite(mean_length):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from tim_megatron import metric_names as names
 from tim_megatron.algo.early_warning import SurgeDetector, surge_from_config
 
 
@@ -105,8 +106,8 @@ class LengthDecayLR:
             if step >= self.trigger_step:
                 self._fire(self.trigger_step)
         elif (
-            "response/length_mean" in metrics
-            and self.surge.update(step, metrics["response/length_mean"]) is not None
+            names.RESPONSE_LENGTH in metrics
+            and self.surge.update(step, metrics[names.RESPONSE_LENGTH]) is not None
         ):
             self._fire(step)
 

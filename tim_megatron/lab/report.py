@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tim_megatron import metric_names as names
 from tim_megatron.lab.claims import GROWTH_MIN, ClaimVerdict, LabData
 from tim_megatron.lab.deficits import D_MIN_EFFECT, policy_deficits
 from tim_megatron.lab.detectors import TUNE_GRID, Evaluation
@@ -45,9 +46,9 @@ from tim_megatron.report.plots import _label, _plt, slug
 from tim_megatron.safe_files import check_inside, save_figure, write_atomic
 
 CURVES = (
-    ("reward/mean", "Training reward", "mean reward", "linear"),
-    ("val/accuracy", "Validation accuracy (greedy)", "accuracy", "linear"),
-    ("val/policy_reward", "Policy reward (sampled, no injection)", "mean reward", "linear"),
+    (names.REWARD, "Training reward", "mean reward", "linear"),
+    (names.VAL_ACCURACY, "Validation accuracy (greedy)", "accuracy", "linear"),
+    (names.VAL_POLICY_REWARD, "Policy reward (sampled, no injection)", "mean reward", "linear"),
     (P + "rho_std", "Mismatch: rho_std (old vs rollout)", "std of pi_train / pi_infer", "log"),
     (
         P + "log_ppl_abs_diff_seq_sum",
@@ -56,13 +57,13 @@ CURVES = (
         "log",
     ),
     (P + "log_ppl_abs_diff_token_mean", "log-ppl |diff| per token", "nats per token", "log"),
-    ("response/length_mean", "Response length", "tokens", "linear"),
+    (names.RESPONSE_LENGTH, "Response length", "tokens", "linear"),
     ("objective/J", "Surrogate J = sum A (phi - 1)", "J", "linear"),
     ("bucket/low-minus-high", "rho_mean(pi < 0.1) - rho_mean(pi >= 0.9)", "difference of mean rho", "linear"),
     (P + "inv_rho_mean", "E_infer[1/rho] (Eq. 46)", "mean pi_infer / pi_train", "linear"),
     ("response/entropy_mean", "Token entropy", "nats per token", "linear"),
     ("actor/grad_norm", "Gradient norm", "L2 norm", "log"),
-    ("actor/lr", "Learning rate", "learning rate", "log"),
+    (names.LR, "Learning rate", "learning rate", "log"),
 )
 
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from tim_megatron import metric_names as names
 from tim_megatron.safe_files import save_figure, write_atomic
 
 CURVES = (
-    ("reward/mean", "reward (mean)"),
-    ("val/accuracy", "validation accuracy"),
-    ("mismatch/old_vs_rollout/rho_std", "mismatch: rho_std (old vs rollout)"),
-    ("mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean", "log-ppl |diff| per token (old vs rollout)"),
-    ("mismatch/old_vs_rollout/prob_pearson", "Pearson(pi_train, pi_infer)"),
-    ("response/length_mean", "response length (tokens)"),
+    (names.REWARD, "reward (mean)"),
+    (names.VAL_ACCURACY, "validation accuracy"),
+    (names.RHO_STD, "mismatch: rho_std (old vs rollout)"),
+    (names.LOG_PPL_TOKEN, "log-ppl |diff| per token (old vs rollout)"),
+    (names.PROB_PEARSON, "Pearson(pi_train, pi_infer)"),
+    (names.RESPONSE_LENGTH, "response length (tokens)"),
 )
 
 
@@ -58,11 +59,11 @@ def write_summary(
         k = max(1, len(ys) // 5)
         return (sum(ys[:k]) / k, sum(ys[-k:]) / k) if ys else (float("nan"), float("nan"))
 
-    r0, r1 = first_last("reward/mean")
-    m0, m1 = first_last("mismatch/old_vs_rollout/rho_std")
-    n0, n1 = first_last("response/length_mean")
-    p0, p1 = first_last("mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean")
-    _, val = series(rows, "val/accuracy")
+    r0, r1 = first_last(names.REWARD)
+    m0, m1 = first_last(names.RHO_STD)
+    n0, n1 = first_last(names.RESPONSE_LENGTH)
+    p0, p1 = first_last(names.LOG_PPL_TOKEN)
+    _, val = series(rows, names.VAL_ACCURACY)
     lines = [
         f"run: {name}",
         f"steps: {rows[-1]['step'] if rows else 0}   wall time: {wall_seconds:.1f} s",

@@ -15,20 +15,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from tim_megatron import metric_names as names
 from tim_megatron import safe_files
 from tim_megatron.logging.untrusted import UnreadableFile, open_regular, printable, shown
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.safe_files import open_append, write_atomic
 
 SUMMARY_KEYS = (
-    ("reward", "reward/mean", "{:.3f}"),
-    ("rho_std", "mismatch/old_vs_rollout/rho_std", "{:.2e}"),
-    ("clip", "actor/clipfrac_token_high", "{:.3f}"),
-    ("len", "response/length_mean", "{:.1f}"),
+    ("reward", names.REWARD, "{:.3f}"),
+    ("rho_std", names.RHO_STD, "{:.2e}"),
+    ("clip", names.CLIP_HIGH, "{:.3f}"),
+    ("len", names.RESPONSE_LENGTH, "{:.1f}"),
     # Per token, next to the length: the per-sequence sum grows with length at a fixed per-token mismatch.
-    ("log_ppl_diff/tok", "mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean", "{:.2e}"),
-    ("lr", "actor/lr", "{:.1e}"),
-    ("step_s", "time/step", "{:.2f}"),
+    ("log_ppl_diff/tok", names.LOG_PPL_TOKEN, "{:.2e}"),
+    ("lr", names.LR, "{:.1e}"),
+    ("step_s", names.STEP_SECONDS, "{:.2f}"),
 )
 
 

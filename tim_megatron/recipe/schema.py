@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tim_megatron import metric_names as names
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
@@ -668,7 +670,7 @@ class DumpsConfig(Section):
 
 
 class EarlyWarningConfig(Section):
-    metrics: list[str] = ["mismatch/old_vs_rollout/rho_std"]
+    metrics: list[str] = [names.RHO_STD]
     """Metrics watched for persistent growth."""
     rule: Literal["trend", "median_ratio"] = "trend"
     """trend: noise-aware CUSUM of log(value) against the run's own baseline level and noise

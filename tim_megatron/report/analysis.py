@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tim_megatron import metric_names as names
 from tim_megatron.algo.early_warning import GrowthDetector, SurgeDetector
 from tim_megatron.report.runs import MISMATCH, RunData
 
@@ -99,14 +100,14 @@ def length_surge(run: RunData, s: WarningSettings) -> int | None:
         factor=s.surge_factor,
         within=s.surge_within,
     )
-    for step, v in zip(*run.series("response/length_mean"), strict=True):
+    for step, v in zip(*run.series(names.RESPONSE_LENGTH), strict=True):
         if det.update(int(step), v):
             return int(step)
     return None
 
 
 def first_collapse(run: RunData, drop: float) -> int | None:
-    for key in ("val/accuracy", "reward/mean"):
+    for key in (names.VAL_ACCURACY, names.REWARD):
         x, y = run.series(key)
         if len(y) >= 2:
             best = -math.inf
@@ -119,7 +120,7 @@ def first_collapse(run: RunData, drop: float) -> int | None:
 
 
 def summarize(run: RunData, s: WarningSettings) -> RunSummary:
-    _, val = run.series("val/accuracy")
+    _, val = run.series(names.VAL_ACCURACY)
     _, mm = run.series(MISMATCH)
     _, tps = run.series("rollout/tokens_per_s")
     return RunSummary(

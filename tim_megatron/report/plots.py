@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tim_megatron import metric_names as names
 from tim_megatron.report.analysis import RunSummary, pearson
 from tim_megatron.report.runs import DumpError, RunData, read_dump
 
@@ -22,22 +23,22 @@ class Curve(NamedTuple):
 
 
 CURVES = (
-    Curve("reward/mean", "Training reward", "mean reward"),
-    Curve("val/accuracy", "Validation accuracy", "accuracy"),
+    Curve(names.REWARD, "Training reward", "mean reward"),
+    Curve(names.VAL_ACCURACY, "Validation accuracy", "accuracy"),
     Curve(
-        "mismatch/old_vs_rollout/rho_std",
+        names.RHO_STD,
         "Mismatch: std of rho (old vs rollout)",
         "std of pi_train / pi_infer",
         "log",
     ),
     Curve(
-        "mismatch/old_vs_rollout/log_ppl_abs_diff_token_mean",
+        names.LOG_PPL_TOKEN,
         "log-ppl |diff| per token (old vs rollout)",
         "nats per token",
         "log",
     ),
     Curve(
-        "mismatch/old_vs_rollout/prob_pearson",
+        names.PROB_PEARSON,
         "1 - Pearson(pi_train, pi_infer)",
         "1 - correlation (0: identical)",
         "one_minus",
@@ -46,11 +47,11 @@ CURVES = (
     Curve("mismatch/old_vs_rollout/kl_rollout_old_k3", "KL(rollout || old), k3", "nats per token", "log"),
     Curve("response/entropy_mean", "Token entropy", "nats per token"),
     Curve("actor/grad_norm", "Gradient norm", "L2 norm", "log"),
-    Curve("response/length_mean", "Response length", "tokens"),
+    Curve(names.RESPONSE_LENGTH, "Response length", "tokens"),
     Curve("actor/clipfrac_token_low", "Clip fraction, token low side", "fraction of tokens"),
-    Curve("actor/clipfrac_token_high", "Clip fraction, token high side", "fraction of tokens"),
+    Curve(names.CLIP_HIGH, "Clip fraction, token high side", "fraction of tokens"),
     Curve("actor/clipfrac_seq", "Clip fraction, sequences (GSPO)", "fraction of sequences"),
-    Curve("actor/lr", "Learning rate", "learning rate", "log"),
+    Curve(names.LR, "Learning rate", "learning rate", "log"),
     Curve(
         "routing/rollout_vs_trainer/exact_match",
         "Routing agreement (rollout vs trainer)",

@@ -27,13 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tim_megatron import metric_names as names
 from tim_megatron.logging.summary import series
 from tim_megatron.logging.tracker import MetricsError, read_metrics
 from tim_megatron.logging.untrusted import UnreadableFile, open_regular, read_bounded, shown
 from tim_megatron.logging.untrusted import printable as printable  # the command line's notices use it
 from tim_megatron.recipe.schema import NAME_PATTERN
 
-MISMATCH = "mismatch/old_vs_rollout/rho_std"
+MISMATCH = names.RHO_STD
 STATUS_PATTERN = r"^[a-z][a-z_-]{0,31}$"
 MAX_META_BYTES = 1 << 20
 """A run.json larger than this is not read (the project writes a few hundred bytes)."""

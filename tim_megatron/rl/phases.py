@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tim_megatron import metric_names as names
 from tim_megatron.algo import (
     correction_metrics,
     group_advantages,
@@ -202,7 +203,7 @@ def rollouts(
         "rollout/response_tokens": tokens,
         "rollout/prompt_tokens": prompt_tokens,
         "rollout/seconds_slowest_engine": slowest,
-        "reward/mean": mean,
+        names.REWARD: mean,
         "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
         "reward/max": rmax,
         "reward/min": -neg_rmin,
@@ -246,7 +247,7 @@ def validate(
         for it, g in zip(mine, groups, strict=True)
     )
     (total,) = _sum_over_engines(rollout, [float(correct)])
-    out = {"val/accuracy": total / len(items)}
+    out = {names.VAL_ACCURACY: total / len(items)}
     k = recipe.run.val_samples
     if k:
         mine, groups, _ = _generate(
@@ -265,7 +266,7 @@ def validate(
             for s in g
         )
         (policy,) = _sum_over_engines(rollout, [float(reward)])
-        out["val/policy_reward"] = policy / (len(items) * k)
+        out[names.VAL_POLICY_REWARD] = policy / (len(items) * k)
     return out
 
 
@@ -510,7 +511,7 @@ def update(
             "actor/loss": float(total_loss) / max(updates, 1),
             "actor/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
             "actor/grad_norm_max": max(norms) if norms else float("nan"),
-            "actor/lr": lr,
+            names.LR: lr,
             "actor/updates": updates,
             "actor/updates_skipped": updates - applied,
             "actor/loss_scale": scales[-1] if scales else float("nan"),
