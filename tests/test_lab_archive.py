@@ -115,3 +115,25 @@ def test_from_archive_runs_nothing_and_says_what_it_needs(tmp_path):
         run_lab(
             str(PILOT_GRID), aggregate_only=True, from_archive=tmp_path / "junk.tar.xz", log=lambda m: None
         )
+
+
+def test_ds_tables_in_the_docs_regenerate_byte_for_byte_from_its_committed_runs(tmp_path):
+    """docs/lab-results.md's generated block for experiment D is the tables.md of a report rebuilt from
+    lab/data/D.tar.xz alone (39 runs: 3 arms x seeds 3-15), byte for byte."""
+    from tim_megatron.lab.docs import include_tables
+
+    res = run_lab(
+        str(REPO / "lab" / "D.yaml"),
+        aggregate_only=True,
+        from_archive=REPO / "lab" / "data" / "D.tar.xz",
+        out=tmp_path / "report",
+        log=lambda m: None,
+    )
+    assert {a: sorted(s) for a, s in res["lab"].runs.items()} == {
+        a: list(range(3, 16)) for a in ("exact", "inject-noise-1", "inject-noise-3")
+    }
+    committed = (REPO / "docs" / "lab-results.md").read_bytes()
+    doc = tmp_path / "lab-results.md"
+    doc.write_bytes(committed)
+    include_tables(doc, "D", (tmp_path / "report" / "tables.md").read_text())
+    assert doc.read_bytes() == committed
