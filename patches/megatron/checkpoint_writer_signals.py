@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import signal
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import MEGATRON_CORE
+from patches.guard import check_version
+from patches.specs import megatron_core_patch
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-checkpoint-writer-signals",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="the checkpoint writers' results-queue server dies on the job's SIGTERM, so the final checkpoint fails.",
     targets=("megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",),
 )

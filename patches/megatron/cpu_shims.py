@@ -30,14 +30,11 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from patches.guard import Handle, PatchSpec, check_version, set_attr
-from tim_megatron.versions import MEGATRON_CORE
+from patches.guard import Handle, check_version, set_attr
+from patches.specs import megatron_core_patch
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-cpu-shims",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="megatron-core assumes CUDA for device placement, RNG state and optimizer buffers.",
     targets=(
         "torch.cuda.current_device",

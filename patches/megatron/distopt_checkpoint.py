@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import MEGATRON_CORE
+from patches.guard import check_version
+from patches.specs import megatron_core_patch
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-distributed-optimizer-checkpoint",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="the distributed optimizer's default checkpoint format cannot save, a fresh one cannot load, and a "
     "loaded one shares one stale Adam step across all parameters.",
     targets=(

@@ -46,15 +46,12 @@ from dataclasses import dataclass
 
 import torch
 
-from patches.guard import PatchSpec, check_version
+from patches.guard import check_version
+from patches.specs import megatron_core_patch
 from tim_megatron.exact.kernels import attend
-from tim_megatron.versions import MEGATRON_CORE
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-invariant-kernels",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="a CPU GEMM gives a row other bits at another row count, and torch's SiLU gives an element other bits "
     "on its scalar tail path, so the training forward and a cached decode step compute a token's logprob "
     "differently; and megatron-core's local attention has no fixed-width KV cache with per-sequence positions.",

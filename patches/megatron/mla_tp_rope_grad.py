@@ -22,14 +22,11 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
-from patches.guard import Handle, PatchSpec, check_version, set_attr
-from tim_megatron.versions import MEGATRON_CORE
+from patches.guard import Handle, check_version, set_attr
+from patches.specs import megatron_core_patch
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-mla-tp-rope-grad",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="MLA's column-parallel kv down-projection never sums the RoPE key's gradient across TP ranks.",
     targets=(
         "megatron.core.transformer.multi_latent_attention.MLASelfAttention.get_query_key_value_tensors",

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 
-from patches.guard import Handle, PatchSpec, check_version, set_attr
-from tim_megatron.versions import MEGATRON_CORE
+from patches.guard import Handle, check_version, set_attr
+from patches.specs import megatron_core_patch
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-mla-without-te",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="MLASelfAttention calls isinstance() with transformer-engine's placeholder class when it is missing.",
     targets=("megatron.core.transformer.multi_latent_attention.HAVE_TE",),
 )

@@ -13,14 +13,11 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from patches.guard import Handle, PatchSpec, check_version, set_attr
-from tim_megatron.versions import MEGATRON_CORE
+from patches.guard import Handle, check_version, set_attr
+from patches.specs import megatron_core_patch
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-no-te-router-gemm",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="the MoE router references te_general_gemm, which is unbound when transformer-engine is missing.",
     targets=("megatron.core.transformer.moe.moe_utils.te_general_gemm",),
 )

