@@ -41,7 +41,7 @@ from tim_megatron.lab.runstats import (
     series,
 )
 from tim_megatron.lab.stats import mean_ci
-from tim_megatron.report.build import CSS
+from tim_megatron.report.build import CSS, fmt_cell
 from tim_megatron.report.plots import _label, _plt, slug
 from tim_megatron.safe_files import check_inside, save_figure, write_atomic
 
@@ -180,13 +180,8 @@ def _finite(v) -> bool:
 
 
 def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return "n/a"
-        return f"{v:.3e}" if (abs(v) < 1e-2 and v != 0) else f"{v:.4g}"
-    return str(v)
+    """A cell as :func:`tim_megatron.report.build.fmt_cell` writes it, None as an empty cell."""
+    return fmt_cell(v, none="")
 
 
 def inside(out: Path, name: str) -> Path:

@@ -49,9 +49,11 @@ COLUMNS = (
 )
 
 
-def _fmt(v) -> str:
+def fmt_cell(v, *, none: str = "none") -> str:
+    """A table cell: ``none`` for None, "n/a" for NaN and Inf, a float to 4 significant digits (3 decimals in
+    e-notation for magnitudes below 0.01), anything else as ``str``; the run report's and the lab report's."""
     if v is None:
-        return "none"
+        return none
     if isinstance(v, float):
         if not math.isfinite(v):
             return "n/a"
@@ -61,7 +63,7 @@ def _fmt(v) -> str:
 
 def table_text(rows: list[dict]) -> str:
     heads = [h for _, h in COLUMNS]
-    cells = [[_fmt(r[k]) for k, _ in COLUMNS] for r in rows]
+    cells = [[fmt_cell(r[k]) for k, _ in COLUMNS] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(heads)]
     line = "  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True))
     body = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
@@ -139,7 +141,7 @@ def _page(title, runs, rows, figs, notices, no_dumps, s: WarningSettings, aligne
     if rows:
         parts.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for _, h in COLUMNS) + "</tr>")
         for r in rows:
-            parts.append("<tr>" + "".join(f"<td>{e(_fmt(r[k]))}</td>" for k, _ in COLUMNS) + "</tr>")
+            parts.append("<tr>" + "".join(f"<td>{e(fmt_cell(r[k]))}</td>" for k, _ in COLUMNS) + "</tr>")
         parts.append(
             "</table><p class='muted'>Mismatch growth: Theil-Sen slope of log(std of rho) per step; "
             "positive means the mismatch grows. Also in summary.csv.</p>"
