@@ -20,20 +20,16 @@ Every ratio is measured in the same run; the issue's targets are printed next to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from tim_megatron import outcome
+from tim_megatron.bench.train_run import train_rows
 
 VEXACT = "recipes/tiny-moe/vexact.yaml"
 COUNTDOWN = "recipes/tiny-moe/countdown.yaml"
@@ -255,24 +251,7 @@ def sampler_throughput(
 
 def train_steps(*, recipe: str, steps: int, extra: list[str]) -> dict:
     """Run ``tim train`` for ``steps`` steps; mean step time and response length over steps 2.."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "tim_megatron.cli",
-            "train",
-            recipe,
-            f"run.steps={steps}",
-            f"run.output_dir={tmp}",
-            *QUIET,
-            *extra,
-        ]
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - t
-        if proc.returncode:
-            raise RuntimeError(f"{' '.join(cmd[2:])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-        rows = [json.loads(line) for line in next(Path(tmp).rglob("metrics.jsonl")).read_text().splitlines()]
+    rows, wall = train_rows(recipe=recipe, steps=steps, overrides=[*QUIET, *extra])
     later = rows[1:] or rows
     return {
         "step_s": statistics.mean(r["time/step"] for r in later),

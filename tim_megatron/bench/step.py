@@ -7,14 +7,10 @@ checks that metrics and logging together stay under 2% of a step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 from tim_megatron import outcome
+from tim_megatron.bench.train_run import train_rows
 
 PHASES = ("rollout", "old_logprobs", "advantages", "metrics", "update", "sync", "validation", "logging")
 
@@ -22,21 +18,11 @@ PHASES = ("rollout", "old_logprobs", "advantages", "metrics", "update", "sync", 
 def run(
     *, steps: int = 30, recipe: str = "recipes/tiny-moe/grpo.yaml", extra: list[str] | None = None
 ) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "tim_megatron.cli",
-            "train",
-            recipe,
-            f"run.steps={steps}",
-            f"run.output_dir={tmp}",
-            "logging.wandb.mode=disabled",
-            "checkpoint.every=0",
-            *(extra or []),
-        ]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        rows = [json.loads(line) for line in next(Path(tmp).rglob("metrics.jsonl")).read_text().splitlines()]
+    rows, _ = train_rows(
+        recipe=recipe,
+        steps=steps,
+        overrides=["logging.wandb.mode=disabled", "checkpoint.every=0", *(extra or [])],
+    )
     rows = rows[min(3, len(rows) - 1) :]
     step = statistics.mean(r["time/step"] for r in rows)
     out = {"step_s": step, "steps": len(rows)}
