@@ -37,10 +37,11 @@ def scenario_doses(out: dict, overrides: list[str]) -> None:
     exact sampler, scored, recomputed by the old pass and back-propagated through the GRPO loss."""
     from transformers import AutoTokenizer
 
-    from tim_megatron.algo import compute_mismatch, group_advantages, token_clip_loss
+    from tim_megatron.algo import compute_mismatch, group_advantages
     from tim_megatron.data.rewards import reward
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.rl.batch import from_samples
+    from tim_megatron.rl.objective import plain_loss_fn
     from tim_megatron.rollout.exact_sampler import ExactSampler, check_exact
     from tim_megatron.run_setup import model_path_for
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
@@ -79,16 +80,7 @@ def scenario_doses(out: dict, overrides: list[str]) -> None:
         )
         den = float(mask.sum())
 
-        def loss_fn(logprobs, rows, s):
-            return token_clip_loss(
-                logprobs=logprobs,
-                old_logprobs=old[rows, :s],
-                advantages=adv[rows],
-                mask=mask[rows, :s],
-                denominator=den,
-            )
-
-        tr.backward(SeqBatch(batch.input_ids, batch.lengths), loss_fn)
+        tr.backward(SeqBatch(batch.input_ids, batch.lengths), plain_loss_fn(old, adv, mask, den))
         grad = torch.cat([g.flatten().double() for _, g in tr.export_hf(grads=True)])
         return {
             "tokens": [s.response_ids for g in groups for s in g],

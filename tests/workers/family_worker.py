@@ -29,12 +29,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 
-from megatron_worker import N, fixed_batch, gather_rows, loss_fn_for  # noqa: E402
+from megatron_worker import N, fixed_batch, gather_rows  # noqa: E402
 
 from patches.megatron import mla_tp_rope_grad  # noqa: E402
 from tim_megatron.algo.aggregation import local_denominator  # noqa: E402
 from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
+from tim_megatron.rl.objective import plain_loss_fn  # noqa: E402
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch  # noqa: E402
 
 BASE = [
@@ -115,7 +116,7 @@ def equivalence(tr: MegatronTrainer, seed: int) -> dict:
     local = batch.select(rows)
     lp, _ = tr.logprobs(local, with_entropy=True)
     den = float(local_denominator(mask=mask, mode="token-mean"))
-    tr.backward(local, loss_fn_for(lp.logprobs.detach(), adv[rows], mask[rows], den))
+    tr.backward(local, plain_loss_fn(lp.logprobs.detach(), adv[rows], mask[rows], den))
     return {
         "logprobs": gather_rows(lp.logprobs, tr),
         "entropy": gather_rows(lp.entropy, tr),
@@ -397,7 +398,7 @@ def r3_replay(tr: MegatronTrainer, batch: SeqBatch, mask, adv, routed: torch.Ten
     res["clean_after_replay"] = router_replay.is_clean(tr.model)
     den = float(mask.sum())
     lp, _ = tr.logprobs(with_r, routing="replay")
-    tr.backward(with_r, loss_fn_for(lp.logprobs, adv, mask, den), routing="replay")
+    tr.backward(with_r, plain_loss_fn(lp.logprobs, adv, mask, den), routing="replay")
     res["router_grad_abs_sum"] = [float(m.weight.main_grad.abs().sum()) for m in routers]
     res["clean_after_backward"] = router_replay.is_clean(tr.model)
     return res

@@ -20,10 +20,10 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tim_megatron.algo import token_clip_loss  # noqa: E402
 from tim_megatron.algo.aggregation import local_denominator  # noqa: E402
 from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
+from tim_megatron.rl.objective import plain_loss_fn  # noqa: E402
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
@@ -59,19 +59,6 @@ def _dp_rank_of(global_rank: int, tr: MegatronTrainer) -> int:
     return obj[global_rank]
 
 
-def loss_fn_for(old, adv, mask, denominator):
-    def loss_fn(lp, rows, s):
-        return token_clip_loss(
-            logprobs=lp,
-            old_logprobs=old[rows, :s],
-            advantages=adv[rows],
-            mask=mask[rows, :s],
-            denominator=denominator,
-        )
-
-    return loss_fn
-
-
 def scenario_equivalence(tr: MegatronTrainer, out: dict) -> None:
     """Logprobs and gradients of a fixed batch (compared across TP/EP/DP layouts by the test)."""
     batch, mask, adv = fixed_batch()
@@ -82,7 +69,7 @@ def scenario_equivalence(tr: MegatronTrainer, out: dict) -> None:
     out["entropy"] = gather_rows(lp.entropy, tr)
     den = float(local_denominator(mask=mask, mode="token-mean"))
     old = lp.logprobs.detach()
-    tr.backward(local, loss_fn_for(old, adv[rows], mask[rows], den))
+    tr.backward(local, plain_loss_fn(old, adv[rows], mask[rows], den))
     out["grads"] = {k: v.clone() for k, v in tr.export_hf(grads=True)}
 
 
@@ -148,7 +135,7 @@ def scenario_single(tr: MegatronTrainer, out: dict) -> None:
     lp, _ = tr.logprobs(batch)
     old = lp.logprobs
     den = float(mask.sum())
-    fn = loss_fn_for(old, adv, mask, den)
+    fn = plain_loss_fn(old, adv, mask, den)
     loss0, _, _ = tr.backward(batch, fn)
     res = tr.step(lr=1e-4, loss=loss0)
     loss1, _, _ = tr.backward(batch, fn)
@@ -195,7 +182,7 @@ def scenario_resume(tr: MegatronTrainer, out: dict) -> None:
         local = batch.select(rows)
         lp, _ = tr.logprobs(local)
         den = float(mask.sum())
-        loss, _, _ = tr.backward(local, loss_fn_for(lp.logprobs, adv[rows], mask[rows], den))
+        loss, _, _ = tr.backward(local, plain_loss_fn(lp.logprobs, adv[rows], mask[rows], den))
         tr.step(lr=1e-3, loss=loss)
         t = torch.tensor([loss], dtype=torch.float64)
         if dist.is_initialized():
@@ -305,7 +292,7 @@ def scenario_replay(tr: MegatronTrainer, out: dict) -> None:
     out["clean_after_replay"] = router_replay.is_clean(tr.model)
     # Gradients reach the router under replay.
     den = float(mask.sum())
-    tr.backward(with_r, loss_fn_for(lp.logprobs, adv, mask, den), routing="replay")
+    tr.backward(with_r, plain_loss_fn(lp.logprobs, adv, mask, den), routing="replay")
     g = [
         float(unwrap(tr.model).decoder.layers[i].mlp.router.weight.main_grad.abs().sum())
         for i in range(len(gpt.decoder.layers))

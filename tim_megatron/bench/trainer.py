@@ -28,9 +28,9 @@ def _bench(fn, repeat: int) -> float:
 
 
 def run(*, seqs: int = 32, length: int = 32, repeat: int = 10, overrides: list[str] | None = None) -> dict:
-    from tim_megatron.algo import token_clip_loss
     from tim_megatron.bench.bare import bare_megatron_step
     from tim_megatron.recipe import load_recipe
+    from tim_megatron.rl.objective import plain_loss_fn
     from tim_megatron.run_setup import model_path_for
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 
@@ -48,14 +48,7 @@ def run(*, seqs: int = 32, length: int = 32, repeat: int = 10, overrides: list[s
     old = tr.logprobs(batch)[0].logprobs
     den = float(mask.sum())
 
-    def loss_fn(lp, rows, s):
-        return token_clip_loss(
-            logprobs=lp,
-            old_logprobs=old[rows, :s],
-            advantages=adv[rows],
-            mask=mask[rows, :s],
-            denominator=den,
-        )
+    loss_fn = plain_loss_fn(old, adv, mask, den)
 
     def ours():
         tr.train_step(batch, loss_fn, lr=1e-6)

@@ -138,3 +138,20 @@ def make_loss_fn(
         return loss, st
 
     return loss_fn
+
+
+def plain_loss_fn(old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, denominator: float):
+    """The plain token-clip loss of fixed rows, as the trainer calls a loss (current logprobs, row indices,
+    width): :func:`token_clip_loss` with its default clip and no token weights, over ``old`` and ``mask``
+    ``[N, L]`` and ``advantages [N]``. For the benchmarks and tests that drive the trainer without a recipe."""
+
+    def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor, s: int):
+        return token_clip_loss(
+            logprobs=logprobs,
+            old_logprobs=old[rows, :s],
+            advantages=advantages[rows],
+            mask=mask[rows, :s],
+            denominator=denominator,
+        )
+
+    return loss_fn
