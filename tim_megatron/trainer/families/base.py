@@ -157,6 +157,18 @@ class ConfigReader:
         if act != "silu":
             raise self.unsupported("hidden_act", act, f"only SwiGLU (silu) {part} are implemented")
 
+    def refuse_attention_bias(self, model: str) -> None:
+        """A family without q/k/v biases: a config that turns ``attention_bias`` on is refused."""
+        if self.cfg.get("attention_bias"):
+            raise self.unsupported("attention_bias", True, f"{model} has no attention bias")
+
+    def require_full_rotary(self, fields: dict[str, Any], model: str) -> None:
+        """A family that rotates every head channel: ``fields`` (:func:`common_fields`) must have no partial RoPE."""
+        if fields["partial_rotary_factor"] != 1.0:
+            raise self.unsupported(
+                "partial_rotary_factor", fields["partial_rotary_factor"], f"{model} rotates every channel"
+            )
+
     def refuse_sliding_window(self) -> None:
         """Qwen-style configs: ``sliding_window`` is a size that applies only where ``use_sliding_window`` is true
         (newer transformers also write it per layer, as ``layer_types``)."""
@@ -248,10 +260,26 @@ def common_fields(r: ConfigReader) -> dict[str, Any]:
     )
 
 
+def experts_only_fields(r: ConfigReader, *experts_keys: str) -> dict[str, Any]:
+    """The MoE fields of a family with experts in every layer and no dense MLP (Mixtral, OLMoE): the expert count
+    (the first of ``experts_keys`` the config sets), top-k, and config.json's ``intermediate_size`` as the
+    experts' width (:data:`EXPERTS_ONLY_KEYS` names it back)."""
+    expert = r.int("intermediate_size")
+    return dict(
+        num_experts=r.int(r.key_of(*experts_keys)),
+        num_experts_per_tok=r.int("num_experts_per_tok"),
+        moe_intermediate_size=expert,
+        intermediate_size=expert,
+    )
+
+
 COMMON_KEYS = {
     "num_layers": "num_hidden_layers",
 }
 """ModelDims fields whose config.json key has another name (the rest share their name)."""
+
+EXPERTS_ONLY_KEYS = {**COMMON_KEYS, "moe_intermediate_size": "intermediate_size"}
+"""The same for :func:`experts_only_fields`' families."""
 
 SHARED_EXPERT_KEYS = {
     **COMMON_KEYS,
@@ -300,6 +328,19 @@ def hf_shared_expert_moe(dims: ModelDims, family: str) -> dict[str, Any]:
         topk_group=dims.router_group_topk,
         num_nextn_predict_layers=0,
     )
+
+
+def random_correction_bias(model, seed: int) -> None:
+    """``tiny_init`` of the families with a router correction bias: HF initializes it to zero; a random one (of
+    the size of a sigmoid score's spread) makes the tiny model's routing, and its group choice, depend on it, so
+    the tests exercise the bias."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.05)
 
 
 # ------------------------------------------------------------------------------------ megatron side
@@ -550,6 +591,7 @@ def router_rules(gate: str = "model.layers.{L}.mlp.gate", *, expert_bias: bool =
 
 __all__ = [
     "ENDS",
+    "EXPERTS_ONLY_KEYS",
     "ConfigReader",
     "Family",
     "HFConfigError",
@@ -561,9 +603,11 @@ __all__ = [
     "dense_mlp_rules",
     "dims_from_fields",
     "expert_rules",
+    "experts_only_fields",
     "hf_common",
     "layer_beyond",
     "layer_specs",
+    "random_correction_bias",
     "router_rules",
     "shown",
     "transformer_features",

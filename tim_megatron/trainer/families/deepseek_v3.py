@@ -260,17 +260,6 @@ def weight_rules(*, expert_bias: bool) -> tuple[Rule, ...]:
 WEIGHTS = weight_rules(expert_bias=True)
 
 
-def tiny_init(model, seed: int) -> None:
-    """A random correction bias (HF initializes it to zero), so that the tests exercise it and the group choice."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("mlp.gate.e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape, generator=g) * 0.05)
-
-
 FAMILY = base.Family(
     name="deepseek_v3",
     architectures=(ARCH,),
@@ -300,7 +289,7 @@ FAMILY = base.Family(
         rope_theta=10000.0,
     ),
     ignored_hf=base.layer_beyond(),
-    tiny_init=tiny_init,
+    tiny_init=base.random_correction_bias,
     notes=(
         "the multi-token-prediction layers (num_nextn_predict_layers) are not loaded: RL never runs them",
         "block-FP8 checkpoints (DeepSeek-V3, Kimi-K2) load dequantized to the trainer's dtype; export and sync "

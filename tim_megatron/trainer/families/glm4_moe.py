@@ -74,18 +74,6 @@ def hf_config(dims: ModelDims):
     )
 
 
-def tiny_init(model, seed: int) -> None:
-    """HF initializes the correction bias to zero; a random one (of the size of a sigmoid score's spread) makes
-    the tiny model's routing depend on it, so the tests exercise the bias."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("mlp.gate.e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape, generator=g) * 0.05)
-
-
 WEIGHTS = (
     *base.ENDS,
     *base.attention_rules(bias=True, qk_norm="per_head"),
@@ -115,6 +103,6 @@ FAMILY = base.Family(
         rms_norm_eps=1e-5,
     ),
     ignored_hf=base.layer_beyond(),
-    tiny_init=tiny_init,
+    tiny_init=base.random_correction_bias,
     notes=("the multi-token-prediction layer (num_nextn_predict_layers) is not loaded: RL never runs it",),
 )

@@ -25,26 +25,14 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
             "router_jitter_noise", r.cfg["router_jitter_noise"], "RL keeps the routing deterministic"
         )
     fields = base.common_fields(r)
-    if fields["partial_rotary_factor"] != 1.0:
-        raise r.unsupported(
-            "partial_rotary_factor", fields["partial_rotary_factor"], "Mixtral rotates every channel"
-        )
-    expert = r.int("intermediate_size")
+    r.require_full_rotary(fields, "Mixtral")
     fields.update(
+        base.experts_only_fields(r, "num_local_experts", "num_experts"),
         family="mixtral",
-        num_experts=r.int(r.key_of("num_local_experts", "num_experts")),
-        num_experts_per_tok=r.int("num_experts_per_tok"),
-        moe_intermediate_size=expert,
-        intermediate_size=expert,  # Mixtral has no dense MLP; its intermediate_size is the experts' width
         norm_topk_prob=True,
         qk_norm="none",
     )
-    keys = {
-        **base.COMMON_KEYS,
-        "num_experts": "num_local_experts",
-        "moe_intermediate_size": "intermediate_size",
-    }
-    return base.dims_from_fields(r, keys, **fields)
+    return base.dims_from_fields(r, {**base.EXPERTS_ONLY_KEYS, "num_experts": "num_local_experts"}, **fields)
 
 
 def hf_config(dims: ModelDims):

@@ -17,29 +17,20 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r.require_silu("experts")
     if r.cfg.get("clip_qkv") is not None:
         raise r.unsupported("clip_qkv", r.cfg["clip_qkv"], "q/k/v clipping is not implemented")
-    if r.cfg.get("attention_bias"):
-        raise r.unsupported("attention_bias", True, "OLMoE has no attention bias")
+    r.refuse_attention_bias("OLMoE")
     fields = base.common_fields(r)
     if fields["head_dim"] * fields["num_attention_heads"] != fields["hidden_size"]:
         raise r.unsupported(
             "head_dim", fields["head_dim"], "OLMoE's q_norm spans hidden_size = heads x head_dim"
         )
-    if fields["partial_rotary_factor"] != 1.0:
-        raise r.unsupported(
-            "partial_rotary_factor", fields["partial_rotary_factor"], "OLMoE rotates every channel"
-        )
-    expert = r.int("intermediate_size")
+    r.require_full_rotary(fields, "OLMoE")
     fields.update(
+        base.experts_only_fields(r, "num_experts", "num_local_experts"),
         family="olmoe",
-        num_experts=r.int(r.key_of("num_experts", "num_local_experts")),
-        num_experts_per_tok=r.int("num_experts_per_tok"),
-        moe_intermediate_size=expert,
-        intermediate_size=expert,  # OLMoE has no dense MLP; its intermediate_size is the experts' width
         norm_topk_prob=r.bool("norm_topk_prob", False),
         qk_norm="whole",
     )
-    keys = {**base.COMMON_KEYS, "moe_intermediate_size": "intermediate_size"}
-    return base.dims_from_fields(r, keys, **fields)
+    return base.dims_from_fields(r, base.EXPERTS_ONLY_KEYS, **fields)
 
 
 def hf_config(dims: ModelDims):

@@ -16,13 +16,9 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r = base.ConfigReader(cfg, "Qwen3ForCausalLM")
     r.require_silu("MLPs")
     r.refuse_sliding_window()
-    if r.cfg.get("attention_bias"):
-        raise r.unsupported("attention_bias", True, "Qwen3 has no attention bias")
+    r.refuse_attention_bias("Qwen3")
     fields = base.common_fields(r)
-    if fields["partial_rotary_factor"] != 1.0:
-        raise r.unsupported(
-            "partial_rotary_factor", fields["partial_rotary_factor"], "Qwen3 rotates every channel"
-        )
+    r.require_full_rotary(fields, "Qwen3")
     fields.update(
         family="qwen3",
         num_experts=0,

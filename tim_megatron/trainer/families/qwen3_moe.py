@@ -16,8 +16,7 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
     r = base.ConfigReader(cfg, "Qwen3MoeForCausalLM")
     r.require_silu("experts")
     r.refuse_sliding_window()
-    if r.cfg.get("attention_bias"):
-        raise r.unsupported("attention_bias", True, "Qwen3 has no attention bias")
+    r.refuse_attention_bias("Qwen3")
     if r.cfg.get("mlp_only_layers"):
         raise r.unsupported(
             "mlp_only_layers",
@@ -33,10 +32,7 @@ def read_dims(cfg: dict[str, Any]) -> ModelDims:
             "Qwen3-MoE has no shared expert",
         )
     fields = base.common_fields(r)
-    if fields["partial_rotary_factor"] != 1.0:
-        raise r.unsupported(
-            "partial_rotary_factor", fields["partial_rotary_factor"], "Qwen3 rotates every channel"
-        )
+    r.require_full_rotary(fields, "Qwen3")
     fields.update(
         family="qwen3_moe",
         num_experts=r.int(r.key_of("num_experts", "num_local_experts")),
