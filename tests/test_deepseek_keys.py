@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import importable, require
+from tests.tim_cli import new_recipe
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.recipe.schema import ModelDims
 from tim_megatron.trainer.families import get_family
@@ -124,21 +125,7 @@ def test_tim_new_recipe_refuses_them_in_one_line(change, match, tmp_path):
     root = tmp_path / "recipes"
     root.mkdir()
     hf = _checkpoint(tmp_path / "hf", _published("DeepSeek-V3", **change))
-    res = subprocess.run(
-        [
-            TIM,
-            "new-recipe",
-            str(ROOT / "recipes" / "qwen3-30b-a3b"),
-            "ds",
-            str(hf),
-            "--recipes-root",
-            str(root),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    res = new_recipe(ROOT / "recipes" / "qwen3-30b-a3b", "ds", hf, root, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: HF="), res.stderr

@@ -33,15 +33,14 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import importable, require
+from tests.tim_cli import run_tim
 
 ROOT = Path(__file__).resolve().parents[1]
-TIM = [sys.executable, "-m", "tim_megatron.cli"]
 pytestmark = pytest.mark.slow
 GRPO = ROOT / "recipes/tiny-moe/grpo.yaml"
 CANARY = '{"status": "$(touch /tmp/pwned)"}\nexport PS1=kept\n'
@@ -49,14 +48,7 @@ CANARY = '{"status": "$(touch /tmp/pwned)"}\nexport PS1=kept\n'
 
 def tim(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
-    return subprocess.run(
-        [*TIM, *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
+    return run_tim(*args, timeout=timeout, env={"OMP_NUM_THREADS": "2"})
 
 
 def _copy_run(trained: Path, tmp: Path) -> Path:

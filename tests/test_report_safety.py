@@ -52,16 +52,15 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
-import sys
 import time
 import tracemalloc
 from pathlib import Path
 
 import pytest
 
+from tests.tim_cli import run_tim
+
 ROOT = Path(__file__).resolve().parents[1]
-TIM = [sys.executable, "-m", "tim_megatron.cli"]
 HUGE = int("9" * 400)
 
 
@@ -87,15 +86,7 @@ def tim(*args: str, cwd: Path, timeout: int = 120):
     def limit_memory():  # a reader without a bound fails here, not by taking the machine's memory
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
-    return subprocess.run(
-        [*TIM, *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        preexec_fn=limit_memory,
-    )
+    return run_tim(*args, cwd=cwd, timeout=timeout, preexec_fn=limit_memory)
 
 
 # ====================================================================================== item 8: huge integers

@@ -144,24 +144,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.tim_cli import run_tim
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.slurm.render import TEMPLATE, RenderError, render
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
-TIM = [sys.executable, "-m", "tim_megatron.cli"]
 PLACEHOLDERS = [*sorted(set(re.findall(r"@[A-Z][A-Z_]*@", TEMPLATE.read_text()))), "@NOPE@"]
 
 
-def tim(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 120):
-    return subprocess.run(
-        [*TIM, *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-    )
+tim = run_tim
 
 
 def no_traceback(res) -> None:
