@@ -70,9 +70,19 @@ files to two pytest-xdist workers in collection order; starting with the longest
 left with a long file at the end. The other files follow in their usual order."""
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow: a test of a file in SLOWEST_FIRST (over 45 s a file); `make test-fast` leaves them out",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+    for item in items:
+        if item.path.name in rank:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -114,12 +124,24 @@ def kill_tree(proc) -> None:
     psutil.wait_procs([psutil.Process(p) for p in family if psutil.pid_exists(p)], timeout=30)
 
 
+def run_ok(cmd: list[str], *, threads: int, timeout: int):
+    """Run ``cmd`` from the repository root with ``threads`` OpenMP threads, output captured as text; it must
+    exit 0 (else the test fails showing the tails of its stdout and stderr). Returns the completed process."""
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return res
+
+
 def train_in_one_process(runs: list[dict], tmp, *, timeout: int = 1200) -> dict[str, dict]:
     """Train ``runs`` (``{"name", "recipe", "overrides", "output_dir"}`` each) one after another in one worker
     process (tests/workers/train_worker.py), which pays the libraries' imports once. Returns each run's
     ``{"exit", "run_dir", "error"}`` by name; a run the worker never reached is missing."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -128,15 +150,11 @@ def train_in_one_process(runs: list[dict], tmp, *, timeout: int = 1200) -> dict[
     Path(tmp).mkdir(parents=True, exist_ok=True)
     spec, results = Path(tmp) / "runs.json", Path(tmp) / "results.json"
     spec.write_text(json.dumps(runs))
-    res = subprocess.run(
+    run_ok(
         [sys.executable, str(root / "tests/workers/train_worker.py"), str(spec), str(results)],
-        capture_output=True,
-        text=True,
+        threads=2,
         timeout=timeout,
-        cwd=root,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return json.loads(results.read_text())
 
 

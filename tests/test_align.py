@@ -5,15 +5,13 @@ TP=2 engine, and every family's tiny recipe."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import importable, require
+from tests.conftest import importable, require, run_ok
 from tim_megatron.align.capture import Capture, sorted_topk
 from tim_megatron.align.compare import compare, last_rows, router_agreement
 from tim_megatron.align.report import write
@@ -207,15 +205,11 @@ def _tokens(tmp: Path, recipe: str = TINY, *, count: int = 6, length: int = 12) 
 def _align(tmp: Path, *args: str, recipe: str = TINY, timeout: int = 600) -> dict:
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     out = tmp / "align"
-    res = subprocess.run(
+    res = run_ok(
         [sys.executable, "-m", "tim_megatron.cli", "align", recipe, *args, "--out", str(out)],
-        capture_output=True,
-        text=True,
+        threads=2,
         timeout=timeout,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert f"wrote {out}/align.json" in res.stdout
     assert (out / "align.png").stat().st_size > 0 and (out / "align.txt").read_text() in res.stdout
     return json.loads((out / "align.json").read_text())

@@ -11,29 +11,20 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import importable, require, train_in_one_process
+from tests.conftest import importable, require, run_ok, train_in_one_process
 from tests.test_loop import TIM, metrics, run_folder
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.rollout.exact_sampler import ExactMismatchError, check_exact
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "exact_worker.py"
-
-
-def run_ok(cmd: list[str], *, threads: int, timeout: int) -> None:
-    """Run ``cmd`` from the repository root with ``threads`` OpenMP threads; it must exit 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
 
 
 VEXACT = ROOT / "recipes" / "tiny-moe" / "vexact.yaml"

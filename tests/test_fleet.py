@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import importable, require
+from tests.conftest import importable, require, run_ok
 from tests.test_loop import TIM, metrics, run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +192,7 @@ def test_fleet_layout_blocks_and_ranks():
 def _choreography(tmp: Path, offload: str) -> dict:
     """Three steps of the tiny recipe in the spying worker (engine calls, trainer moves, touches), validation at
     step 3; its JSON and the calls split per step (at each training generate; validation's is greedy)."""
-    res = subprocess.run(
+    run_ok(
         [
             sys.executable,
             str(WORKER),
@@ -206,13 +206,9 @@ def _choreography(tmp: Path, offload: str) -> dict:
             "checkpoint.every=0",  # the final checkpoint's choreography is checked below
             f"run.output_dir={tmp}",
         ],
-        capture_output=True,
-        text=True,
+        threads=2,
         timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out = json.loads((tmp / "sleep_wake.json").read_text())
     assert out["rc"] == 0
     out["per_step"] = []

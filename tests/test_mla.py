@@ -7,15 +7,13 @@ attention on its own against float64, and the vLLM-side patches."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import importable, require
+from tests.conftest import importable, require, run_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,15 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def mla(tmp_path_factory) -> dict[str, dict]:
     require(importable("megatron.core", "transformers"), "megatron-core and transformers")
     out = tmp_path_factory.mktemp("mla") / "mla.json"
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "tests/workers/mla_worker.py"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    run_ok([sys.executable, str(ROOT / "tests/workers/mla_worker.py"), str(out)], threads=1, timeout=600)
     return {r["variant"]: r for r in json.loads(out.read_text())}
 
 

@@ -3,15 +3,13 @@ repeatable trainer logprobs, precision remedies, and bad input refused before ge
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import importable, require
+from tests.conftest import importable, require, run_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "rollout_worker.py"
@@ -20,15 +18,7 @@ pytestmark = pytest.mark.vllm
 
 def run_worker(scenario: str, out: Path, *overrides: str) -> dict:
     require(importable("vllm"), "vLLM")
-    res = subprocess.run(
-        [sys.executable, str(WORKER), scenario, str(out), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    run_ok([sys.executable, str(WORKER), scenario, str(out), *overrides], threads=2, timeout=900)
     return torch.load(out / f"{scenario}.pt", weights_only=False)
 
 
