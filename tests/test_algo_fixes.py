@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_algo_schedule_injection import algorithm_1  # TIM-LR's Algorithm 1, literally
 from tim_megatron.algo import SurgeDetector, build_schedule
 from tim_megatron.algo.early_warning import surge_from_config
 from tim_megatron.recipe import RecipeError, load_recipe
@@ -50,16 +51,6 @@ def test_summary_names_rho_std_and_per_token_log_ppl_diff(tmp_path):
 
 
 # ---------------------------------------------------------------- length decay: Algorithm 1 by default
-
-
-def algorithm_1(eta0: float, eta_inf: float, period: int, total: int) -> list[float]:
-    """TIM-LR paper, Algorithm 1, literally."""
-    out, eta = [], eta0
-    for t in range(1, total + 1):
-        if t % period == 0:
-            eta = max(eta / 2, eta_inf)
-        out.append(eta)
-    return out
 
 
 @pytest.mark.parametrize(("model", "period"), [("qwen3-4b-base", 204), ("qwen3-8b-base", 160)])
