@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port, importable, require, train_in_one_process
+from tests.tim_cli import new_recipe, run_tim
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "family_worker.py"
@@ -707,24 +708,7 @@ MIN_NODES = {"Moonlight-16B-A3B-Instruct": 1}
 
 
 def _new_recipe_cli(root: Path, name: str, hf: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tim_megatron.cli",
-            "new-recipe",
-            str(root / "qwen3-30b-a3b"),
-            name,
-            str(hf),
-            "--recipes-root",
-            str(root),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    return new_recipe(root / "qwen3-30b-a3b", name, hf, root, *extra)
 
 
 @pytest.fixture
@@ -899,20 +883,7 @@ def test_plans_count_where_group_limited_routing_sends_a_token():
     assert dispatch_fanout(v3, ep=256) == (8, 8)
     kimi = dims_from_hf(read_hf_config(DATA / "hf-configs" / "Kimi-K2-Instruct"))
     assert dispatch_fanout(kimi, ep=128) == (8, 8)
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tim_megatron.cli",
-            "plan",
-            str(ROOT / "recipes/deepseek-v3/grpo.yaml"),
-            "parallel.ep=8",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    res = run_tim("plan", str(ROOT / "recipes/deepseek-v3/grpo.yaml"), "parallel.ep=8", timeout=300)
     assert "within 4 of 8 groups: a token's experts on at most 4 of EP 8 ranks (8 without" in res.stdout, (
         res.stdout
     )
