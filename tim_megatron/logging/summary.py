@@ -5,10 +5,10 @@ folder from elsewhere) is replaced, never written through."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from tim_megatron import metric_names as names
-from tim_megatron.lab.runstats import series as finite_series
 from tim_megatron.safe_files import save_figure, write_atomic
 
 CURVES = (
@@ -21,11 +21,15 @@ CURVES = (
 )
 
 
-def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of one metric over ``metrics.jsonl`` rows: finite numbers only (no bools, NaN, Inf), as
-    lists; the filter is :func:`tim_megatron.lab.runstats.series`'s, defined there once."""
-    xs, ys = finite_series(rows, key)
-    return xs.tolist(), ys.tolist()
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one metric over ``metrics.jsonl`` rows: finite numbers only (no bools, NaN, Inf)."""
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
 
 
 def write_summary(

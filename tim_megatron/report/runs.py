@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from tim_megatron import metric_names as names
+from tim_megatron.logging.summary import series
 from tim_megatron.logging.tracker import MetricsError, read_metrics
 from tim_megatron.logging.untrusted import UnreadableFile, open_regular, read_bounded, shown
 from tim_megatron.logging.untrusted import printable as printable  # the command line's notices use it
@@ -107,9 +108,8 @@ class RunData:
         return self.meta.get("status", "unknown")
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        from tim_megatron.lab.runstats import series  # here, not at the top: runstats imports this module
-
-        return series(self.rows, key)
+        xs, ys = series(self.rows, key)
+        return np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
 
     def metric_keys(self) -> set[str]:
         out: set[str] = set()
