@@ -177,12 +177,55 @@ def test_a_folder_where_no_step_ran_takes_the_corrected_recipe(tmp_path):
 # ------------------------------------------------------------------------------ item 13: exit codes
 
 
+def test_run_json_status_changes_only_as_a_run_does(tmp_path):
+    from tim_megatron.run_dir import (
+        StatusTransitionError,
+        mark_failed,
+        mark_finished,
+        mark_stopped,
+        set_status,
+    )
+
+    d = _run_folder(tmp_path, [])
+    assert _meta(d)["status"] == "created"
+    with pytest.raises(StatusTransitionError, match="'created' -> 'completed'"):
+        mark_finished(d, "completed", step=1, wall_seconds=1.0)
+    with pytest.raises(StatusTransitionError, match="status = 'done'; allowed: created, submitted"):
+        set_status(d, "done")
+    assert _meta(d)["status"] == "created"  # a refused change writes nothing
+    set_status(d, "running")
+    mark_finished(d, "completed", step=1, wall_seconds=1.0)
+    assert _meta(d)["status"] == "completed"
+    mark_stopped(d, "SIGTERM")  # a resume stopped during start-up
+    with pytest.raises(StatusTransitionError, match="'preempted' -> 'completed'"):
+        mark_finished(d, "completed", step=2, wall_seconds=1.0)
+    mark_failed(d, "x")
+    assert _meta(d)["status"] == "failed"
+
+
+def test_run_json_status_is_written_from_run_dir_only():
+    """Every status is set through tim_megatron/run_dir.py's functions; no other module writes one itself."""
+    rx = re.compile(
+        r'\[\s*"status"\s*\]\s*=[^=]|\.update\(\s*status\s*=|"status"\s*:\s*"(created|submitted|running|completed|'
+        r'preempted|failed)"'
+    )
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "tim_megatron").rglob("*.py"))
+        if p.name != "run_dir.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if rx.search(line)
+    ]
+    assert found == []
+
+
 def test_the_launcher_exit_code_follows_the_ranks_record(tmp_path):
     from tim_megatron.run_dir import attempt_id, set_status, settle_launcher_exit
 
     d = _run_folder(tmp_path, [])
 
     def settle(status, code, *, ranks_started=True, stopped_by=None, **extra):
+        set_status(d, "running")  # an attempt began (a run completes only from running)
         set_status(d, status, attempt=attempt_id() if ranks_started else "before", **extra)
         return settle_launcher_exit(d, code, attempt_before="before", stopped_by=stopped_by)
 

@@ -89,6 +89,10 @@ class RecipeChangeError(RunDirError):
     pass
 
 
+class StatusTransitionError(RunDirError):
+    """A ``run.json`` status change that :data:`ALLOWED_FROM` does not allow."""
+
+
 class DiskFullError(RunDirError):
     pass
 
@@ -343,8 +347,38 @@ def update_meta(d: Path, change, *, use_reserve: bool = True) -> dict:
     return meta
 
 
+STATUSES = ("created", "submitted", "running", "completed", "preempted", "failed")
+"""Every status ``run.json`` can hold."""
+_ANY = frozenset({None, *STATUSES})
+ALLOWED_FROM: dict[str, frozenset] = {
+    "created": frozenset({None}),  # a new folder (write_resolved)
+    "submitted": _ANY - {None},  # a resubmission continues any recorded run (a crashed one is left "running")
+    "running": _ANY,  # an attempt starts, or start-up ends
+    "completed": frozenset({"running"}),  # only the loop that ran the last step completes a run
+    "preempted": _ANY,  # a stop during start-up (any earlier record), or the loop's SIGTERM checkpoint
+    "failed": _ANY,  # any failure, start-up included
+}
+"""The statuses each status may follow (None: no status recorded yet)."""
+
+
+def _transition(meta: dict, status: str, d: Path) -> None:
+    old = meta.get("status")
+    allowed = ALLOWED_FROM.get(status)
+    if allowed is None:
+        raise StatusTransitionError(f"{d / META_FILE}: status = {status!r}; allowed: {', '.join(STATUSES)}")
+    if old not in allowed:
+        raise StatusTransitionError(
+            f"{d / META_FILE}: status {old!r} -> {status!r} is not a transition a run makes; {status!r} follows "
+            f"only {', '.join(sorted(repr(a) for a in allowed))}"
+        )
+
+
 def set_status(d: Path, status: str, **extra) -> None:
+    """The one writer of ``run.json``'s status after the folder is created (:data:`ALLOWED_FROM` says which
+    changes are allowed; :class:`StatusTransitionError` otherwise)."""
+
     def change(meta):
+        _transition(meta, status, d)
         meta.update(status=status, updated=_now(), **extra)
 
     update_meta(d, change)
@@ -534,6 +568,7 @@ def attempt(d: Path, *, writer: bool = True):
         _reserve(d)
 
         def start(meta):
+            _transition(meta, "running", d)
             meta.update(
                 status="running",
                 updated=_now(),
