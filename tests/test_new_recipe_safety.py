@@ -43,7 +43,7 @@ import pytest
 import yaml
 
 from tim_megatron.recipe import RecipeError, load_recipe
-from tim_megatron.recipe.check import check_dir
+from tim_megatron.recipe_check import check_dir
 from tim_megatron.slurm.new_recipe import new_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -403,8 +403,8 @@ def test_an_error_in_a_phase_is_recorded_and_raised(tmp_path):
 def test_the_recorder_watches_the_loop_through_its_hook():
     """Preflight's records come from the loop's observer: each generation, each update's seconds summed per step,
     a sync with its load and agreements, and a failed check with the engines its error names (as data)."""
+    from tim_megatron.observer import StepObserver
     from tim_megatron.preflight.steps import Records
-    from tim_megatron.rl.observer import StepObserver
     from tim_megatron.rollout.base import GenerationStats
     from tim_megatron.rollout.sync import Agreement, SyncReport, WeightSyncError
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tim_megatron.recipe import RecipeError, load_recipe
-from tim_megatron.recipe.check import check_dir
 from tim_megatron.recipe.loader import all_keys, parse_override
+from tim_megatron.recipe_check import check_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -404,3 +404,37 @@ def test_cpu_kvcache_is_whole_gib_and_the_recipe_wins_over_the_environment(tmp_p
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert "VLLM_CPU_KVCACHE_SPACE=40" in note and "rollout.cpu_kvcache_gib=3" in note
     assert set_cpu_kvcache_env({"VLLM_CPU_KVCACHE_SPACE": "3"}, gib=gib) == ""
+
+
+MLA = ["kv_lora_rank=512", "qk_nope_head_dim=32", "qk_rope_head_dim=32", "v_head_dim=32", "qk_norm=none"]
+YARN = ["rope_scaling=yarn", "yarn_factor=4.0", "yarn_original_max_position_embeddings=128"]
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, family, have",
+    [
+        ("tiny-moe", MLA, "qwen3_moe", "deepseek_v2, deepseek_v3"),
+        ("tiny-moe", YARN, "qwen3_moe", "deepseek_v2, deepseek_v3"),
+        ("tiny-glm4-moe", ["router_groups=2"], "glm4_moe", "deepseek_v3"),
+    ],
+)
+def test_a_family_feature_is_refused_for_a_family_without_it(recipe, overrides, family, have):
+    """A feature's fields (recipe/dims.py FEATURES) away from their defaults only where the family has the
+    feature: another family's layers would ignore them (a qwen3_moe model with a latent rank would be built
+    without MLA)."""
+    key, value = overrides[0].split("=")
+    with pytest.raises(
+        RecipeError,
+        match=rf"model.dims.{key} = '?{value}'?.*family = {family} does not have \(families with it: {have}\)",
+    ):
+        load_recipe(ROOT / "recipes" / recipe / "grpo.yaml", [f"model.dims.{o}" for o in overrides])
+
+
+def test_every_family_feature_is_read_by_its_families():
+    """Each family's tiny model and published configs pass the feature check (it runs on every ModelDims), and the
+    table names only known families and fields."""
+    from tim_megatron.recipe.dims import FEATURES, ModelDims
+    from tim_megatron.recipe.schema import FAMILIES
+
+    for f in FEATURES:
+        assert set(f.families) <= set(FAMILIES) and set(f.fields) <= set(ModelDims.model_fields)

@@ -323,7 +323,7 @@ def test_new_recipe_from_a_config_json_is_valid_and_sized(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "fits" in res.stdout and "parameters" in res.stdout
     from tim_megatron.recipe import load_recipe
-    from tim_megatron.recipe.check import check_dir
+    from tim_megatron.recipe_check import check_dir
 
     assert all(err is None for _, err in check_dir(root / "my-moe"))
     r = load_recipe(root / "my-moe" / "grpo.yaml").recipe

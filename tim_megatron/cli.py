@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -59,7 +60,7 @@ def recipe_check(
     root: Path = typer.Argument(Path("recipes"), help="folder (or one file) to validate"),
 ) -> None:
     """Validate every recipe and sweep file under a folder, offline."""
-    from tim_megatron.recipe.check import check_dir
+    from tim_megatron.recipe_check import check_dir
 
     results = check_dir(root) if root.is_dir() else check_dir_single(root)
     bad = [(p, e) for p, e in results if e]
@@ -75,7 +76,7 @@ def recipe_check(
 
 
 def check_dir_single(path: Path):
-    from tim_megatron.recipe.check import check_file
+    from tim_megatron.recipe_check import check_file
 
     return [(path, check_file(path))]
 
@@ -199,25 +200,65 @@ def _train(
     """``tim train`` once its stop handler is in place: check everything, set up the run folder, run.
 
     ``held`` receives the run folder when this process takes its lock (the caller then records a stop)."""
-    import os
-    import signal
-
     if nproc < 1:
         _fail(f"--nproc {nproc}: the number of processes to start on this machine; allowed 1 or more")
+    where = _Where.here(nproc)
+    loaded, rd = _prepare_folder(
+        where,
+        recipe=recipe,
+        overrides=overrides,
+        resume=resume,
+        run_dir=run_dir,
+        allow_recipe_change=allow_recipe_change,
+        held=held,
+    )
+    if nproc > 1 and not where.under_launcher:
+        raise typer.Exit(_launch_ranks(nproc, rd, stop=stop, trust_unverified=trust_unverified))
+    code = _run_here(
+        loaded, rd, where, resumed=resume is not None, stop=stop, trust_unverified=trust_unverified
+    )
+    raise typer.Exit(_rank_exit(code))
+
+
+@dataclass(frozen=True)
+class _Where:
+    """This process's place in the run: under a launcher (torchrun, srun) or not, the world size, and whether it
+    writes the run folder's record (rank 0, or the launcher of local ranks)."""
+
+    under_launcher: bool
+    world: int
+    writer: bool
+
+    @classmethod
+    def here(cls, nproc: int) -> _Where:
+        import os
+
+        under = "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+        if "RANK" in os.environ:  # a rank of torchrun: it dies with its launcher
+            from tim_megatron.procs import die_with_parent
+
+            die_with_parent()
+        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) if under else nproc
+        return cls(under_launcher=under, world=world, writer=os.environ.get("RANK", "0") == "0")
+
+
+def _prepare_folder(
+    where: _Where,
+    *,
+    recipe: Path | None,
+    overrides: list[str] | None,
+    resume: Path | None,
+    run_dir: Path | None,
+    allow_recipe_change: bool,
+    held: list[Path],
+):
+    """The recipe and the run folder: every check first, then the folder created, held and its recipe recorded.
+    Returns (the loaded recipe, the folder)."""
     from tim_megatron import run_dir as run_folder
     from tim_megatron.recipe import RecipeError
     from tim_megatron.run_dir import RunDirError, load_run, new_run_dir
     from tim_megatron.run_lock import RunFolderBusy, hold
 
-    under_launcher = "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
-    if "RANK" in os.environ:  # a rank of torchrun: it dies with its launcher
-        from tim_megatron.procs import die_with_parent
-
-        die_with_parent()
-    world = (
-        int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) if under_launcher else nproc
-    )
-    writer = os.environ.get("RANK", "0") == "0"  # one process holds the folder: this one, or its launcher
     rd = None
     try:
         if resume is not None:
@@ -229,21 +270,25 @@ def _train(
         else:
             if recipe is None:
                 _fail("give a recipe (or --resume RUN_DIR, or --run-dir of a prepared run folder)")
-            loaded = _load_for_world(recipe, list(overrides or []), world)
+            loaded = _load_for_world(recipe, list(overrides or []), where.world)
             if run_dir is not None:
                 run_folder.check_target(run_dir)  # never into a folder of other files
-            elif under_launcher:
+            elif where.under_launcher:
                 _fail("under torchrun/srun every rank needs the same --run-dir")
             rd = run_dir
-        _check_world(loaded.recipe.parallel, world, nproc=nproc, under_launcher=under_launcher)
-        if loaded.recipe.diagnostics.vexact == "exact":  # before any GEMM of this process or of its ranks
+        _check_world(
+            loaded.recipe.parallel, where.world, nproc=where.world, under_launcher=where.under_launcher
+        )
+        from tim_megatron.modes import modes_of
+
+        if modes_of(loaded.recipe).exact:  # before any GEMM of this process or of its ranks
             from tim_megatron.exact.kernels import pin_cpu_reductions
 
             pin_cpu_reductions()
         # Everything that can be checked was: only now is a folder created or written.
         if rd is None:
             rd = new_run_dir(loaded)
-        if writer:
+        if where.writer:
             rd.mkdir(parents=True, exist_ok=True)
             hold(rd)  # held until this process exits; a second run in the folder stops here
             held.append(rd)
@@ -256,25 +301,40 @@ def _train(
         _fail(str(e))
     except OSError as e:  # a folder that cannot be created or written
         _fail(f"cannot set up the run folder {rd}: {e}")
-    if nproc > 1 and not under_launcher:
-        before = run_folder.read_meta(rd).get("attempt")
-        stop.steps_begin()  # from here a signal is recorded, and passed on to the ranks
-        torchrun_code = _launch_local(
-            nproc, rd, stop_signal=lambda: stop.signal, trust_unverified=trust_unverified
-        )
-        sig = signal.Signals(stop.signal).name if stop.signal else None
-        code = run_folder.settle_launcher_exit(rd, torchrun_code, attempt_before=before, stopped_by=sig)
-        status = run_folder.read_meta(rd).get("status")
-        console.print(f"ranks done: run.json status {status}, exit code {code}", highlight=False)
-        raise typer.Exit(code)
+    return loaded, rd
+
+
+def _launch_ranks(nproc: int, rd: Path, *, stop, trust_unverified: bool) -> int:
+    """Start ``nproc`` local ranks under torchrun on the prepared folder; the exit code that agrees with the
+    ranks' ``run.json`` record."""
+    import signal
+
+    from tim_megatron import run_dir as run_folder
+
+    before = run_folder.read_meta(rd).get("attempt")
+    stop.steps_begin()  # from here a signal is recorded, and passed on to the ranks
+    torchrun_code = _launch_local(
+        nproc, rd, stop_signal=lambda: stop.signal, trust_unverified=trust_unverified
+    )
+    sig = signal.Signals(stop.signal).name if stop.signal else None
+    code = run_folder.settle_launcher_exit(rd, torchrun_code, attempt_before=before, stopped_by=sig)
+    status = run_folder.read_meta(rd).get("status")
+    console.print(f"ranks done: run.json status {status}, exit code {code}", highlight=False)
+    return code
+
+
+def _run_here(loaded, rd: Path, where: _Where, *, resumed: bool, stop, trust_unverified: bool) -> int:
+    """Run the steps in this process, inside one attempt (failures set ``failed``, a stop while starting
+    ``preempted``); user errors become a one-line exit."""
+    from tim_megatron import run_dir as run_folder
     from tim_megatron.trainer.checkpoint import latest_checkpoint
 
-    resuming = resume is not None or latest_checkpoint(rd / "checkpoints") is not None
-    try:  # failures set "failed", a stop while starting "preempted"
-        with run_folder.attempt(rd, writer=writer):
+    resuming = resumed or latest_checkpoint(rd / "checkpoints") is not None
+    try:
+        with run_folder.attempt(rd, writer=where.writer):
             from tim_megatron.loop import train  # its imports are start-up too
 
-            code = train(
+            return train(
                 loaded,
                 rd,
                 resume=resuming,
@@ -284,14 +344,13 @@ def _train(
                 close=False,
             )
     except _user_errors() as e:
-        _fail(f"{type(e).__name__}: {e}" + _align_hint(e, rd, world=world))
+        _fail(f"{type(e).__name__}: {e}" + _align_hint(e, rd, world=where.world))
     except Exception as e:
         from tim_megatron.rollout.base import EngineStartError
 
         if not (isinstance(e, EngineStartError) and e.kind == "fit"):
             raise  # anything else keeps its traceback
         _fail(f"the rollout engine does not fit in the memory it was given: {e}\n{ENGINE_FIT_FIX}")
-    raise typer.Exit(_rank_exit(code))
 
 
 ENGINE_FIT_FIX = (

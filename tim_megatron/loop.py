@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import LoadedRecipe, Recipe
 from tim_megatron.rl import phases
 from tim_megatron.rl.batch import broadcast_object, cat_padded
-from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
+from tim_megatron.rl.colocation import Colocation
 from tim_megatron.run_dir import RunDirNotWritable, record_step
 from tim_megatron.safe_files import write_atomic
 from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
@@ -110,7 +111,8 @@ def one_step(
 ) -> tuple[dict, list[dict]]:
     """One RL step, every rank: prompts -> samples -> rewards -> old logprobs -> advantages -> loss inputs ->
     update -> sync -> validation and dumps. Returns the step's metrics and early-warning events."""
-    r, tr, ro, prompts, memory = recipe, parts.trainer, parts.rollout, parts.prompts, parts.colocation
+    r, tr, ro, prompts = recipe, parts.trainer, parts.rollout, parts.prompts
+    memory: Colocation = parts.colocation
     t = phases.Timer()
     cpu = phases.process_tree_cpu_seconds()
     with t("step"):
@@ -154,9 +156,7 @@ def one_step(
             )
         with t("sync"):  # the new weights into every engine, verified
             metrics.update(
-                memory.to_rollout(
-                    probe=lambda: probe or parts.probe, last=step == r.run.steps, observer=observer
-                )
+                memory.to_rollout(probe=probe or parts.probe, last=step == r.run.steps, observer=observer)
             )
         if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
             with t("validation"):

@@ -167,7 +167,7 @@ def setup(
         "rollout/engines": float(rollout.layout.engines),
     }
     # a resumed run's engines start from the checkpoint on disk: they get the resumed weights
-    colocation.start(probe=lambda: probe, resumed=ckpt is not None)
+    colocation.start(probe=probe, resumed=ckpt is not None)
     tracker = Tracker(  # rank 0 logs
         r, run_dir=run_dir, name=f"{loaded.name}/{run_dir.name}", run_id=_run_id(run_dir), enabled=trainer.is_rank0,
         console=console if trainer.is_rank0 else None,
@@ -262,5 +262,5 @@ def remedy_info(*, recipe, trainer, rollout) -> dict:
         "remedy/rollout_head_fp32": float(rollout.head_dtype() == "torch.float32"),
         "remedy/rollout_fp16": float(recipe.rollout_dtype == "float16"),
         "kernels/grouped_experts": float(trainer.kernels.experts == "grouped"),
-        "kernels/fused_attention": float(trainer.kernels.attention == "sdpa" or trainer.dims.is_mla),
+        "kernels/fused_attention": float(trainer.kernels.attention == "sdpa"),
     }

@@ -78,7 +78,7 @@ def _modules(model):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from tim_megatron.trainer.model import unwrap
+    from patches.megatron.modules import unwrap
 
     gpt = unwrap(model)
     linears, routers, attention = [], [], []
@@ -95,7 +95,7 @@ def _modules(model):
 def _mlps(model) -> list:
     from megatron.core.transformer.mlp import MLP
 
-    from tim_megatron.trainer.model import unwrap
+    from patches.megatron.modules import unwrap
 
     return [m for m in unwrap(model).modules() if isinstance(m, MLP)]
 
@@ -256,7 +256,7 @@ def _fixed_order(unpermute):
 def _dispatchers(model) -> list:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from tim_megatron.trainer.model import unwrap
+    from patches.megatron.modules import unwrap
 
     return [m.token_dispatcher for m in unwrap(model).modules() if isinstance(m, MoELayer)]
 
@@ -444,7 +444,7 @@ def apply(model, kernels) -> dict[str, int]:
 
 def kernels_of(model):
     """The kernels :func:`apply` gave ``model`` (None when not applied)."""
-    from tim_megatron.trainer.model import unwrap
+    from patches.megatron.modules import unwrap
 
     return getattr(unwrap(model), _MARK, None)
 
@@ -477,7 +477,7 @@ def revert(model) -> None:
 @contextlib.contextmanager
 def decoding(model, *, cache, rows: torch.Tensor, positions: torch.Tensor):
     """Inside: a forward of ``model`` on ``[1, n]`` entry tokens is a decode step (see the module docstring)."""
-    from tim_megatron.trainer.model import unwrap
+    from patches.megatron.modules import unwrap
 
     gpt = unwrap(model)
     if kernels_of(model) is None:

@@ -41,7 +41,7 @@ SPEC = megatron_core_patch(
 def _routers(model) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from tim_megatron.trainer.model import unwrap
+    from patches.megatron.modules import unwrap
 
     return [m for m in unwrap(model).modules() if isinstance(m, TopKRouter)]
 

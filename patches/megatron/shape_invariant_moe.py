@@ -46,7 +46,7 @@ _MARK = "_tim_shape_invariant"
 def _moe_layers(model) -> list:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from tim_megatron.trainer.model import unwrap
+    from patches.megatron.modules import unwrap
 
     return [m for m in unwrap(model).modules() if isinstance(m, MoELayer)]
 

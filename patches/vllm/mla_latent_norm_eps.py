@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from patches.guard import check_version
 from patches.specs import vllm_patch
-from tim_megatron.trainer.mla import LATENT_NORM_EPS
+from tim_megatron.attention_kinds import LATENT_NORM_EPS
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 """HF ``model_type`` values whose latent norms are built with :data:`LATENT_NORM_EPS`."""

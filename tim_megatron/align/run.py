@@ -12,6 +12,7 @@ import torch
 from tim_megatron.align.capture import Capture, decoder_layers, engine_capture, hf_capture, trainer_capture
 from tim_megatron.align.compare import Alignment, compare
 from tim_megatron.align.floor import measure_floor, tolerance_of
+from tim_megatron.modes import modes_of
 from tim_megatron.recipe import LoadedRecipe
 
 
@@ -281,7 +282,7 @@ def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=Non
         trainer,
         seqs,
         replace(options, tolerance=tolerance.value),
-        replay=r.remedies.router_replay == "r3",
+        replay=modes_of(r).routing.engine_routes,
         hf=hf,
     )
     result.tolerance_from = tolerance.as_dict()

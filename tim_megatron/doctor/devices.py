@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from tim_megatron.attention_kinds import attention_kind
 from tim_megatron.doctor.base import GIB, Context, Outcome, gpus_wanted, not_checked, nvidia_smi, recipe_of
+from tim_megatron.modes import modes_of
 
 
 def check_cuda(ctx: Context) -> list[Outcome]:
@@ -161,7 +163,7 @@ def check_cpu(ctx: Context) -> list[Outcome]:
     if cuda_available():
         return [Outcome("cpu", "ok", "rollouts run on the GPU (vLLM's CUDA backends)")]
     r = recipe_of(ctx)
-    kind = "any" if r is None else ("mla" if r.model.dims.is_mla else "plain")
+    kind = "any" if r is None else ("mla" if attention_kind(r.model.dims).latent else "plain")
     try:
         res = subprocess.run(
             [sys.executable, "-c", _CPU_PROBE, kind],
@@ -203,13 +205,12 @@ def check_kernels(ctx: Context) -> list[Outcome]:
     r = recipe_of(ctx)
     if r is None:
         return not_checked(ctx, "trainer kernels")
-    exact = r.diagnostics.vexact == "exact"
+    modes = modes_of(r)
+    exact = modes.exact
     on_gpu = torch.cuda.is_available()
-    attention = (
-        "sdpa (latent attention)"
-        if r.model.dims.is_mla
-        else resolve_attention(r.trainer.attention, exact=exact)
-    )
+    attention = modes.attention.fixed_kernel or resolve_attention(r.trainer.attention, exact=exact)
+    if modes.attention.latent:
+        attention += " (latent attention)"
     try:
         experts = (
             resolve_experts(

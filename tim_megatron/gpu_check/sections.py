@@ -223,7 +223,7 @@ def train_step(
             peak = torch.cuda.max_memory_allocated() - base
             from tim_megatron.trainer.model import te_available
 
-            local = not te_available() and tr.kernels.attention == "materialized" and not model.dims.is_mla
+            local = not te_available() and tr.kernels.attention == "materialized"
             planned = estimate(
                 recipe, materialized_attention=local, grouped_experts=tr.kernels.experts == "grouped"
             ).trainer

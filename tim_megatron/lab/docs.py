@@ -35,7 +35,7 @@ def include_tables(doc: Path, name: str, tables_md: str) -> None:
             f"--docs {doc}: needs exactly one block for grid {name!r}, the lines {begin!r} and {end!r} in that "
             "order; the generated tables go between them"
         )
-    from tim_megatron.trainer.checkpoint import atomic_write_text
+    from tim_megatron.safe_files import write_atomic
 
     body = nested(tables_md).strip()
-    atomic_write_text(doc, text[: i + len(begin)] + "\n\n" + body + "\n\n" + text[j:])
+    write_atomic(doc, text[: i + len(begin)] + "\n\n" + body + "\n\n" + text[j:])

@@ -174,7 +174,7 @@ def routed(run_dir: Path, *, level: str, console=None, rank: int | None = None) 
     ``console`` (a rich console) first and, if the file received warnings, counts them last.
     ``rank``: from the launcher's environment when not given."""
     if rank is None:
-        from tim_megatron.trainer.parallel import dist_env_from_environ
+        from tim_megatron.dist_env import dist_env_from_environ
 
         rank = dist_env_from_environ(os.environ).rank
     log = LibraryLog(log_file(run_dir, rank), level=level)

@@ -28,6 +28,7 @@ import socket
 import time
 from pathlib import Path
 
+from tim_megatron.modes import modes_of
 from tim_megatron.preflight import report as rep
 from tim_megatron.preflight.devices import infiniband_ports, node_of, probe
 from tim_megatron.preflight.heartbeat import Heartbeat, Watchdog
@@ -229,7 +230,7 @@ class Job:
             return {"skipped": str(e)}
         options = AlignOptions(tolerance=tolerance_for(r))
         result = compare_sides(
-            engine, trainer, self.parts.probe, options, replay=r.remedies.router_replay == "r3"
+            engine, trainer, self.parts.probe, options, replay=modes_of(r).routing.engine_routes
         )
         where = engine.describe()
         writer = where["engine"] == min(failed) and where["rank"] == where["ranks"][0]

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tim_megatron.modes import modes_of
 from tim_megatron.recipe import LoadedRecipe
 from tim_megatron.recipe.loader import OVERRIDE_SOURCE
 
@@ -66,8 +67,7 @@ def preflight_prompts(*, engines: int, dp: int, n: int, minibatches: int) -> int
 def ranks_per_engine(recipe) -> int:
     """R: the ranks of one rollout engine (vLLM's TP size; the trainer's TP size for the exact sampler, whose
     engines are the data-parallel ranks)."""
-    exact = recipe.diagnostics.vexact == "exact"
-    return recipe.parallel.tp if exact else recipe.rollout.tensor_parallel_size
+    return recipe.parallel.tp if modes_of(recipe).exact else recipe.rollout.tensor_parallel_size
 
 
 def shrink_list(loaded: LoadedRecipe) -> tuple[list[Shrink], list[str]]:

@@ -1,7 +1,7 @@
 """The preflight's real loop steps: ``run_setup.setup`` and ``loop.run_steps``, watched through the loop's hook.
 
 Nothing in the loop changes and nothing is wrapped. :class:`Records` is the loop's observer
-(:class:`tim_megatron.rl.observer.StepObserver`): it notes what the metrics do not keep apart, each engine's
+(:class:`tim_megatron.observer.StepObserver`): it notes what the metrics do not keep apart, each engine's
 generation (tokens, seconds), each sync's own records (per engine bytes, seconds, agreement and verdict; a failed
 verification is noted before it propagates, with the failing engines the error carries) and each update's
 forward/backward and optimizer seconds. A :class:`PeakMemory` sampler records the device's peak.
@@ -13,7 +13,7 @@ import resource
 import threading
 from dataclasses import asdict
 
-from tim_megatron.rl.observer import StepObserver
+from tim_megatron.observer import StepObserver
 
 
 class Records(StepObserver):

@@ -16,9 +16,7 @@ sleeps: there is one copy of the weights, and it is the trainer's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
+from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.trainer.offload import LEVELS, Transfer
 
 MIB = 2**20
@@ -40,7 +38,7 @@ class Colocation:
     def _moves(self) -> bool:
         return bool(self.parts) and not self.rollout.shares_trainer_weights
 
-    def start(self, *, probe: Callable[[], list[list[int]]], resumed: bool) -> dict[str, float]:
+    def start(self, *, probe: list[list[int]], resumed: bool) -> dict[str, float]:
         """Before the first rollout: a resumed run's engines get the checkpoint's weights (the full handover);
         a fresh one's already hold the trainer's, so only the trainer's state leaves."""
         if resumed:
@@ -59,11 +57,12 @@ class Colocation:
     def to_rollout(
         self,
         *,
-        probe: Callable[[], list[list[int]]] | None,
+        probe: list[list[int]] | None,
         last: bool = False,
         observer: StepObserver = NO_OBSERVER,
     ) -> dict[str, float]:
-        """The update is done: push the weights into the engines and give them the memory."""
+        """The update is done: push the weights into the engines and give them the memory. ``probe``: the
+        sequences the sync's eager check scores (None: no eager check)."""
         if self.rollout.shares_trainer_weights:
             return {}
         early = tuple(p for p in self.parts if p != "params")  # the sync and its check still read the weights
@@ -76,7 +75,7 @@ class Colocation:
         out = self.sync.push(
             self.rollout,
             self.trainer,
-            probe=probe,
+            probe=None if probe is None else lambda: probe,
             last=last,
             after_load=lambda: self.rollout.wake_up(tags=["kv_cache"]),
             observer=observer,

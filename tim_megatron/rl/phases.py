@@ -32,11 +32,13 @@ from tim_megatron.algo.injection import step_seed
 from tim_megatron.algo.stats import Stats, safe_div, std_from_sums
 from tim_megatron.data.rewards import reward as score
 from tim_megatron.data.sources import PromptSource
+from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import Recipe
 from tim_megatron.rl.batch import StepBatch, from_samples, global_width, trainer_shard
 from tim_megatron.rl.objective import Shard, make_loss_fn, token_weights
-from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
-from tim_megatron.trainer.megatron_trainer import SeqBatch
+from tim_megatron.rollout.base import RolloutEngine
+from tim_megatron.rollout.sync import WeightSync
+from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 from tim_megatron.trainer.parallel import dp_group
 
 
@@ -92,7 +94,7 @@ def _sum_over_dp(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _sum_over_engines(rollout, values: list[float]) -> list[float]:
+def _sum_over_engines(rollout: RolloutEngine, values: list[float]) -> list[float]:
     """Each engine's numbers counted once: only its first rank contributes."""
     t = torch.tensor(values, dtype=torch.float64)
     if not rollout.layout.is_leader(_rank()):
@@ -113,7 +115,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _engine_block(items: list, rollout) -> tuple[list, int]:
+def _engine_block(items: list, rollout: RolloutEngine) -> tuple[list, int]:
     """This engine's block of ``items`` (the same on all of the engine's ranks, which must submit identical
     requests), and the index of its first item in ``items``."""
     block = rollout.layout.block(len(items), rollout.engine_index)
@@ -128,7 +130,7 @@ numbers than step s's training rollout (whose prompt indices lie below this)."""
 def _generate(
     *,
     items: list,
-    rollout,
+    rollout: RolloutEngine,
     prompts: PromptSource,
     step: int,
     observer: StepObserver,
@@ -149,7 +151,7 @@ def _generate(
     return mine, groups, gen
 
 
-def probe_sequences(*, prompts: PromptSource, rollout, step: int) -> list[list[int]]:
+def probe_sequences(*, prompts: PromptSource, rollout: RolloutEngine, step: int) -> list[list[int]]:
     """Probe sequences for an eager sync check when a step has none of its own: up to 8 prompts of this engine's
     block of step ``step``."""
     mine, _ = _engine_block(prompts.step_items(step, prompts.data.prompts_per_step), rollout)
@@ -159,8 +161,8 @@ def probe_sequences(*, prompts: PromptSource, rollout, step: int) -> list[list[i
 def rollouts(
     *,
     recipe: Recipe,
-    trainer,
-    rollout,
+    trainer: MegatronTrainer,
+    rollout: RolloutEngine,
     prompts: PromptSource,
     step: int,
     observer: StepObserver = NO_OBSERVER,
@@ -210,7 +212,7 @@ def rollouts(
         "reward/groups_all_equal_frac": equal / (n / batch.group_size),
         "batch/width": float(global_width(batch)),
     }
-    if r.diagnostics.vexact == "exact":
+    if trainer.modes.exact:
         # Every rank is in exact mode: the max is a collective all of them join.
         decoded = max(gen.response_tokens, 1)
         forwards, cache, read, copied = _max_over_world(
@@ -289,9 +291,9 @@ class OldPass:
 def old_logprobs(
     *,
     recipe: Recipe,
-    trainer,
-    rollout,
-    sync,
+    trainer: MegatronTrainer,
+    rollout: RolloutEngine,
+    sync: WeightSync,
     batch: StepBatch,
     step: int,
     observer: StepObserver = NO_OBSERVER,
@@ -299,21 +301,18 @@ def old_logprobs(
     """Recompute the old policy's logprobs on this rank's rows; check the last sync, or in exact mode that every
     sampled token's logprob is the old pass's bit for bit (the run stops at the first that is not)."""
     r, tr = recipe, trainer
-    capture_agreement = r.capture_routed_experts and tr.dims.is_moe
     mask = batch.response_mask
-    dg = r.diagnostics
-    replay = r.remedies.router_replay
-    routing = {"r3": "replay", "r2": "record"}.get(replay, "record" if capture_agreement else "off")
-    seq = SeqBatch(batch.input_ids, batch.lengths, batch.routed_experts if replay == "r3" else None)
-    exact = dg.vexact == "exact"
+    routes = tr.modes.routing
+    seq = SeqBatch(
+        batch.input_ids, batch.lengths, batch.routed_experts if routes.old_pass_uses_rollout_routes else None
+    )
+    exact = tr.modes.exact
     recomputed = not r.rl.correction.bypass
     checks: dict = {}
     if recomputed:
         # Exact mode: the sampler's shapes (its micro-batches are this rank's rows in order, at this width).
         width = tr.exact_width(int(batch.prompt_lens.max())) if exact else None
-        out, recorded = tr.logprobs(
-            seq, with_entropy=True, routing=routing if tr.replay_enabled else "off", width=width
-        )
+        out, recorded = tr.logprobs(seq, with_entropy=True, routing=routes.old_pass, width=width)
         old, ent = out.logprobs * mask, out.entropy
         if exact:
             from tim_megatron.rollout.exact_sampler import check_exact
@@ -343,7 +342,7 @@ def old_logprobs(
     if r.rl.correction.bypass:
         old = rollout.clone()
     trainer_routing = recorded
-    if replay == "r3" and capture_agreement and batch.routed_experts is not None:
+    if routes.free_routing_probe and batch.routed_experts is not None:
         _, trainer_routing = tr.logprobs(
             SeqBatch(batch.input_ids, batch.lengths), routing="record"
         )  # free routing, for the metric
@@ -444,7 +443,7 @@ def step_metrics(
 def update(
     *,
     recipe: Recipe,
-    trainer,
+    trainer: MegatronTrainer,
     batch: StepBatch,
     old: OldPass,
     adv: torch.Tensor,
@@ -463,9 +462,9 @@ def update(
     n_local = len(local)
     per = n_local // r.rl.minibatches
     shard = Shard(old=op.old, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights)
-    replay = r.remedies.router_replay
-    routing = "replay" if replay in ("r2", "r3") and tr.replay_enabled else "off"
-    routed = op.trainer_routing if replay == "r2" else local.routed_experts
+    routes = tr.modes.routing
+    routing = routes.update
+    routed = op.trainer_routing if routes.update_routes_from_old_pass else local.routed_experts
     loss_stats, current = Stats(), Stats()
     applied, norms, losses, scales, updates, replayed = 0, [], [], [], 0, 0
     for epoch in range(r.rl.ppo_epochs):

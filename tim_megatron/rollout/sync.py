@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tim_megatron.rl.observer import NO_OBSERVER, StepObserver
+from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.trainer.parallel import dp_group
 
 

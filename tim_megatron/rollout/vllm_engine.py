@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from tim_megatron import versions
+from tim_megatron.attention_kinds import attention_kind_of_config
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.rollout import cpu_kernels
 from tim_megatron.rollout.base import (
@@ -129,22 +130,9 @@ def check_model_for_engine(model_path: str | Path, *, on_gpu: bool, tensor_paral
         )
     if on_gpu:  # the limits below are vLLM's CPU kernels'
         return cfg
-    if cfg.get("kv_lora_rank"):  # multi-head latent attention: the cache holds the latent and the rotated key
-        latent, rope = cfg["kv_lora_rank"], cfg.get("qk_rope_head_dim")
-        if (latent, rope) != (512, 64):
-            raise RolloutInputError(
-                f"rollout: kv_lora_rank = {latent}, qk_rope_head_dim = {rope}: vLLM's CPU MLA attention takes only "
-                "512 and 64 (a 576-wide cache entry, as DeepSeek-V2/V3 have); use model.dims.kv_lora_rank = 512 and "
-                "model.dims.qk_rope_head_dim = 64 for CPU runs"
-            )
-    else:
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        sizes = cpu_head_sizes()
-        if head_dim not in sizes:
-            raise RolloutInputError(
-                f"rollout: head_dim = {head_dim} is not supported by vLLM's CPU attention (supported: {sizes}); "
-                "use model.dims.head_dim = 32 or more for CPU runs"
-            )
+    refused = attention_kind_of_config(cfg).check_cpu_engine(cfg, head_sizes=cpu_head_sizes)
+    if refused:
+        raise RolloutInputError(f"rollout: {refused}")
     if dims is None:
         from tim_megatron.trainer.hf_config import dims_from_hf
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tim_megatron.attention_kinds import attention_kind
+from tim_megatron.modes import modes_of
 from tim_megatron.recipe.schema import GPU_MEMORY_GIB, ModelDims, Recipe
 
 GIB = 2**30
@@ -70,10 +72,7 @@ def kv_cache_bytes_per_token(d: ModelDims, *, rollout_tp: int, dtype: str) -> fl
     """K and V of every layer for one token on one vLLM GPU (KV heads are replicated when TP exceeds them). With
     multi-head latent attention the cache holds one compressed latent and the shared rotated key per layer,
     ``kv_lora_rank + qk_rope_head_dim`` wide, on every TP rank."""
-    if d.is_mla:
-        return d.num_layers * (d.kv_lora_rank + d.qk_rope_head_dim) * _BYTES[dtype]
-    heads = max(math.ceil(d.num_key_value_heads / rollout_tp), 1)
-    return 2 * d.num_layers * heads * d.head_dim * _BYTES[dtype]
+    return attention_kind(d).kv_cache_bytes_per_token(d, rollout_tp=rollout_tp, dtype_bytes=_BYTES[dtype])
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def exact_cache(recipe: Recipe) -> ExactCache | None:
     from tim_megatron.exact.kv_cache import cache_bytes
 
     d, r, p = recipe.model.dims, recipe.rollout, recipe.parallel
-    if d.is_mla:
+    if not attention_kind(d).exact_cache:
         return None
     rows = math.ceil(recipe.data.prompts_per_step * r.n / max(p.dp, 1))
     width = recipe.data.max_prompt_tokens + r.max_tokens
@@ -290,7 +289,7 @@ def estimate(
         act = d.num_layers * layer
     act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 4
     if grouped_experts is None:
-        exact = recipe.diagnostics.vexact == "exact"
+        exact = modes_of(recipe).exact
         on_kernel = recipe.trainer_dtype == "bfloat16" or recipe.trainer.experts == "grouped"
         grouped_experts = (
             bool(c.gpus_per_node) and recipe.trainer.experts != "loop" and on_kernel and not exact

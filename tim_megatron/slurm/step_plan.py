@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tim_megatron.attention_kinds import attention_kind
 from tim_megatron.recipe.schema import GPU_PEAK_BF16_FLOPS, ModelDims, Recipe
 from tim_megatron.slurm.fleet_plan import fleet_plan
 from tim_megatron.slurm.plan import GIB, Plan, estimate, largest_utilization, param_count
@@ -41,8 +42,8 @@ def model_forward_flops(dims: ModelDims, *, sequences: int, length: int) -> floa
     d = dims
     n = param_count(d).active - (0 if d.tie_word_embeddings else d.vocab_size * d.hidden_size)
     L = length
-    width = (d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim) / 2 if d.is_mla else d.head_dim
-    attention = 2 * d.num_layers * d.num_attention_heads * width * L * L  # MLA: scores over q/k, sum over v
+    width = attention_kind(d).score_width(d)
+    attention = 2 * d.num_layers * d.num_attention_heads * width * L * L
     return sequences * (2 * n * L + attention)
 
 

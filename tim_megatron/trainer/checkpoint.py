@@ -33,17 +33,16 @@ import random
 import shutil
 import warnings
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from patches.megatron import distopt_checkpoint
 from patches.megatron.cpu_shims import cuda_placement_to_cpu
 from tim_megatron.integrity import IntegrityWarning, sha256_file
 from tim_megatron.safe_files import describe, read_text, regular_file, write_atomic
 from tim_megatron.trainer.checkpoint_scan import scan_checkpoint, special_entries
-from tim_megatron.trainer.model import unwrap
 
 LATEST = "latest"
 CHECKSUMS = "checksums.json"
@@ -319,25 +318,25 @@ def load_rng_state(folder: Path, rank: int) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _sharded(trainer, loading: bool) -> dict:
-    gpt = unwrap(trainer.model)
-    msd = gpt.sharded_state_dict()
-    out = {"model": msd}
-    if trainer.recipe.checkpoint.save_optimizer:
-        with cuda_placement_to_cpu():
-            if loading:
-                distopt_checkpoint.prime(trainer.optimizer)
-            out["optimizer"] = trainer.optimizer.sharded_state_dict(
-                msd, is_loading=loading, metadata=dict(distopt_checkpoint.SHARDING)
-            )
-    return out
+class TrainerState(Protocol):
+    """What a checkpoint needs of a trainer: the trainer saves and loads its own state
+    (:class:`~tim_megatron.trainer.megatron_trainer.MegatronTrainer`)."""
+
+    def sharded_state(self, *, loading: bool) -> dict: ...
+
+    def restore_state(self, loaded: dict) -> None: ...
+
+    def state_meta(self) -> dict: ...
+
+    def restore_meta(self, meta: dict) -> None: ...
 
 
-def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: int = 2) -> Path:
+def save_checkpoint(
+    trainer: TrainerState, root: str | Path, *, step: int, state: dict, keep: int = 2
+) -> Path:
     """Write a checkpoint of ``trainer`` plus the loop's JSON-able ``state``; return its folder."""
     from megatron.core import dist_checkpointing
 
-    trainer.require_resident(("params", "grads", "optimizer"), "a checkpoint")
     root = Path(root)
     final = step_dir(root, step)
     tmp = root / f".tmp_{final.name}"
@@ -347,7 +346,7 @@ def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: 
         tmp.mkdir()
     _barrier()
     with cuda_placement_to_cpu():
-        dist_checkpointing.save(_sharded(trainer, loading=False), str(tmp))
+        dist_checkpointing.save(trainer.sharded_state(loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     save_rng_state(_rng_file(tmp, _rank()))
     _barrier()
@@ -355,9 +354,8 @@ def save_checkpoint(trainer, root: str | Path, *, step: int, state: dict, keep: 
         meta = {
             "step": step,
             "state": state,
-            "updates": trainer.updates,
+            **trainer.state_meta(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "model_dims": trainer.recipe.model.dims.model_dump(mode="json"),
             CHECKSUMS_KEY: CHECKSUMS,
         }
         write_atomic(tmp / "state.json", json.dumps(meta, indent=1))
@@ -405,7 +403,7 @@ def refuse_unsafe(path: str | Path) -> None:
         )
 
 
-def load_checkpoint(trainer, path: str | Path) -> dict:
+def load_checkpoint(trainer: TrainerState, path: str | Path) -> dict:
     """Restore ``trainer`` (model, optimizer, RNG) from ``path``; return the loop state saved with it."""
     from megatron.core import dist_checkpointing
 
@@ -421,7 +419,7 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
             f"checkpoint {path} was written by {meta['world_size']} ranks; this run has {world}. "
             f"Resume with the recorded parallel layout (parallel.tp x pp x dp = {meta['world_size']})."
         )
-    dims, recorded = trainer.recipe.model.dims.model_dump(mode="json"), meta.get("model_dims") or {}
+    dims, recorded = trainer.state_meta()["model_dims"], meta.get("model_dims") or {}
     diff = ", ".join(  # keys both know: a field added since the checkpoint was written is not a change
         f"model.dims.{k}: {recorded[k]} -> {dims[k]}"
         for k in sorted(dims.keys() & recorded.keys())
@@ -433,18 +431,13 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
             f"A run cannot change its model's shape: restore the recorded model.dims, or start a new run folder."
         )
     refuse_unsafe(path)
-    sharded = _sharded(trainer, loading=True)
+    sharded = trainer.sharded_state(loading=True)
     with cuda_placement_to_cpu():
         loaded = dist_checkpointing.load(sharded, str(path))
-    unwrap(trainer.model).load_state_dict(loaded["model"])
-    if "optimizer" in loaded:
-        # no_grad: with an fp32 model the distributed optimizer's master weights are the parameters themselves
-        with cuda_placement_to_cpu(), torch.no_grad():
-            trainer.optimizer.load_state_dict(loaded["optimizer"])
-        try:
-            distopt_checkpoint.restore_steps(trainer.optimizer, loaded["optimizer"])
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint {path}: {e}") from None
+    try:
+        trainer.restore_state(loaded)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
     load_rng_state(path, _rank())
-    trainer.updates = meta.get("updates", 0)
+    trainer.restore_meta(meta)
     return meta

@@ -31,16 +31,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from patches.megatron import (
-    cpu_shims,
-    invariant_kernels,
-    mla_tp_rope_grad,
-    mla_without_te,
-    no_te_router_gemm,
-    router_replay,
-)
+from patches.megatron import cpu_shims, distopt_checkpoint, invariant_kernels, router_replay
 from tim_megatron.algo.stats import Stats
+from tim_megatron.modes import RunModes, modes_of
 from tim_megatron.recipe.schema import Recipe
+from tim_megatron.trainer import patching
 from tim_megatron.trainer.attention import LayerKernels, resolve_attention
 from tim_megatron.trainer.experts import resolve_experts
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
@@ -105,25 +100,14 @@ def _round_up(x: int, m: int) -> int:
 class MegatronTrainer:
     def __init__(self, recipe: Recipe, *, model_path: str | Path, environ: dict[str, str] | None = None):
         self.recipe = recipe
+        self.modes: RunModes = modes_of(recipe)
+        """The run's modes (:mod:`tim_megatron.modes`): the patches, kernels and routing below follow them."""
         self.model_path = Path(model_path)
         hf_cfg = read_hf_config(self.model_path)
         self.family = model_family(hf_cfg)
         self.dims = dims_from_hf(hf_cfg)
         check_dims_match(recipe.model.dims, self.dims, where=f"model.path = {self.model_path}")
-        self._handles = []
-        if recipe.diagnostics.vexact == "exact":
-            # MKL reads it at the process's first GEMM, which may still be ahead (else kernels_for says so).
-            from tim_megatron.exact.kernels import pin_cpu_reductions
-
-            pin_cpu_reductions()
-        if cpu_shims.needed():
-            self._handles.append(cpu_shims.apply())
-        import megatron.core.transformer.moe.moe_utils  # noqa: F401  (binds te_general_gemm when it can)
-
-        if no_te_router_gemm.needed():
-            self._handles.append(no_te_router_gemm.apply())
-        if self.dims.is_mla and mla_without_te.needed():
-            self._handles.append(mla_without_te.apply())
+        self._handles = patching.before_init(self.modes)
         self.env: DistEnv = init_parallel(
             recipe.parallel,
             seed=recipe.run.seed,
@@ -134,68 +118,85 @@ class MegatronTrainer:
 
         self.ps = ps
         self.tp = ps.get_tensor_model_parallel_world_size()
-        if self.dims.is_mla and self.tp > 1:  # the RoPE key's gradient, summed over TP ranks
-            self._handles.append(mla_tp_rope_grad.apply())
+        self._handles += patching.after_init(self.modes)
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.sequence_parallel = self.tp > 1
         self.dtype = recipe.trainer_dtype
-        self.replay_enabled = recipe.remedies.router_replay != "off" and self.dims.is_moe
-        self.exact = recipe.diagnostics.vexact == "exact"
         if recipe.trainer.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-
-        self.kernels = LayerKernels(
-            attention="sdpa"
-            if self.dims.is_mla
-            else resolve_attention(recipe.trainer.attention, exact=self.exact),
-            experts=resolve_experts(
-                recipe.trainer.experts,
-                exact=self.exact,
-                dtype=DTYPES[self.dtype],
-                on_gpu=torch.cuda.is_available(),
-                widths=(self.dims.hidden_size, self.dims.moe_intermediate_size // recipe.parallel.etp),
-            )
-            if self.dims.is_moe
-            else "loop",
-        )
-        gpt = build_model(
-            self.dims,
-            recipe.model,
-            recipe.parallel,
-            BuildOptions(
-                dtype=self.dtype,
-                dispatcher="allgather" if self.exact else recipe.trainer.moe_dispatcher,
-                routing_replay=self.replay_enabled,
-                recompute=recipe.trainer.recompute,
-                kernels=self.kernels,
-            ),
-        )
-        if self.replay_enabled:
-            router_replay.attach(gpt)
-        if self.exact:
-            from tim_megatron.exact.kernels import kernels_for
-
-            invariant_kernels.apply(gpt, kernels_for(self._device()))
+        self.kernels = self._kernels()
+        gpt = self._build()
         self.model = self._wrap(gpt)
-        self.head = HeadSpec(
-            temperature=recipe.rollout.temperature if recipe.rollout.logprobs_after_temperature else 1.0,
-            chunk=recipe.trainer.logprob_chunk,
-            fp32=recipe.remedies.fp32_lm_head,
-            kernels=invariant_kernels.kernels_of(gpt),
-        )
-        t = time.perf_counter()
-        self.loaded_params = load_hf_into_model(
-            self.model, self.model_path, family=self.family, dims=self.dims
-        )
-        self.load_seconds = time.perf_counter() - t
+        self.head = self._head(gpt)
+        self.loaded_params, self.load_seconds = self._load_weights()
         self.optimizer = self._optimizer()
         self.host = HostOffload(device=self._device())
         """Where the state goes while the rollout engine generates (``trainer.offload_during_rollout``)."""
         self.nonfinite_streak = 0
         self.updates = 0
 
+    @property
+    def exact(self) -> bool:
+        """Exact mode (``modes.exact``)."""
+        return self.modes.exact
+
+    @property
+    def replay_enabled(self) -> bool:
+        """Router replay's hooks are attached (``modes.routing.hooks``)."""
+        return self.modes.routing.hooks
+
     # ------------------------------------------------------------------------------------------ build
+
+    def _kernels(self) -> LayerKernels:
+        """The core attention and expert kernels, as the attention kind and ``trainer.*`` resolve them."""
+        t, d = self.recipe.trainer, self.dims
+        experts = "loop"
+        if d.is_moe:
+            experts = resolve_experts(
+                t.experts,
+                exact=self.exact,
+                dtype=DTYPES[self.dtype],
+                on_gpu=torch.cuda.is_available(),
+                widths=(d.hidden_size, d.moe_intermediate_size // self.recipe.parallel.etp),
+            )
+        return LayerKernels(
+            attention=self.modes.attention.fixed_kernel or resolve_attention(t.attention, exact=self.exact),
+            experts=experts,
+        )
+
+    def _build(self):
+        """megatron-core's GPT model from the dims, with the modes' patches on it."""
+        r = self.recipe
+        gpt = build_model(
+            self.dims,
+            r.model,
+            r.parallel,
+            BuildOptions(
+                dtype=self.dtype,
+                dispatcher=self.modes.dispatcher or r.trainer.moe_dispatcher,
+                routing_replay=self.replay_enabled,
+                recompute=r.trainer.recompute,
+                kernels=self.kernels,
+            ),
+        )
+        patching.on_model(self.modes, gpt, device=self._device())
+        return gpt
+
+    def _load_weights(self) -> tuple[int, float]:
+        """The HF checkpoint's weights into the model: (parameters loaded, seconds)."""
+        t = time.perf_counter()
+        n = load_hf_into_model(self.model, self.model_path, family=self.family, dims=self.dims)
+        return n, time.perf_counter() - t
+
+    def _head(self, gpt) -> HeadSpec:
+        r = self.recipe
+        return HeadSpec(
+            temperature=r.rollout.temperature if r.rollout.logprobs_after_temperature else 1.0,
+            chunk=r.trainer.logprob_chunk,
+            fp32=r.remedies.fp32_lm_head,
+            kernels=invariant_kernels.kernels_of(gpt),
+        )
 
     def _wrap(self, gpt):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -623,6 +624,40 @@ class MegatronTrainer:
                 f"the trainer's {', '.join(away)} are in host memory (trainer.offload_during_rollout): "
                 f"{doing} needs them back first (trainer.onload())"
             )
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def sharded_state(self, *, loading: bool) -> dict:
+        """The model's (and, with ``checkpoint.save_optimizer``, the optimizer's) sharded state dict, as
+        megatron-core's ``dist_checkpointing`` saves it or, with ``loading``, fills it."""
+        self.require_resident(("params", "grads", "optimizer"), "a checkpoint")
+        msd = unwrap(self.model).sharded_state_dict()
+        out = {"model": msd}
+        if self.recipe.checkpoint.save_optimizer:
+            with cpu_shims.cuda_placement_to_cpu():
+                if loading:
+                    distopt_checkpoint.prime(self.optimizer)
+                out["optimizer"] = self.optimizer.sharded_state_dict(
+                    msd, is_loading=loading, metadata=dict(distopt_checkpoint.SHARDING)
+                )
+        return out
+
+    def restore_state(self, loaded: dict) -> None:
+        """Load what :meth:`sharded_state` filled (``ValueError`` if the optimizer's steps cannot be restored)."""
+        unwrap(self.model).load_state_dict(loaded["model"])
+        if "optimizer" in loaded:
+            # no_grad: with an fp32 model the distributed optimizer's master weights are the parameters themselves
+            with cpu_shims.cuda_placement_to_cpu(), torch.no_grad():
+                self.optimizer.load_state_dict(loaded["optimizer"])
+            distopt_checkpoint.restore_steps(self.optimizer, loaded["optimizer"])
+
+    def state_meta(self) -> dict:
+        """What a checkpoint records of the trainer beside its tensors: the updates applied, the model's dims."""
+        return {"updates": self.updates, "model_dims": self.recipe.model.dims.model_dump(mode="json")}
+
+    def restore_meta(self, meta: dict) -> None:
+        """The counters of :meth:`state_meta`, from a checkpoint's ``state.json``."""
+        self.updates = meta.get("updates", 0)
 
     def release_memory(self) -> None:
         """Give the allocator's cached blocks back (before the rollout engine takes its memory again)."""

@@ -11,12 +11,9 @@ sizes.
 
 from __future__ import annotations
 
+from tim_megatron.attention_kinds import LATENT_NORM_EPS
 from tim_megatron.trainer.attention import SdpaCoreAttention
 from tim_megatron.trainer.norm import SequenceParallelRMSNorm
-
-LATENT_NORM_EPS = 1e-6
-"""The epsilon of MLA's latent norms (``q_a_layernorm``, ``kv_a_layernorm``) in DeepSeek's reference code and HF
-transformers: their RMSNorm's default, whatever ``rms_norm_eps`` (the decoder layers' norms) says."""
 
 
 class LatentRMSNorm(SequenceParallelRMSNorm):

@@ -12,11 +12,12 @@ exist for a whole micro-batch.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from patches.megatron.modules import unwrap
+from tim_megatron.attention_kinds import attention_kind
 from tim_megatron.recipe.schema import ModelConfig, ModelDims, ParallelismConfig
 from tim_megatron.trainer.attention import LayerKernels, uses_explicit_mask
 from tim_megatron.trainer.norm import SequenceParallelRMSNorm
@@ -71,8 +72,6 @@ def transformer_config(
     parallel: ParallelismConfig,
     opts: BuildOptions,
 ):
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
     from tim_megatron.trainer.families import get_family
 
     on_gpu = torch.cuda.is_available()
@@ -98,7 +97,7 @@ def transformer_config(
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.etp,
         )
-    config_class = MLATransformerConfig if dims.is_mla else TransformerConfig
+    config_class = attention_kind(dims).config_class()
     return config_class(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
@@ -141,16 +140,7 @@ def block_spec(dims: ModelDims, use_te: bool, kernels: LayerKernels = LayerKerne
     from tim_megatron.trainer.families import get_family
 
     if use_te:
-        from tim_megatron.trainer.mla import LATENT_NORM_EPS
-
-        if dims.is_mla and dims.rms_norm_eps != LATENT_NORM_EPS:
-            warnings.warn(
-                f"model.dims.rms_norm_eps = {dims.rms_norm_eps:g} with transformer-engine: its MLA latent norms "
-                f"(fused into the q and kv up-projections) take it, where DeepSeek's code and the rollout engine "
-                f"use {LATENT_NORM_EPS:g}; the trainer scores slightly other logprobs (run without "
-                "transformer-engine for the matched norms)",
-                stacklevel=2,
-            )
+        attention_kind(dims).check_with_te(dims)
     specs = get_family(dims.resolved_family).layer_specs(dims, use_te, kernels=kernels)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
@@ -186,13 +176,6 @@ def build_model(dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismCo
         for name, p in model.named_parameters():
             if name.endswith("mlp.router.weight"):
                 p.requires_grad_(False)
-    return model
-
-
-def unwrap(model) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
     return model
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tim_megatron.attention_kinds import attention_kind
 from tim_megatron.logging.untrusted import shown
 from tim_megatron.recipe.schema import ModelDims
 from tim_megatron.trainer.weights.mapping import Rule
@@ -439,14 +440,8 @@ def per_layer(dims: ModelDims, one: Callable[[int | None], Any]) -> list:
 
 def count_params(d: ModelDims) -> ParamCount:
     """Parameters of the HF checkpoint, from the architecture features (checked against transformers)."""
-    h, hd = d.hidden_size, d.head_dim
-    q, kv = d.num_attention_heads * hd, d.num_key_value_heads * hd
-    attn = h * (q + 2 * kv) + q * h
-    if d.attention_bias:
-        attn += q + 2 * kv
-    attn += {"per_head": 2 * hd, "whole": q + kv, "none": 0}[d.qk_norm]
-    if d.is_mla:
-        attn = mla_attention_params(d)
+    h = d.hidden_size
+    attn = attention_kind(d).layer_params(d)
     layer_base = attn + 2 * h  # + input and pre-MLP norms
     dense_mlp = 3 * h * d.intermediate_size
     expert = 3 * h * d.moe_intermediate_size
@@ -459,17 +454,6 @@ def count_params(d: ModelDims) -> ParamCount:
     total = emb + d.num_layers * layer_base + n_dense * dense_mlp + n_moe * moe_fixed + routed
     active = total - routed + n_moe * d.num_experts_per_tok * expert
     return ParamCount(total=total, active=active, routed_experts=routed)
-
-
-def mla_attention_params(d: ModelDims) -> int:
-    """One MLA layer's attention: the query (q_a, its norm and q_b, or one projection), kv_a (latent plus the
-    shared rotated key), its norm, kv_b (per head: keys without RoPE and values), and the output projection."""
-    h, n = d.hidden_size, d.num_attention_heads
-    q_head = d.qk_nope_head_dim + d.qk_rope_head_dim
-    q = h * d.q_lora_rank + d.q_lora_rank + d.q_lora_rank * n * q_head if d.q_lora_rank else h * n * q_head
-    kv = h * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank
-    kv += d.kv_lora_rank * n * (d.qk_nope_head_dim + d.v_head_dim)
-    return q + kv + n * d.v_head_dim * h
 
 
 # ---------------------------------------------------------------------------------------- weight rules
