@@ -23,11 +23,12 @@ DEFAULT_SWEEP := recipes/sweeps/clipping-qwen3-30b-a3b.yaml
 q = '$(subst ','\'',$(1))'
 qw = $(foreach w,$(1),$(call q,$(w)))
 
-.PHONY: help setup test lint demo bench lab submit sweep status logs cancel plan new-recipe report doctor preflight gpu-check clean-venv
+.PHONY: help setup test test-fast lint demo bench lab submit sweep status logs cancel plan new-recipe report doctor preflight gpu-check clean-venv
 
 help:
 	@echo "make setup   create .venv with the $(EXTRA) extra (idempotent)"
 	@echo "make test    set up if needed, then run the whole test suite"
+	@echo "make test-fast    the suite without its slowest files (tests/conftest.py SLOWEST_FIRST), for development"
 	@echo "make lint    ruff"
 	@echo "make demo    GRPO on the tiny built-in MoE with real vLLM + megatron-core (RECIPE=..., OVERRIDES=...)"
 	@echo "make bench   benchmarks, printed as ratios against the raw libraries"
@@ -63,6 +64,9 @@ $(STAMP): pyproject.toml Makefile
 
 test: setup
 	$(PY) -m pytest -n $(call q,$(TEST_WORKERS)) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -n $(call q,$(TEST_WORKERS)) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

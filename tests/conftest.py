@@ -70,13 +70,6 @@ files to two pytest-xdist workers in collection order; starting with the longest
 left with a long file at the end. The other files follow in their usual order."""
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "slow: a test of a file in SLOWEST_FIRST (over 45 s a file); `make test-fast` leaves them out",
-    )
-
-
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
