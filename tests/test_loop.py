@@ -197,10 +197,10 @@ def test_clip_higher_recipe_clips_at_its_own_high_bound():
 
     from tim_megatron.algo import policy_loss_metrics
     from tim_megatron.recipe import load_recipe
-    from tim_megatron.rl.objective import Shard, make_loss_fn
+    from tim_megatron.rl.objective import LossRows, make_loss_fn
 
     old = torch.log(torch.full((1, 3), 0.5))
-    shard = Shard(
+    loss_rows = LossRows(
         old=old,
         rollout=old.clone(),
         mask=torch.ones(1, 3, dtype=torch.bool),
@@ -211,7 +211,7 @@ def test_clip_higher_recipe_clips_at_its_own_high_bound():
     def grads(recipe: str):
         r = load_recipe(ROOT / f"recipes/tiny-moe/{recipe}.yaml").recipe
         new = (old + torch.tensor([[1.25, 1.35, 1.0]]).log()).requires_grad_()
-        loss, stats = make_loss_fn(r, shard, denominator=3.0)(new, torch.tensor([0]), 3)
+        loss, stats = make_loss_fn(r, loss_rows, denominator=3.0)(new, torch.tensor([0]), 3)
         loss.backward()
         return new.grad[0], policy_loss_metrics(stats)["actor/clipfrac_token_high"]
 

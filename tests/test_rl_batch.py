@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tim_megatron.rl.batch import FINISH, StepBatch, concat, from_samples, trainer_shard
-from tim_megatron.rl.objective import Shard
+from tim_megatron.rl.batch import FINISH, StepBatch, concat, from_samples, rank_rows
+from tim_megatron.rl.objective import LossRows
 from tim_megatron.rollout.base import FleetLayout, Sample
 
 LAYERS, TOP_K = 2, 2
@@ -94,7 +94,7 @@ def test_trainer_shard_gives_each_dp_rank_its_rows_in_row_order(dp_size):
     per = 8 // dp_size
     seen = []
     for d in range(dp_size):
-        mine = trainer_shard(shuffled, layout=layout, rank=0, dp_rank=d, dp_size=dp_size)
+        mine = rank_rows(shuffled, layout=layout, rank=0, dp_rank=d, dp_size=dp_size)
         assert mine.row.tolist() == list(range(d * per, (d + 1) * per))
         assert mine.rewards.tolist() == [float((r // 2) * 10 + r % 2) for r in mine.row.tolist()]
         seen += mine.row.tolist()
@@ -103,14 +103,14 @@ def test_trainer_shard_gives_each_dp_rank_its_rows_in_row_order(dp_size):
 
 def test_loss_inputs_select_the_same_rows_everywhere():
     n, width = 4, 3
-    shard = Shard(
+    loss_rows = LossRows(
         old=torch.arange(n * width, dtype=torch.float32).view(n, width),
         rollout=-torch.arange(n * width, dtype=torch.float32).view(n, width),
         mask=torch.tensor([[1, 1, 0]] * n, dtype=torch.bool),
         advantages=torch.tensor([0.0, 1.0, 2.0, 3.0]),
         weights=torch.ones(n, width) * torch.arange(n).view(n, 1),
     )
-    sub = shard.rows(torch.tensor([2, 0]))
+    sub = loss_rows.rows(torch.tensor([2, 0]))
     assert sub.advantages.tolist() == [2.0, 0.0] and sub.old[0].tolist() == [6.0, 7.0, 8.0]
     assert sub.rollout[1].tolist() == [0.0, -1.0, -2.0] and sub.weights[:, 0].tolist() == [2.0, 0.0]
     moved = sub.to(torch.device("cpu"))

@@ -78,7 +78,7 @@ DENIED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
 IGNORED_CHANGES = ("run.output_dir",)
 """Recipe keys that say where run folders live, not what a run computes: never a recipe change."""
 FIXED_KEYS = ("model.dims.", "parallel.")
-"""Prefixes of keys a checkpoint cannot continue across (tensor shapes, the rank layout of its shards)."""
+"""Prefixes of keys a checkpoint cannot continue across (tensor shapes, the rank layout of its files)."""
 
 
 class RunDirError(RuntimeError):

@@ -112,7 +112,7 @@ def token_logprobs(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def equivalence(tr: MegatronTrainer, seed: int) -> dict:
     """Logprobs and gradients of the fixed batch (compared across layouts by the test)."""
     batch, mask, adv = fixed_batch(seed)
-    rows = tr.shard(N)
+    rows = tr.rank_rows(N)
     local = batch.select(rows)
     lp, _ = tr.logprobs(local, with_entropy=True)
     den = float(local_denominator(mask=mask, mode="token-mean"))

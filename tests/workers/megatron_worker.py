@@ -62,7 +62,7 @@ def _dp_rank_of(global_rank: int, tr: MegatronTrainer) -> int:
 def scenario_equivalence(tr: MegatronTrainer, out: dict) -> None:
     """Logprobs and gradients of a fixed batch (compared across TP/EP/DP layouts by the test)."""
     batch, mask, adv = fixed_batch()
-    rows = tr.shard(N)
+    rows = tr.rank_rows(N)
     local = batch.select(rows)
     lp, _ = tr.logprobs(local, with_entropy=True)
     out["logprobs"] = gather_rows(lp.logprobs, tr)
@@ -96,10 +96,10 @@ def scenario_widths(tr: MegatronTrainer, out: dict) -> None:
     The widths are forced here, whatever an engine would sample: a width that is not a multiple of TP is
     padded by the trainer for sequence parallelism, and that padding must never reach the loss.
     """
-    from tim_megatron.rl.objective import Shard, make_loss_fn
+    from tim_megatron.rl.objective import LossRows, make_loss_fn
 
     r = tr.recipe
-    rows = tr.shard(N)
+    rows = tr.rank_rows(N)
     dp_group = tr.ps.get_data_parallel_group() if dist.is_initialized() else None
     for width in WIDTHS:
         batch, mask, adv = width_batch(width)
@@ -107,7 +107,7 @@ def scenario_widths(tr: MegatronTrainer, out: dict) -> None:
         lp, _ = tr.logprobs(local)
         assert lp.logprobs.shape == (len(local), width), (lp.logprobs.shape, width)
         old = lp.logprobs * mask[rows]
-        shard = Shard(
+        loss_rows = LossRows(
             old=old,
             rollout=old.clone(),
             mask=mask[rows],
@@ -115,7 +115,7 @@ def scenario_widths(tr: MegatronTrainer, out: dict) -> None:
             weights=mask[rows].float(),
         )
         den = float(local_denominator(mask=mask, mode=r.rl.aggregation))
-        loss, _stats, _ = tr.backward(local, make_loss_fn(r, shard, denominator=den))
+        loss, _stats, _ = tr.backward(local, make_loss_fn(r, loss_rows, denominator=den))
         grads = {k: v.clone() for k, v in tr.export_hf(grads=True)}
         res = tr.step(lr=0.0, loss=loss)  # lr 0: every width starts from the same weights
         t = torch.tensor([loss], dtype=torch.float64)
@@ -178,7 +178,7 @@ def scenario_resume(tr: MegatronTrainer, out: dict) -> None:
     losses = {}
     for step in range(start, steps + 1):
         batch, mask, adv = fixed_batch(seed=step)
-        rows = tr.shard(N)
+        rows = tr.rank_rows(N)
         local = batch.select(rows)
         lp, _ = tr.logprobs(local)
         den = float(mask.sum())

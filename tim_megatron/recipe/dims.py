@@ -312,6 +312,9 @@ class Feature:
     """The :class:`ModelDims` fields that describe it; at their defaults the model does not have it."""
     families: tuple[str, ...]
     """The families whose config.json reading sets these fields (``trainer/families/<name>.py``)."""
+    optional: bool = True
+    """``tim new-recipe`` writes the fields only when the model uses the feature (False: always, as a record of
+    what the model does not have)."""
 
 
 FEATURES = (
@@ -325,8 +328,14 @@ FEATURES = (
         "a sigmoid router with a score correction bias",
         ("router_score", "router_expert_bias"),
         ("deepseek_v3", "glm4_moe"),
+        optional=False,
     ),
-    Feature("routed scaling", ("routed_scaling_factor",), ("deepseek_v2", "deepseek_v3", "glm4_moe")),
+    Feature(
+        "routed scaling",
+        ("routed_scaling_factor",),
+        ("deepseek_v2", "deepseek_v3", "glm4_moe"),
+        optional=False,
+    ),
     Feature(
         "YaRN RoPE scaling",
         (
@@ -340,7 +349,7 @@ FEATURES = (
         ),
         ("deepseek_v2", "deepseek_v3"),
     ),
-    Feature("partial rotary embeddings", ("partial_rotary_factor",), ("glm4_moe",)),
+    Feature("partial rotary embeddings", ("partial_rotary_factor",), ("glm4_moe",), optional=False),
 )
 """The family-specific features: each family's own fields, validated through its family
 (:func:`_check_family_features`)."""

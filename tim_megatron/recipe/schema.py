@@ -141,7 +141,7 @@ class TrainerConfig(Section):
     nan_guard_max: int = Field(3, ge=1)
     """Consecutive non-finite updates tolerated (each skipped); one more aborts with a checkpoint."""
     distributed_optimizer: bool | None = None
-    """Shard optimizer state over data-parallel ranks. Unset: on with CUDA, off on CPU."""
+    """Split the optimizer state over data-parallel ranks (megatron-core's distributed optimizer). Unset: on with CUDA, off on CPU."""
     offload_during_rollout: Literal["none", "optimizer", "optimizer+grads", "all"] = "none"
     """What of the trainer's state moves to (pinned) host memory while the rollout engine generates, so the
     engine can take that accelerator memory: ``optimizer`` (Adam's moments and fp32 master weights),

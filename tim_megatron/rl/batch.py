@@ -1,7 +1,7 @@
 """A step's rollouts as padded tensors: an engine's block, then this rank's share of the training rows.
 
 Rows are numbered globally (prompt index x group size + sample index), so every layout orders them the same
-way. Each engine builds a :class:`StepBatch` of its own block (:func:`from_samples`); :func:`trainer_shard`
+way. Each engine builds a :class:`StepBatch` of its own block (:func:`from_samples`); :func:`rank_rows`
 turns it into the rows this data-parallel rank trains. When every rank's rows lie inside its own engine's block
 (the usual layout: rollout and trainer tensor-parallel sizes equal) nothing moves between ranks; otherwise the
 engines' blocks are gathered once and each rank keeps its rows.
@@ -168,7 +168,7 @@ def concat(parts: list[StepBatch]) -> StepBatch:
     return StepBatch(**kw)
 
 
-def trainer_shard(block: StepBatch, *, layout, rank: int, dp_rank: int, dp_size: int) -> StepBatch:
+def rank_rows(block: StepBatch, *, layout, rank: int, dp_rank: int, dp_size: int) -> StepBatch:
     """The rows data-parallel rank ``dp_rank`` trains: rows [d N / D, (d + 1) N / D) of the step, in row order.
 
     Gathers the engines' blocks only when some rank's rows are not all inside its own engine's block (the

@@ -20,7 +20,7 @@ from tim_megatron.recipe.schema import Recipe
 
 
 @dataclass
-class Shard:
+class LossRows:
     """One rank's rows of a step, as the loss needs them (all ``[n, L]`` except ``advantages [n]``)."""
 
     old: torch.Tensor
@@ -29,14 +29,14 @@ class Shard:
     advantages: torch.Tensor
     weights: torch.Tensor
 
-    def rows(self, idx) -> Shard:
-        return Shard(
+    def rows(self, idx) -> LossRows:
+        return LossRows(
             self.old[idx], self.rollout[idx], self.mask[idx], self.advantages[idx], self.weights[idx]
         )
 
-    def to(self, device: torch.device) -> Shard:
+    def to(self, device: torch.device) -> LossRows:
         """The same rows on ``device`` (the trainer's logprobs live there: a GPU in a GPU run)."""
-        return Shard(
+        return LossRows(
             *(
                 t.to(device, non_blocking=True)
                 for t in (self.old, self.rollout, self.mask, self.advantages, self.weights)
@@ -88,19 +88,19 @@ def token_weights(
 
 def make_loss_fn(
     recipe: Recipe,
-    shard: Shard,
+    inputs: LossRows,
     *,
     denominator: float,
     current_stats: Stats | None = None,
     loss_stats: Stats | None = None,
 ):
-    """The loss of a minibatch shard: called by the trainer per micro-batch with its current logprobs, which
-    are on the trainer's device; the shard's rows (host tensors) follow them there."""
+    """The loss of a minibatch's rows: called by the trainer per micro-batch with its current logprobs, which
+    are on the trainer's device; the rows' loss inputs (host tensors) follow them there."""
     rl = recipe.rl
     dg = recipe.diagnostics
 
     def loss_fn(logprobs: torch.Tensor, rows: torch.Tensor, s: int):
-        sub = shard.rows(rows).to(logprobs.device)
+        sub = inputs.rows(rows).to(logprobs.device)
         old, roll, mask, w = sub.old[:, :s], sub.rollout[:, :s], sub.mask[:, :s], sub.weights[:, :s]
         if logprobs.shape[1] != s or old.shape[1] != s:
             raise ValueError(

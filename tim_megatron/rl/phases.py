@@ -2,7 +2,7 @@
 
 Every rank runs every phase and calls the same methods: its rollout engine generates its engine's block of
 the step's prompts (:mod:`tim_megatron.rollout.base`), and the rows this rank trains stay with it
-(:func:`tim_megatron.rl.batch.trainer_shard`). Metrics are reduced over the data-parallel group from
+(:func:`tim_megatron.rl.batch.rank_rows`). Metrics are reduced over the data-parallel group from
 sufficient statistics, so every rank ends a phase with the same numbers whatever the layout.
 """
 
@@ -34,8 +34,8 @@ from tim_megatron.data.rewards import reward as score
 from tim_megatron.data.sources import PromptSource
 from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import Recipe
-from tim_megatron.rl.batch import StepBatch, from_samples, global_width, trainer_shard
-from tim_megatron.rl.objective import Shard, make_loss_fn, token_weights
+from tim_megatron.rl.batch import StepBatch, from_samples, global_width, rank_rows
+from tim_megatron.rl.objective import LossRows, make_loss_fn, token_weights
 from tim_megatron.rollout.base import RolloutEngine
 from tim_megatron.rollout.sync import WeightSync
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
@@ -186,7 +186,7 @@ def rollouts(
         num_moe_layers=tr.num_moe_layers(),
         top_k=tr.dims.num_experts_per_tok,
     )
-    batch = trainer_shard(blk, layout=ro.layout, rank=_rank(), dp_rank=tr.dp_rank, dp_size=tr.dp_size)
+    batch = rank_rows(blk, layout=ro.layout, rank=_rank(), dp_rank=tr.dp_rank, dp_size=tr.dp_size)
     tokens, prompt_tokens = _sum_over_engines(ro, [gen.response_tokens, gen.prompt_tokens])
     (slowest,) = _max_over_world([gen.seconds])
     rw = batch.rewards.view(-1, batch.group_size)
@@ -461,7 +461,9 @@ def update(
     r, tr, op, local = recipe, trainer, old, batch
     n_local = len(local)
     per = n_local // r.rl.minibatches
-    shard = Shard(old=op.old, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights)
+    loss_rows = LossRows(
+        old=op.old, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights
+    )
     routes = tr.modes.routing
     routing = routes.update
     routed = op.trainer_routing if routes.update_routes_from_old_pass else local.routed_experts
@@ -478,7 +480,7 @@ def update(
                 local.input_ids[idx], local.lengths[idx], routed[:, idx] if routing == "replay" else None
             )
             fn = make_loss_fn(
-                r, shard.rows(idx), denominator=den, current_stats=current if epoch == 0 else None
+                r, loss_rows.rows(idx), denominator=den, current_stats=current if epoch == 0 else None
             )
             res = tr.train_step(seq, fn, lr=lr, routing=routing)
             observer.trained(step=step, times=res.times)

@@ -29,7 +29,7 @@ class Backend:
     """``check_model(model_path, on_gpu=, tensor_parallel=)``: raise, naming the reason, for a checkpoint it cannot
     serve with engines of ``tensor_parallel`` ranks."""
     own_copy: bool
-    """For ``tim plan``: True when the engine holds its own copy of the weights (in ``rollout.dtype``, sharded by
+    """For ``tim plan``: True when the engine holds its own copy of the weights (in ``rollout.dtype``, split over
     ``rollout.tensor_parallel_size``) and its KV cache inside the ``rollout.gpu_memory_utilization`` share of each
     GPU; False when it samples with the trainer's own weights and keeps its KV cache in the trainer's memory."""
 

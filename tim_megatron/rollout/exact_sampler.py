@@ -394,7 +394,7 @@ def _tp_group():
 
 
 def _full_vocab(local: torch.Tensor) -> torch.Tensor:
-    """``[k, V / tp]`` vocab shards -> ``[k, V]`` on every TP rank, on their device."""
+    """``[k, V / tp]`` vocabulary slices -> ``[k, V]`` on every TP rank, on their device."""
     group, size = _tp_group()
     if size == 1:
         return local

@@ -391,7 +391,7 @@ class WeightSync:
             scores[i, : len(sc)] = torch.tensor(sc, dtype=torch.float64)
         lengths = torch.tensor([len(s) for s in rows])
         mask = (torch.arange(width)[None] >= 1) & (torch.arange(width)[None] < lengths[:, None])
-        mine = trainer.shard(len(rows))
+        mine = trainer.rank_rows(len(rows))
         with trainer.head_changed(temperature=1.0):  # vLLM's prompt logprobs are at T = 1
             lp, _ = trainer.logprobs(SeqBatch(ids[mine], lengths[mine]))
         return engine_agreements(

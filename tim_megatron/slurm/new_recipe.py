@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from tim_megatron.recipe import RecipeError, load_recipe
+from tim_megatron.recipe.dims import FEATURES
 from tim_megatron.recipe.loader import MAX_YAML_BYTES, LoadedRecipe, yaml_load
 from tim_megatron.safe_files import UnsafePathError, copy_regular, read_text, write_atomic
 from tim_megatron.trainer.hf_config import UnsupportedModelError, dims_from_hf, read_hf_config
@@ -339,24 +340,9 @@ def _comment_text(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-OPTIONAL_FEATURES = (
-    "router_groups",
-    "router_group_topk",
-    "kv_lora_rank",
-    "q_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "rope_scaling",
-    "yarn_factor",
-    "yarn_original_max_position_embeddings",
-    "yarn_beta_fast",
-    "yarn_beta_slow",
-    "yarn_mscale",
-    "yarn_mscale_all_dim",
-)
+OPTIONAL_FEATURES = tuple(k for f in FEATURES if f.optional for k in f.fields)
 """``model.dims`` fields of features only some families have (group-limited routing, multi-head latent attention,
-YaRN): written to a new recipe only when the model uses them."""
+YaRN: ``recipe/dims.py`` FEATURES): written to a new recipe only when the model uses them."""
 
 
 def written_dims(dims) -> dict:

@@ -322,7 +322,7 @@ class TrainerState(Protocol):
     """What a checkpoint needs of a trainer: the trainer saves and loads its own state
     (:class:`~tim_megatron.trainer.megatron_trainer.MegatronTrainer`)."""
 
-    def sharded_state(self, *, loading: bool) -> dict: ...
+    def checkpoint_state(self, *, loading: bool) -> dict: ...
 
     def restore_state(self, loaded: dict) -> None: ...
 
@@ -346,7 +346,7 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier()
     with cuda_placement_to_cpu():
-        dist_checkpointing.save(trainer.sharded_state(loading=False), str(tmp))
+        dist_checkpointing.save(trainer.checkpoint_state(loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     save_rng_state(_rng_file(tmp, _rank()))
     _barrier()
@@ -431,9 +431,9 @@ def load_checkpoint(trainer: TrainerState, path: str | Path) -> dict:
             f"A run cannot change its model's shape: restore the recorded model.dims, or start a new run folder."
         )
     refuse_unsafe(path)
-    sharded = trainer.sharded_state(loading=True)
+    wanted = trainer.checkpoint_state(loading=True)
     with cuda_placement_to_cpu():
-        loaded = dist_checkpointing.load(sharded, str(path))
+        loaded = dist_checkpointing.load(wanted, str(path))
     try:
         trainer.restore_state(loaded)
     except ValueError as e:

@@ -8,7 +8,7 @@ grouped GEMM over all experts (``torch._grouped_mm``, what torchtitan uses) reac
 
 :class:`GroupedExperts` is ``SequentialMLP`` with another forward. Its parameters are ``SequentialMLP``'s own
 (``local_experts.{e}.linear_fc1.weight``, ``...linear_fc2.weight``), so the HF <-> Megatron weight mapping, the
-weight sync to vLLM, ``export-hf``, offload and the distributed checkpoints (whose sharded state is
+weight sync to vLLM, ``export-hf``, offload and the distributed checkpoints (whose saved state is
 ``SequentialMLP``'s) are the same for both paths, and a checkpoint saved with one resumes with the other. The
 forward runs fc1, the gated activation times the routing probabilities, and fc2 as two grouped GEMMs over the
 tokens grouped by expert, as the dispatcher hands them over. Each grouped GEMM stacks this rank's expert weights

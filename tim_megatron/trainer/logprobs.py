@@ -139,7 +139,7 @@ def token_logprobs(
 ) -> TokenLogprobs:
     """Logprobs of ``input_ids`` (``[batch, seq]``) from final hidden states ``[seq(/tp), batch, hidden]``.
 
-    ``weight`` is this rank's vocab shard of the LM head. Differentiable in ``hidden`` and ``weight``
+    ``weight`` is this rank's vocabulary slice of the LM head. Differentiable in ``hidden`` and ``weight``
     when gradients are enabled. With ``sampler`` (no gradients), each chunk's targets come from
     :meth:`ChunkSampler.choose` and chunks it does not want are skipped (logprob 0).
     """
@@ -189,7 +189,7 @@ def token_logprobs(
 
 
 def head_weight(model) -> torch.Tensor:
-    """This rank's LM-head weight shard (the embedding when tied)."""
+    """This rank's slice of the LM-head weight (the embedding when tied)."""
     from tim_megatron.trainer.model import unwrap
 
     gpt = unwrap(model)

@@ -262,7 +262,7 @@ class MegatronTrainer:
     def is_rank0(self) -> bool:
         return self.env.rank == 0
 
-    def shard(self, n: int) -> slice:
+    def rank_rows(self, n: int) -> slice:
         """Rows of a global batch of ``n`` sequences that this data-parallel rank handles."""
         if n % self.dp_size:
             raise ValueError(
@@ -627,7 +627,7 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------------------------------ state
 
-    def sharded_state(self, *, loading: bool) -> dict:
+    def checkpoint_state(self, *, loading: bool) -> dict:
         """The model's (and, with ``checkpoint.save_optimizer``, the optimizer's) sharded state dict, as
         megatron-core's ``dist_checkpointing`` saves it or, with ``loading``, fills it."""
         self.require_resident(("params", "grads", "optimizer"), "a checkpoint")
@@ -643,7 +643,7 @@ class MegatronTrainer:
         return out
 
     def restore_state(self, loaded: dict) -> None:
-        """Load what :meth:`sharded_state` filled (``ValueError`` if the optimizer's steps cannot be restored)."""
+        """Load what :meth:`checkpoint_state` filled (``ValueError`` if the optimizer's steps cannot be restored)."""
         unwrap(self.model).load_state_dict(loaded["model"])
         if "optimizer" in loaded:
             # no_grad: with an fp32 model the distributed optimizer's master weights are the parameters themselves

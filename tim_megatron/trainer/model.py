@@ -104,19 +104,8 @@ def transformer_config(
         num_attention_heads=dims.num_attention_heads,
         num_query_groups=dims.num_key_value_heads,
         kv_channels=dims.head_dim,
-        normalization="RMSNorm",
         layernorm_epsilon=dims.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        attention_softmax_in_fp32=True,
+        **plain_layers(),
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
         params_dtype=dtype,
@@ -130,6 +119,26 @@ def transformer_config(
         **recompute_kwargs(opts.recompute),
         **arch,
         **run,
+    )
+
+
+def plain_layers() -> dict:
+    """megatron-core config arguments every model here shares: RMSNorm, a SwiGLU MLP without biases, no dropout,
+    none of megatron's fused kernels (they need transformer-engine or apex, and round differently from the
+    rollout engine's), softmax in float32."""
+    return dict(
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
     )
 
 

@@ -1,10 +1,10 @@
 """Generic HF <-> megatron-core conversion driven by each family's weight table (rule format: :mod:`.mapping`).
 
-* :func:`load_hf_into_model`: reads HF safetensors (sharded or not) and copies into each rank's shards,
+* :func:`load_hf_into_model`: reads HF safetensors (one file or several) and copies into each rank's slices,
   TP/ETP/EP aware. Every model parameter must be covered, every needed HF tensor must exist with the
   expected shape; anything else is an error that names the tensor and both shapes.
 * :func:`export_hf`: yields ``(hf_name, tensor)`` in HF checkpoint names and shapes (per-expert tensors),
-  gathering shards over TP/ETP and experts over EP, one parameter at a time so peak extra memory is one
+  gathering slices over TP/ETP and experts over EP, one parameter at a time so peak extra memory is one
   full parameter. Every rank takes part in the collectives and receives every tensor.
 """
 
@@ -168,7 +168,7 @@ class HFCheckpoint:
 
 
 def _combine(rule: Rule, parts: list[torch.Tensor], dims: ModelDims) -> torch.Tensor:
-    """HF tensors -> the full (unsharded) megatron tensor."""
+    """HF tensors -> the full (unsplit) megatron tensor."""
     if rule.combine == "copy":
         return parts[0]
     if rule.combine == "gate_up":
@@ -203,8 +203,8 @@ def _ranks(rule: Rule, lay: Layout) -> tuple[int, int]:
     return (lay.etp_rank, lay.etp_size) if rule.split.startswith("e") else (lay.tp_rank, lay.tp_size)
 
 
-def _shard(rule: Rule, full: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """The full megatron tensor -> this rank's shard."""
+def _rank_slice(rule: Rule, full: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The full megatron tensor -> this rank's slice."""
     rank, size = _ranks(rule, lay)
     s = rule.split
     if s == "rep" or size == 1:
@@ -219,16 +219,17 @@ def _shard(rule: Rule, full: torch.Tensor, lay: Layout) -> torch.Tensor:
     raise ValueError(s)
 
 
-def _unshard(rule: Rule, shards: list[torch.Tensor]) -> torch.Tensor:
+def _join_slices(rule: Rule, slices: list[torch.Tensor]) -> torch.Tensor:
+    """The ranks' slices -> the full megatron tensor."""
     s = rule.split
-    if len(shards) == 1 or s == "rep":
-        return shards[0]
+    if len(slices) == 1 or s == "rep":
+        return slices[0]
     if s in ("tp0", "etp0", "qkv"):
-        return torch.cat(shards, 0)
+        return torch.cat(slices, 0)
     if s in ("tp1", "etp1"):
-        return torch.cat(shards, 1)
+        return torch.cat(slices, 1)
     if s in ("gate_up", "egate_up"):
-        halves = [sh.chunk(2, 0) for sh in shards]
+        halves = [sh.chunk(2, 0) for sh in slices]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
     raise ValueError(s)
 
@@ -299,19 +300,19 @@ def load_hf_into_model(
             raise WeightLoadError(
                 f"{folder}: cannot assemble {name!r} from {shapes}: {e} (is the checkpoint for another model?)"
             ) from None
-        shard = _shard(rule, full, lay)
-        if tuple(shard.shape) != tuple(param.shape):
+        mine = _rank_slice(rule, full, lay)
+        if tuple(mine.shape) != tuple(param.shape):
             raise WeightLoadError(
-                f"{folder}: {', '.join(names)} gives {name!r} the shape {tuple(shard.shape)} on this rank, but the model "
+                f"{folder}: {', '.join(names)} gives {name!r} the shape {tuple(mine.shape)} on this rank, but the model "
                 f"expects {tuple(param.shape)} (is the checkpoint for another model?)"
             )
         with torch.no_grad():
             if (
                 rule.buffer
             ):  # kept in the checkpoint's precision (megatron keeps an expert bias in fp32 under bf16)
-                param.data = shard.to(param.device).clone()
+                param.data = mine.to(param.device).clone()
             else:
-                param.copy_(shard.to(param.dtype))
+                param.copy_(mine.to(param.dtype))
         n += 1
     expected_unused = ({"lm_head.weight"} & ckpt.keys()) if dims.tie_word_embeddings else set()
     expected_unused |= {k for k in ckpt.weight_map if fam.ignored_hf(k, dims)}
@@ -340,7 +341,7 @@ def _param_full(rule: Rule, param: torch.Tensor, lay: Layout, grads: bool = Fals
     if rule.split == "rep":
         return t
     grp, size = (lay.etp_group, lay.etp_size) if rule.split.startswith("e") else (lay.tp_group, lay.tp_size)
-    return _unshard(rule, _gather(t, grp, size))
+    return _join_slices(rule, _gather(t, grp, size))
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor:
