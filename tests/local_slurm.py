@@ -77,6 +77,37 @@ def stop_daemons(pidfiles: list[Path]) -> None:
             time.sleep(1)
 
 
+def _common_conf(r: Path, sock, *, node: str) -> str:
+    """The slurm.conf lines both clusters share: munge, the state and log files under ``r`` (``node``: ``%n`` for
+    one spool folder, pid and log file per node of the same host), the plain plugins, requeue, and job ids of
+    its own (the job script's rendezvous port is 20000 + id % 20000: other clusters on this machine, the other
+    pytest-xdist worker's or other test sessions', would otherwise count from 1 too and collide on it)."""
+    per = f"-{node}" if node else ""
+    return f"""\
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={sock}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}{"/" + node if node else ""}
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / f"slurmd{per}.pid"}
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log" / f"slurmd{per}.log"}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/builtin
+ReturnToService=2
+JobRequeue=1
+FirstJobId={first_job_id()}
+KillWait=60
+MinJobAge=3600
+MpiDefault=none"""
+
+
 class LocalSlurm:
     def __init__(self, root: Path, *, cpus: int | None = None, memory_mb: int = 16000):
         self.root = Path(root)
@@ -97,30 +128,7 @@ ClusterName=timtest
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld}
 SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={sock}
-StateSaveLocation={r / "state"}
-SlurmdSpoolDir={r / "spool"}
-SlurmctldPidFile={r / "slurmctld.pid"}
-SlurmdPidFile={r / "slurmd.pid"}
-SlurmctldLogFile={r / "log" / "slurmctld.log"}
-SlurmdLogFile={r / "log" / "slurmd.log"}
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/builtin
-ReturnToService=2
-JobRequeue=1
-# Job ids of its own: the job script's rendezvous port is 20000 + id % 20000, and other clusters on this
-# machine (the other pytest-xdist worker's, other test sessions) would otherwise count from 1 too and collide on it.
-FirstJobId={first_job_id()}
-KillWait=60
-MinJobAge=3600
-MpiDefault=none
+{_common_conf(r, sock, node="")}
 NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN
 PartitionName=cpu Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """)
@@ -242,28 +250,7 @@ ClusterName=timtest2
 SlurmctldHost={socket.gethostname()}({self.addr[0]})
 SlurmctldPort={ctld}
 SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={sock}
-StateSaveLocation={r / "state"}
-SlurmdSpoolDir={r / "spool"}/%n
-SlurmctldPidFile={r / "slurmctld.pid"}
-SlurmdPidFile={r / "slurmd-%n.pid"}
-SlurmctldLogFile={r / "log" / "slurmctld.log"}
-SlurmdLogFile={r / "log" / "slurmd-%n.log"}
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/builtin
-ReturnToService=2
-JobRequeue=1
-KillWait=60
-MinJobAge=3600
-MpiDefault=none
-FirstJobId={first_job_id()}
+{_common_conf(r, sock, node="%n")}
 {nodes}
 PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 """)

@@ -312,14 +312,18 @@ def test_new_recipe_from_a_config_json_is_valid_and_sized(tmp_path):
     }
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
-    res = make(
-        "new-recipe",
-        None,
-        FROM=root / "qwen3-30b-a3b",
-        NAME="my-moe",
-        HF=tmp_path / "hf" / "config.json",
-        RECIPES_ROOT=root,
-    )
+
+    def new_recipe():
+        return make(
+            "new-recipe",
+            None,
+            FROM=root / "qwen3-30b-a3b",
+            NAME="my-moe",
+            HF=tmp_path / "hf" / "config.json",
+            RECIPES_ROOT=root,
+        )
+
+    res = new_recipe()
     assert res.returncode == 0, res.stdout + res.stderr
     assert "fits" in res.stdout and "parameters" in res.stdout
     from tim_megatron.recipe import load_recipe
@@ -333,14 +337,7 @@ def test_new_recipe_from_a_config_json_is_valid_and_sized(tmp_path):
         and r.model.dims.num_key_value_heads % r.parallel.tp == 0
     )
     assert r.parallel.world_size == r.cluster.nodes * r.cluster.gpus_per_node
-    again = make(
-        "new-recipe",
-        None,
-        FROM=root / "qwen3-30b-a3b",
-        NAME="my-moe",
-        HF=tmp_path / "hf" / "config.json",
-        RECIPES_ROOT=root,
-    )
+    again = new_recipe()
     assert again.returncode != 0 and "refusing to overwrite" in again.stdout + again.stderr
 
 
