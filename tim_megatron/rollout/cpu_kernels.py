@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from tim_megatron.attention_kinds import attention_kind_of_config
+
 MLA_BACKEND = "CPU_MLA"
 """vLLM's reference CPU backend for multi-head latent attention (any x86 CPU, float32 and bfloat16)."""
 ATTENTION_BACKEND = "CPU_ATTN"
@@ -63,8 +65,8 @@ def moe_shape_problem(*, hidden_size: int, expert_width: int, tensor_parallel: i
 
 
 def uses_mla(hf_config: Mapping) -> bool:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight): the config has a latent rank."""
-    return bool(hf_config.get("kv_lora_rank"))
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight), by the attention kinds' own rule."""
+    return attention_kind_of_config(hf_config).latent
 
 
 def attention_backend(hf_config: Mapping) -> str:
