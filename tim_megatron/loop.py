@@ -21,6 +21,7 @@ from tim_megatron.recipe import LoadedRecipe, Recipe
 from tim_megatron.rl import phases
 from tim_megatron.rl.batch import broadcast_object, cat_padded
 from tim_megatron.rl.colocation import Colocation
+from tim_megatron.rl.offpolicy import Generated
 from tim_megatron.run_dir import RunDirNotWritable, record_step
 from tim_megatron.safe_files import write_atomic
 from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
@@ -120,17 +121,30 @@ def one_step(
         if step == 1 and r.run.val_every and r.run.val_samples:
             with t("validation"):  # the untrained policy: the lab's manipulation check (equal in every arm)
                 start = phases.validate(recipe=r, rollout=ro, prompts=prompts, step=0, observer=observer)
-        with t("rollout"):  # each engine samples its block of the prompts and scores its samples
-            batch, metrics, probe = phases.rollouts(
-                recipe=r, trainer=tr, rollout=ro, prompts=prompts, step=step, observer=observer
+        if parts.state.pending is None:
+            with t("rollout"):  # each engine samples its block of the prompts and scores its samples
+                batch, metrics, probe = phases.rollouts(
+                    recipe=r, trainer=tr, rollout=ro, prompts=prompts, step=step, observer=observer
+                )
+                metrics.update(memory.to_trainer())
+            with t(
+                "old_logprobs"
+            ):  # the trainer at the sampling weights; checks the last sync on these samples
+                old = phases.old_logprobs(
+                    recipe=r,
+                    trainer=tr,
+                    rollout=ro,
+                    sync=parts.sync,
+                    batch=batch,
+                    step=step,
+                    observer=observer,
+                )
+                metrics.update(old.sync)
+        else:  # off-policy: sample ahead, train the batch sampled rollout.max_staleness steps ago
+            batch, metrics, probe, old = offpolicy_samples(
+                parts, recipe=r, step=step, timer=t, observer=observer
             )
-            metrics.update(memory.to_trainer())
-            metrics.update({f"{k}_start": v for k, v in start.items()})
-        with t("old_logprobs"):  # the trainer at the sampling weights; checks the last sync on these samples
-            old = phases.old_logprobs(
-                recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=batch, step=step, observer=observer
-            )
-            metrics.update(old.sync)
+        metrics.update({f"{k}_start": v for k, v in start.items()})
         with t("advantages"):
             adv = phases.advantages(recipe=r, batch=batch)
         with t("metrics"):
@@ -174,6 +188,43 @@ def one_step(
 # ------------------------------------------------------------------------------------ step helpers
 
 
+def offpolicy_samples(parts: Prepared, *, recipe: Recipe, step: int, timer, observer: StepObserver):
+    """An off-policy step's samples (:mod:`tim_megatron.rl.offpolicy`): sample the batches not sampled yet up to
+    step + k with the current weights and score each with the trainer at once (pi_s, with the sync and exact
+    checks an on-policy step runs), then take the batch this step trains and score it at the current weights
+    (pi_t). Returns (batch, its sampling step's metrics, probe sequences, its trainer pass)."""
+    r, tr, ro, t = recipe, parts.trainer, parts.rollout, timer
+    pending = parts.state.pending
+    sampled = []
+    with t("rollout"):
+        for s in pending.to_sample(step):
+            sampled.append(
+                (s, *phases.rollouts(recipe=r, trainer=tr, rollout=ro, prompts=parts.prompts, step=s))
+            )
+        moved = parts.colocation.to_trainer()
+    with t("old_logprobs"):
+        for s, b, m, p in sampled:
+            op = phases.old_logprobs(
+                recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=b, step=step, observer=observer
+            )
+            pending.add(
+                Generated(
+                    step=s,
+                    version=step - 1,
+                    batch=b,
+                    behaviour=op.old,
+                    metrics={**m, **op.sync},
+                    probe=p,
+                    old_pass=op,
+                )
+            )
+        g = pending.take(step)
+        old = phases.current_logprobs(
+            trainer=tr, batch=g.batch, behaviour=g.behaviour, sampled=g.old_pass, age=g.age(step)
+        )
+    return g.batch, {**g.metrics, **moved}, g.probe, old
+
+
 def dump_tokens(*, recipe, trainer, run_dir: Path, step: int, batch, old, adv) -> None:
     """Every token of the step, with its logprobs, to ``dumps/step_N.parquet`` (every ``diagnostics.dumps.every``
     steps, and the first)."""
@@ -193,6 +244,7 @@ def dump_tokens(*, recipe, trainer, run_dir: Path, step: int, batch, old, adv) -
         "train": old.old if old.recomputed else None,
         "infer": old.rollout,
         "old": old.old,
+        "sampled": old.behaviour,
         "adv": adv,
         "rewards": batch.rewards,
         "routed": batch.routed_experts if d.routed_experts else None,
@@ -217,6 +269,7 @@ def dump_tokens(*, recipe, trainer, run_dir: Path, step: int, batch, old, adv) -
             routed=rows["routed"],
             max_tokens=d.max_tokens,
             seed=recipe.run.seed,
+            sampled_lp=rows["sampled"],
         )
 
 
@@ -281,6 +334,7 @@ def save(parts: Prepared, *, run_dir: Path, recipe, step: int, overwrite: bool =
             step=step,
             state=parts.state.state_dict(),
             keep=recipe.checkpoint.keep,
+            rank_state=parts.state.rank_state(),
         )
 
 

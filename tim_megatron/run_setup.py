@@ -103,11 +103,14 @@ def _resume_from(run_dir: Path, *, trust_unverified: bool) -> Path | None:
 
 def _restore(ckpt: Path, *, trainer, state, run_dir: Path) -> None:
     """Load the checkpoint into the trainer and the loop state; the metrics after its step are dropped."""
+    import torch.distributed as dist
+
     from tim_megatron.logging.tracker import truncate_jsonl
-    from tim_megatron.trainer.checkpoint import load_checkpoint
+    from tim_megatron.trainer.checkpoint import load_checkpoint, load_rank_state
 
     meta = load_checkpoint(trainer, ckpt)
-    state.load_state_dict(meta["state"], step=meta["step"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state.load_state_dict(meta["state"], step=meta["step"], rank_state=load_rank_state(ckpt, rank))
     if trainer.is_rank0:
         truncate_jsonl(run_dir / "metrics.jsonl", after_step=meta["step"])
 

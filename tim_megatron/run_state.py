@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tim_megatron.algo import EarlyWarning, build_schedule
 from tim_megatron.algo.early_warning import surge_from_config
+from tim_megatron.rl.offpolicy import Pending, StalenessError
 
 
 def new_warnings(recipe) -> EarlyWarning:
@@ -42,16 +43,33 @@ class LoopState:
     """The early-warning detectors and the events they raised."""
     start_step: int = 1
     """The first step this process runs: 1, or the step after the checkpoint it resumed from."""
+    pending: Pending | None = None
+    """Off-policy runs (``rollout.max_staleness`` > 0): the batches sampled ahead, waiting to be trained."""
 
     @classmethod
     def create(cls, recipe) -> LoopState:
-        return cls(schedule=new_schedule(recipe), warnings=new_warnings(recipe))
+        k = recipe.rollout.max_staleness
+        return cls(
+            schedule=new_schedule(recipe), warnings=new_warnings(recipe), pending=Pending(k=k) if k else None
+        )
+
+    def rank_state(self):
+        """This rank's part of the state (tensors, plain data) that a checkpoint writes per rank, or None."""
+        return None if self.pending is None else self.pending.state()
 
     def state_dict(self) -> dict:
         return {"schedule": self.schedule.state_dict(), "warnings": self.warnings.state_dict()}
 
-    def load_state_dict(self, state: dict, *, step: int) -> None:
-        """Restore from a checkpoint written after ``step``: the next step run is ``step + 1``."""
+    def load_state_dict(self, state: dict, *, step: int, rank_state=None) -> None:
+        """Restore from a checkpoint written after ``step``: the next step run is ``step + 1``. ``rank_state``:
+        what :meth:`rank_state` returned for this rank then (None when the checkpoint holds none)."""
         self.schedule.load_state_dict(state["schedule"])
         self.warnings.load_state_dict(state["warnings"])
         self.start_step = step + 1
+        if self.pending is not None:
+            if rank_state is None:
+                raise StalenessError(
+                    f"the checkpoint of step {step} holds no pending off-policy batches, but this run has "
+                    f"rollout.max_staleness = {self.pending.k}: resume with the recorded value"
+                )
+            self.pending = Pending.from_state(*rank_state, k=self.pending.k)

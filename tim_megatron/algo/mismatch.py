@@ -190,3 +190,47 @@ def compute_mismatch(
     )
     s.all_reduce(group)
     return mismatch_metrics(s, a=a, b=b, bucket_edges=bucket_edges, rho_thresholds=rho_thresholds)
+
+
+SPLIT_PARTS = ("staleness", "tim", "total")
+"""The parts of an off-policy token's log-ratio, ``mismatch/<part>/...``."""
+
+
+def ratio_split_stats(
+    *, current: torch.Tensor, behaviour: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
+) -> Stats:
+    """Sufficient statistics of the per-token split of log pi_t - log mu_s over the masked tokens of ``[B, T]``
+    inputs: staleness = log pi_t - log pi_s (``current`` - ``behaviour``: the trainer now, and at the weights that
+    sampled the token), TIM = log pi_s - log mu_s (``behaviour`` - ``rollout``: trainer and sampler at those
+    weights), and total = staleness + TIM, their sum by construction (so the parts add up exactly)."""
+    m = mask.bool()
+    lt = current.detach().to(torch.float64)
+    ls = behaviour.detach().to(torch.float64)
+    lm = rollout.detach().to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=lt.device)
+    stale = torch.where(m, lt - ls, zero)[m]
+    tim = torch.where(m, ls - lm, zero)[m]
+    s = Stats()
+    n = torch.tensor(float(stale.numel()), dtype=torch.float64)
+    for part, v in zip(SPLIT_PARTS, (stale, tim, stale + tim), strict=True):
+        s.add_sum(f"{part}_n", n)
+        s.add_sum(f"{part}_lr", v.sum())
+        s.add_sum(f"{part}_lr2", (v * v).sum())
+        s.add_sum(f"{part}_abs", v.abs().sum())
+        s.add_max(f"{part}_abs_max", zero if v.numel() == 0 else v.abs().max())
+    return s
+
+
+def ratio_split_metrics(stats: Stats, *, prefix: str = "mismatch") -> dict[str, float]:
+    """Finalize (already reduced) :func:`ratio_split_stats` into ``mismatch/<part>/...``: the tokens, the
+    log-ratio's mean, std and mean |.|, and its largest |.|, for staleness, TIM and their total."""
+    out: dict[str, float] = {}
+    for part in SPLIT_PARTS:
+        p = f"{prefix}/{part}/"
+        n = float(stats.sum(f"{part}_n"))
+        out[p + "tokens"] = n
+        out[p + "log_ratio_mean"] = safe_div(stats.sum(f"{part}_lr"), n)
+        out[p + "log_ratio_std"] = std_from_sums(stats.sum(f"{part}_lr"), stats.sum(f"{part}_lr2"), n)
+        out[p + "log_ratio_abs_mean"] = safe_div(stats.sum(f"{part}_abs"), n)
+        out[p + "log_ratio_abs_max"] = float(stats.max(f"{part}_abs_max")) if n else float("nan")
+    return out

@@ -38,8 +38,11 @@ def write_dump(
     max_tokens: int = 200_000,
     seed: int = 0,
     root: Path | None = None,
+    sampled_lp: torch.Tensor | None = None,
 ) -> int:
-    """Write the step's tokens to ``path`` (inside folder ``root`` when given); returns the number of rows."""
+    """Write the step's tokens to ``path`` (inside folder ``root`` when given); returns the number of rows.
+    ``sampled_lp``: the trainer's logprobs at the weights that sampled the tokens (an off-policy batch; None: the
+    old pass's), for the columns that split each token's log-ratio into staleness and TIM."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -51,6 +54,7 @@ def write_dump(
         )
         seq, pos = seq[keep], pos[keep]
     row = (rows if rows is not None else torch.arange(mask.shape[0]))[seq]
+    sampled = old_lp if sampled_lp is None else sampled_lp
     cols = {
         "step": np.full(seq.numel(), step, dtype=np.int32),
         "seq": row.numpy().astype(np.int32),
@@ -65,6 +69,9 @@ def write_dump(
         ).astype(np.float32),
         "pi_infer": torch.exp(infer_lp[seq, pos]).numpy().astype(np.float32),
         "pi_old": torch.exp(old_lp[seq, pos]).numpy().astype(np.float32),
+        "pi_sampled": torch.exp(sampled[seq, pos]).numpy().astype(np.float32),
+        "log_ratio_staleness": (old_lp[seq, pos].double() - sampled[seq, pos].double()).numpy(),
+        "log_ratio_tim": (sampled[seq, pos].double() - infer_lp[seq, pos].double()).numpy(),
         "advantage": advantages[seq].numpy().astype(np.float32),
         "reward": rewards[seq].numpy().astype(np.float32),
     }

@@ -119,6 +119,19 @@ def _check_rl(r) -> None:
             f"the old policy, so the {c.mode} weights pi_old / pi_rollout are all 1 and the correction does nothing "
             "(and no mismatch is measured); set rl.correction.mode = none, or bypass = false",
         )
+    if c.bypass and r.rollout.max_staleness:
+        raise RecipeValueError(
+            ["rl.correction.bypass", "rollout.max_staleness"],
+            f"rl.correction.bypass = true with rollout.max_staleness = {r.rollout.max_staleness}: bypass skips the "
+            "trainer's pass over the samples, which is what splits the ratio into staleness and TIM; allowed: "
+            "bypass = false, or max_staleness = 0",
+        )
+    if c.target != "total" and c.mode == "none":
+        raise RecipeValueError(
+            ["rl.correction.target", "rl.correction.mode"],
+            f"rl.correction.target = {c.target} with rl.correction.mode = none: there is no correction to aim; "
+            "allowed: target = total, or a mode (tis, mis, icepop)",
+        )
     if c.mode == "icepop" and not c.low < 1 < c.high:
         raise RecipeValueError(
             ["rl.correction.low", "rl.correction.high"],

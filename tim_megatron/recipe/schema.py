@@ -79,6 +79,12 @@ class RolloutConfig(Section):
     """Responses sampled per prompt (the GRPO group size)."""
     max_tokens: int = Field(16, ge=1)
     """Generation budget per response, in tokens."""
+    max_staleness: int = Field(0, ge=0, le=64)
+    """Off-policy lag k: the batch trained at step t was sampled with the weights of step s >= t - k (the weights
+    after s - 1 updates). 0: on-policy, the batch is sampled with the weights it is trained from. With k > 0 each
+    step samples the batch it trains k steps later (the first step samples steps 1..k+1), in sequence on the same
+    machine, and the ratio is split per token into staleness and TIM (``mismatch/staleness/*``,
+    ``mismatch/tim/*``)."""
     max_model_len: int = Field(256, ge=2)
     """Longest prompt + response vLLM accepts. Longer prompts are rejected before generation."""
     temperature: float = Field(1.0, gt=0)
@@ -218,6 +224,11 @@ class CorrectionConfig(Section):
     [0.2, 5.0], so set low/high when you reproduce one of those."""
     high: float = Field(2.0, gt=0)
     """IcePop: ratios above this are masked (need not be 1/low). Default 2.0: see ``low`` for the source."""
+    target: Literal["total", "staleness", "tim"] = "total"
+    """What the correction's ratio is: ``total``, pi_t / mu_s (the trainer now over the sampler then); ``staleness``,
+    pi_t / pi_s (the trainer now over the trainer at the sampling weights); ``tim``, pi_s / mu_s (the trainer over the
+    sampler, both at the sampling weights). On-policy (``rollout.max_staleness`` 0) pi_s is pi_t: ``total`` and
+    ``tim`` are the same, and ``staleness`` weighs every token 1."""
     bypass: bool = False
     """Use the rollout logprobs as the old policy (skip the old-logprob recompute). Only with ``mode: none``:
     with TIS/MIS/IcePop every weight would be 1, so the combination is rejected at load."""

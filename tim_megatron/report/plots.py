@@ -20,6 +20,8 @@ class Curve(NamedTuple):
     scale: str = "linear"
     """linear; log (when every value is > 0); ratio (log axis, plain ticks: 2x and 0.5x equally far from 1);
     one_minus (1 - value on a log axis: correlations, where 0.9999 -> 0.99 is the signal)."""
+    off_policy: bool = False
+    """Drawn only when some run trained off-policy (a non-zero ``offpolicy/age``)."""
 
 
 CURVES = (
@@ -52,6 +54,11 @@ CURVES = (
     Curve(names.CLIP_HIGH, "Clip fraction, token high side", "fraction of tokens"),
     Curve("actor/clipfrac_seq", "Clip fraction, sequences (GSPO)", "fraction of sequences"),
     Curve(names.LR, "Learning rate", "learning rate", "log"),
+    Curve(names.OFFPOLICY_AGE, "Age of the trained batch", "updates since it was sampled", off_policy=True),
+    Curve(
+        names.STALENESS_STD, "Staleness: std of log pi_t - log pi_s", "nats per token", "log", off_policy=True
+    ),
+    Curve(names.TIM_STD, "TIM: std of log pi_s - log mu_s", "nats per token", "log", off_policy=True),
     Curve(
         "routing/rollout_vs_trainer/exact_match",
         "Routing agreement (rollout vs trainer)",
@@ -172,7 +179,10 @@ def curve_panels(runs: list[RunData], summaries: dict[str, RunSummary], out: Pat
     plt = _plt()
     col = colors(runs)
     made = []
+    off_policy = any((r.series(names.OFFPOLICY_AGE)[1] > 0).any() for r in runs)
     for c in CURVES:
+        if c.off_policy and not off_policy:
+            continue
         series = [(r, *r.series(c.key)) for r in runs]
         series = [(r, x, 1 - y if c.scale == "one_minus" else y) for r, x, y in series if len(x)]
         if not series:

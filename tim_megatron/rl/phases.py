@@ -9,7 +9,7 @@ sufficient statistics, so every rank ends a phase with the same numbers whatever
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from tim_megatron.algo import (
 )
 from tim_megatron.algo.aggregation import local_denominator
 from tim_megatron.algo.injection import step_seed
+from tim_megatron.algo.mismatch import ratio_split_metrics, ratio_split_stats
 from tim_megatron.algo.stats import Stats, safe_div, std_from_sums
 from tim_megatron.data.rewards import reward as score
 from tim_megatron.data.sources import PromptSource
@@ -286,6 +287,16 @@ class OldPass:
     recomputed: bool
     sync: dict = field(default_factory=dict)
     """Metrics of the previous sync's check on these samples (when one ran), and exact mode's check."""
+    behaviour: torch.Tensor | None = None
+    """``[n, L]`` pi_s, the trainer's logprobs at the weights that sampled these rows, when those weights are older
+    than ``old``'s (an off-policy batch, :mod:`tim_megatron.rl.offpolicy`); None: ``old`` is pi_s itself."""
+    age: int = 0
+    """Updates between the sampling of these rows and ``old``'s weights."""
+
+    @property
+    def sampled_at(self) -> torch.Tensor:
+        """pi_s: the trainer's logprobs at the sampling weights."""
+        return self.old if self.behaviour is None else self.behaviour
 
 
 def old_logprobs(
@@ -310,10 +321,7 @@ def old_logprobs(
     recomputed = not r.rl.correction.bypass
     checks: dict = {}
     if recomputed:
-        # Exact mode: the sampler's shapes (its micro-batches are this rank's rows in order, at this width).
-        width = tr.exact_width(int(batch.prompt_lens.max())) if exact else None
-        out, recorded = tr.logprobs(seq, with_entropy=True, routing=routes.old_pass, width=width)
-        old, ent = out.logprobs * mask, out.entropy
+        old, ent, recorded = _trainer_pass(trainer=tr, batch=batch, seq=seq)
         if exact:
             from tim_megatron.rollout.exact_sampler import check_exact
 
@@ -356,6 +364,42 @@ def old_logprobs(
     )
 
 
+def _trainer_pass(*, trainer: MegatronTrainer, batch: StepBatch, seq: SeqBatch):
+    """The trainer's logprobs (0 off-response), entropy and recorded routing on this rank's rows, at its current
+    weights; in exact mode at the sampler's shapes (its micro-batches are these rows in order, at this width)."""
+    tr = trainer
+    width = tr.exact_width(int(batch.prompt_lens.max())) if tr.modes.exact else None
+    out, recorded = tr.logprobs(seq, with_entropy=True, routing=tr.modes.routing.old_pass, width=width)
+    return out.logprobs * batch.response_mask, out.entropy, recorded
+
+
+def current_logprobs(
+    *, trainer: MegatronTrainer, batch: StepBatch, behaviour: torch.Tensor, sampled: OldPass | None, age: int
+) -> OldPass:
+    """An off-policy batch at the step that trains it: pi_t, the trainer's logprobs at the current weights, beside
+    ``behaviour`` (pi_s, from the pass at the sampling weights). ``age`` 0 (sampled at this step's weights, with
+    that pass, ``sampled``, still in memory): that pass itself, so the staleness part is exactly 0."""
+    if age == 0 and sampled is not None:
+        return replace(sampled, sync={})
+    tr, routes = trainer, trainer.modes.routing
+    seq = SeqBatch(
+        batch.input_ids, batch.lengths, batch.routed_experts if routes.old_pass_uses_rollout_routes else None
+    )
+    old, ent, recorded = _trainer_pass(trainer=tr, batch=batch, seq=seq)
+    trainer_routing = recorded
+    if routes.free_routing_probe and batch.routed_experts is not None:
+        _, trainer_routing = tr.logprobs(SeqBatch(batch.input_ids, batch.lengths), routing="record")
+    return OldPass(
+        old=old,
+        rollout=batch.rollout_logprobs.clone(),
+        entropy=ent,
+        trainer_routing=trainer_routing,
+        recomputed=True,
+        behaviour=behaviour,
+        age=age,
+    )
+
+
 def advantages(*, recipe: Recipe, batch: StepBatch) -> torch.Tensor:
     return group_advantages(rewards=batch.rewards, group_size=batch.group_size, estimator=recipe.rl.advantage)
 
@@ -365,11 +409,17 @@ def advantages(*, recipe: Recipe, batch: StepBatch) -> torch.Tensor:
 
 def loss_weights(*, recipe: Recipe, batch: StepBatch, old: OldPass, step: int) -> tuple[torch.Tensor, Stats]:
     """The per-token loss weights (the off-policy correction's, times an objective injection's), and their
-    statistics summed over the data-parallel group (for :func:`step_metrics`)."""
+    statistics summed over the data-parallel group (for :func:`step_metrics`). The correction's ratio is the one
+    ``rl.correction.target`` names: pi_t / mu_s (total), pi_t / pi_s (staleness) or pi_s / mu_s (TIM)."""
+    num, den = {
+        "total": (old.old, old.rollout),
+        "staleness": (old.old, old.sampled_at),
+        "tim": (old.sampled_at, old.rollout),
+    }[recipe.rl.correction.target]
     weights, stats = token_weights(
         recipe,
-        old=old.old,
-        rollout=old.rollout,
+        old=num,
+        rollout=den,
         mask=batch.response_mask,
         step=step,
         rows=batch.row,
@@ -404,6 +454,14 @@ def step_metrics(
                 rho_thresholds=dg.rho_thresholds,
             )
         )
+        out.update(
+            ratio_split_metrics(
+                _reduce(
+                    ratio_split_stats(current=op.old, behaviour=op.sampled_at, rollout=op.rollout, mask=mask)
+                )
+            )
+        )
+        out[names.OFFPOLICY_AGE] = float(op.age)
     out.update(correction_metrics(cstats, mode=r.rl.correction.mode, level=r.rl.correction.level))
     if "inj_w" in cstats:
         n = cstats.sum("tokens")

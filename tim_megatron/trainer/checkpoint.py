@@ -256,6 +256,30 @@ def _rng_file(folder: Path, rank: int) -> Path:
     return folder / "rng" / f"rank{rank:05d}.safetensors"
 
 
+def _rank_state_file(folder: Path, rank: int) -> Path:
+    return folder / "rank_state" / f"rank{rank:05d}.safetensors"
+
+
+def _save_rank_state(path: Path, tensors: dict[str, torch.Tensor], plain: dict) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(exist_ok=True)
+    save_file(tensors, str(path), metadata={"plain": json.dumps(plain)})
+
+
+def load_rank_state(folder: str | Path, rank: int) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """This rank's loop state saved with ``rank_state`` (tensors, plain data), or None when the checkpoint has none."""
+    from safetensors import safe_open
+
+    path = _rank_state_file(Path(folder), rank)
+    if not path.exists():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        plain = json.loads(f.metadata()["plain"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    return tensors, plain
+
+
 def save_rng_state(path: Path) -> None:
     """This process's RNG states as tensors (torch, CUDA, megatron's tracker, numpy's key) plus JSON."""
     from megatron.core import tensor_parallel
@@ -332,9 +356,17 @@ class TrainerState(Protocol):
 
 
 def save_checkpoint(
-    trainer: TrainerState, root: str | Path, *, step: int, state: dict, keep: int = 2
+    trainer: TrainerState,
+    root: str | Path,
+    *,
+    step: int,
+    state: dict,
+    keep: int = 2,
+    rank_state: tuple[dict[str, torch.Tensor], dict] | None = None,
 ) -> Path:
-    """Write a checkpoint of ``trainer`` plus the loop's JSON-able ``state``; return its folder."""
+    """Write a checkpoint of ``trainer`` plus the loop's JSON-able ``state``; return its folder. ``rank_state``:
+    this rank's own loop state beyond the trainer's (tensors and plain data; the off-policy batches waiting to be
+    trained), written per rank (:func:`load_rank_state`)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -349,6 +381,8 @@ def save_checkpoint(
         dist_checkpointing.save(trainer.checkpoint_state(loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     save_rng_state(_rng_file(tmp, _rank()))
+    if rank_state is not None:
+        _save_rank_state(_rank_state_file(tmp, _rank()), *rank_state)
     _barrier()
     if _rank() == 0:
         meta = {

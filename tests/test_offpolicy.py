@@ -1,0 +1,229 @@
+"""Off-policy rollouts by a bounded lag (rollout.max_staleness, tim_megatron/rl/offpolicy.py) and the per-token split
+of the ratio into staleness and TIM (algo/mismatch.py ratio_split_stats): the split's arithmetic, the schedule's
+ages, and real runs (exact mode and vLLM) on the tiny MoE, including a resume in the middle of a k-step-off run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import train_in_one_process
+from tests.test_loop import _strip, metrics, tim_train
+from tim_megatron.algo.mismatch import (
+    mismatch_metrics,
+    mismatch_stats,
+    ratio_split_metrics,
+    ratio_split_stats,
+)
+from tim_megatron.recipe import RecipeError, load_recipe
+from tim_megatron.rl.batch import StepBatch
+from tim_megatron.rl.offpolicy import Generated, Pending, StalenessError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["logging.wandb.mode=disabled", "run.val_every=0", "diagnostics.dumps.every=0"]
+
+
+def _logprobs(seed: int, shape=(6, 9)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return -torch.rand(shape, generator=g, dtype=torch.float32) * 5
+
+
+# ------------------------------------------------------------------------------------------ the split
+
+
+def test_staleness_plus_tim_is_the_total_for_every_token():
+    cur, beh, roll = _logprobs(1), _logprobs(2), _logprobs(3)
+    mask = torch.rand(cur.shape, generator=torch.Generator().manual_seed(4)) > 0.3
+    s = ratio_split_stats(current=cur, behaviour=beh, rollout=roll, mask=mask)
+    m = ratio_split_metrics(s)
+    stale = (cur.double() - beh.double())[mask]
+    tim = (beh.double() - roll.double())[mask]
+    # the total is the parts' sum, token by token, so its sums are the sums of that sum
+    assert float(s.sum("total_lr")) == float((stale + tim).sum())
+    assert m["mismatch/total/log_ratio_abs_max"] == float((stale + tim).abs().max())
+    assert m["mismatch/staleness/tokens"] == m["mismatch/tim/tokens"] == float(mask.sum())
+    assert m["mismatch/staleness/log_ratio_abs_max"] > 0 and m["mismatch/tim/log_ratio_abs_max"] > 0
+
+
+def test_on_policy_staleness_is_zero_and_tim_is_todays_mismatch_bit_for_bit():
+    cur, roll = _logprobs(5), _logprobs(6)
+    mask = torch.ones(cur.shape, dtype=torch.bool)
+    split = ratio_split_metrics(ratio_split_stats(current=cur, behaviour=cur, rollout=roll, mask=mask))
+    today = mismatch_metrics(
+        mismatch_stats(train_logprobs=cur, infer_logprobs=roll, mask=mask), a="old", b="rollout"
+    )
+    assert (
+        split["mismatch/staleness/log_ratio_abs_max"] == 0.0
+        and split["mismatch/staleness/log_ratio_std"] == 0.0
+    )
+    for stat in ("log_ratio_mean", "log_ratio_std", "log_ratio_abs_mean", "tokens"):
+        assert split[f"mismatch/tim/{stat}"] == today[f"mismatch/old_vs_rollout/{stat}"]
+
+
+# ---------------------------------------------------------------------------------------- the schedule
+
+
+def _batch(n: int = 2) -> StepBatch:
+    z = torch.zeros(n, 3)
+    return StepBatch(
+        input_ids=z.long(),
+        lengths=torch.full((n,), 3),
+        prompt_lens=torch.ones(n, dtype=torch.long),
+        response_mask=z.bool(),
+        rollout_logprobs=z,
+        rewards=torch.zeros(n),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        row=torch.arange(n),
+        engine=torch.zeros(n, dtype=torch.long),
+        finish=torch.zeros(n, dtype=torch.long),
+        group_size=2,
+        total_rows=n,
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_each_step_trains_a_batch_at_most_k_updates_old_and_samples_ahead(k):
+    p, ages, sampled = Pending(k=k), [], []
+    for step in range(1, 10):
+        todo = p.to_sample(step)
+        sampled.append(todo)
+        for s in todo:
+            p.add(
+                Generated(
+                    step=s,
+                    version=step - 1,
+                    batch=_batch(),
+                    behaviour=torch.zeros(2, 3),
+                    metrics={},
+                    probe=[],
+                )
+            )
+        ages.append(p.take(step).age(step))
+        assert len(p.batches) == k  # the next k steps' batches wait
+    assert sampled[0] == list(range(1, k + 2)) and all(s == [i + 1 + k] for i, s in enumerate(sampled[1:], 1))
+    assert ages == [min(t - 1, k) for t in range(1, 10)]
+
+
+def test_a_batch_older_than_k_is_never_trained():
+    p = Pending(k=1)
+    p.add(Generated(step=5, version=2, batch=_batch(), behaviour=torch.zeros(2, 3), metrics={}, probe=[]))
+    with pytest.raises(
+        StalenessError, match=r"step 5: its batch was sampled with the weights of update 2, 2 updates"
+    ):
+        p.take(5)
+    with pytest.raises(StalenessError, match="step 6: no batch was sampled for it"):
+        p.take(6)
+
+
+def test_pending_batches_round_trip_through_their_checkpoint_form():
+    p = Pending(k=2)
+    b = _batch(3)
+    b.rollout_logprobs = _logprobs(7, (3, 3))
+    p.add(
+        Generated(
+            step=4, version=1, batch=b, behaviour=_logprobs(8, (3, 3)), metrics={"reward": 0.5}, probe=[[1]]
+        )
+    )
+    tensors, plain = p.state()
+    q = Pending.from_state(tensors, json.loads(json.dumps(plain)), k=2)
+    g = q.take(4)
+    assert (g.version, g.metrics, g.probe, g.batch.total_rows) == (1, {"reward": 0.5}, [[1]], 3)
+    assert torch.equal(g.batch.rollout_logprobs, b.rollout_logprobs) and torch.equal(
+        g.behaviour, p.batches[4].behaviour
+    )
+    with pytest.raises(StalenessError, match="rollout.max_staleness = 2; this run has 3"):
+        Pending.from_state(tensors, plain, k=3)
+
+
+def test_the_recipe_refuses_what_cannot_split_or_aim():
+    tiny = ROOT / "recipes/tiny-moe/grpo.yaml"
+    with pytest.raises(RecipeError, match=r"rl.correction.bypass = true with rollout.max_staleness = 2"):
+        load_recipe(tiny, ["rollout.max_staleness=2", "rl.correction.bypass=true"])
+    with pytest.raises(RecipeError, match=r"rl.correction.target = tim with rl.correction.mode = none"):
+        load_recipe(tiny, ["rl.correction.target=tim"])
+    assert load_recipe(tiny, ["rl.correction.mode=tis", "rl.correction.target=staleness"]).recipe
+
+
+# ------------------------------------------------------------------------------------------ real runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("offpolicy")
+    ckpt = ["checkpoint.every=2", "checkpoint.keep=3"]
+    exact = (
+        train_in_one_process(  # exact mode has a worker of its own (its MKL settings hold for the process)
+            [
+                {
+                    "name": "exact_k2",
+                    "recipe": "recipes/tiny-moe/vexact.yaml",
+                    "overrides": [*QUIET, *ckpt, "run.steps=4", "rollout.max_staleness=2"],
+                    "output_dir": str(tmp / "exact_k2"),
+                }
+            ],
+            tmp / "w1",
+        )
+    )
+    vllm = train_in_one_process(
+        [
+            {
+                "name": name,
+                "recipe": "recipes/tiny-moe/grpo.yaml",
+                "overrides": [*QUIET, f"run.steps={steps}", f"rollout.max_staleness={k}"],
+                "output_dir": str(tmp / name),
+            }
+            for name, k, steps in (("vllm_k0", 0, 2), ("vllm_k2", 2, 4))
+        ],
+        tmp / "w2",
+    )
+    out = {}
+    for name, res in {**exact, **vllm}.items():
+        assert res["error"] is None and res["exit"] == 0, res["error"]
+        out[name] = Path(res["run_dir"])
+    return out
+
+
+def test_exact_mode_with_k2_has_zero_tim_and_staleness_after_the_first_update(runs):
+    rows = metrics(runs["exact_k2"])
+    assert [r["offpolicy/age"] for r in rows] == [0, 1, 2, 2]  # never older than k
+    assert all(r["mismatch/tim/log_ratio_abs_max"] == 0.0 for r in rows)  # every token, bit for bit
+    assert all(r["exact/mismatched_tokens"] == 0 for r in rows if "exact/mismatched_tokens" in r)
+    assert rows[0]["mismatch/staleness/log_ratio_abs_max"] == 0.0  # trained at its sampling weights
+    assert all(r["mismatch/staleness/log_ratio_abs_max"] > 0 for r in rows[1:])  # the policy moved since
+
+
+def test_vllm_with_k0_has_zero_staleness_and_tim_equal_to_todays_mismatch(runs):
+    rows = metrics(runs["vllm_k0"])
+    for r in rows:
+        assert r["offpolicy/age"] == 0 and r["mismatch/staleness/log_ratio_abs_max"] == 0.0
+        for stat in ("log_ratio_mean", "log_ratio_std", "log_ratio_abs_mean", "tokens"):
+            assert r[f"mismatch/tim/{stat}"] == r[f"mismatch/old_vs_rollout/{stat}"]
+
+
+def test_vllm_with_k2_trains_batches_up_to_two_updates_old(runs):
+    rows = metrics(runs["vllm_k2"])
+    assert [r["offpolicy/age"] for r in rows] == [0, 1, 2, 2]
+    assert all(r["mismatch/staleness/log_ratio_abs_max"] > 0 for r in rows[1:])
+    assert all(r["mismatch/old_vs_rollout/tokens"] == r["mismatch/total/tokens"] for r in rows)
+
+
+def test_a_resume_in_the_middle_of_a_k_step_off_run_continues_exactly(runs, tmp_path):
+    """The step-2 checkpoint holds the batches of steps 3 and 4, sampled at steps 1 and 2: resumed from it, steps
+    3 and 4 equal the uninterrupted run's (exact mode: the trainer samples, so nothing depends on the engine)."""
+    a = runs["exact_k2"]
+    c = tmp_path / "c"
+    shutil.copytree(a, c, ignore=shutil.ignore_patterns("step_00000004", "run.lock"))
+    (c / "checkpoints" / "latest").write_text("step_00000002")
+    assert sorted(p.name for p in (c / "checkpoints" / "step_00000002" / "rank_state").iterdir()) == [
+        "rank00000.safetensors"
+    ]
+    tim_train(["--resume", str(c)], c)
+    resumed, base = metrics(c), metrics(a)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    once = {k for k in base[0] if k.startswith(("remedy/", "kernels/")) or k == "rollout/engines"}
+    drop = [{k: v for k, v in r.items() if k not in once} for r in resumed]
+    assert _strip(drop) == _strip([{k: v for k, v in r.items() if k not in once} for r in base])
