@@ -64,6 +64,7 @@ SLOWEST_FIRST = (
     "test_links_run_folders.py",
     "test_links_model_folders.py",
     "test_align_inputs.py",
+    "test_offpolicy.py",
 )
 """The test files that take longest (over 45 s each on a 2-core machine), slowest first. `make test` hands whole
 files to two pytest-xdist workers in collection order; starting with the longest keeps one worker from being
