@@ -30,8 +30,6 @@ transformers: their RMSNorm's default, whatever ``rms_norm_eps`` (the decoder la
 class AttentionKind:
     """The interface; :data:`GROUPED_QUERY` and :data:`LATENT` are its two implementations."""
 
-    name: str
-    """How reports and the doctor name the kind."""
     latent: bool
     """The cache holds a compressed latent rather than per-head keys and values."""
     exact_cache: bool
@@ -71,7 +69,6 @@ class AttentionKind:
 
 
 class _GroupedQuery(AttentionKind):
-    name = "grouped-query"
     latent = False
     exact_cache = True
     fixed_kernel = None
@@ -111,7 +108,6 @@ class _GroupedQuery(AttentionKind):
 
 
 class _Latent(AttentionKind):
-    name = "latent"
     latent = True
     exact_cache = False
     fixed_kernel = "sdpa"  # megatron-core's MLA runs its own dot-product attention

@@ -127,9 +127,8 @@ def one_step(
                     recipe=r, trainer=tr, rollout=ro, prompts=prompts, step=step, observer=observer
                 )
                 metrics.update(memory.to_trainer())
-            with t(
-                "old_logprobs"
-            ):  # the trainer at the sampling weights; checks the last sync on these samples
+            # the trainer at the sampling weights; checks the last sync on these samples
+            with t("old_logprobs"):
                 old = phases.old_logprobs(
                     recipe=r,
                     trainer=tr,
@@ -199,7 +198,12 @@ def offpolicy_samples(parts: Prepared, *, recipe: Recipe, step: int, timer, obse
     with t("rollout"):
         for s in pending.to_sample(step):
             sampled.append(
-                (s, *phases.rollouts(recipe=r, trainer=tr, rollout=ro, prompts=parts.prompts, step=s))
+                (
+                    s,
+                    *phases.rollouts(
+                        recipe=r, trainer=tr, rollout=ro, prompts=parts.prompts, step=s, observer=observer
+                    ),
+                )
             )
         moved = parts.colocation.to_trainer()
     with t("old_logprobs"):

@@ -90,9 +90,6 @@ class RunModes:
     """The model's attention kind."""
     patches: tuple[str, ...]
     """The megatron-core patches for this run, in the order the trainer applies them."""
-    max_staleness: int = 0
-    """Off-policy lag k (``rollout.max_staleness``): 0 on-policy; k > 0 samples each batch k steps before it is
-    trained (:mod:`tim_megatron.rl.offpolicy`)."""
 
     @property
     def dispatcher(self) -> str | None:
@@ -123,5 +120,4 @@ def modes_of(recipe: Recipe) -> RunModes:
         routing=routing,
         attention=kind,
         patches=tuple(patches),
-        max_staleness=recipe.rollout.max_staleness,
     )

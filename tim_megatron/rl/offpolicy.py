@@ -18,7 +18,6 @@ an uninterrupted one would have.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -137,8 +136,3 @@ class Pending:
                 )
             )
         return out
-
-
-def plain_json(plain: dict) -> str:
-    """The plain part of :meth:`Pending.state` as JSON (metric values are floats; NaN is kept as JSON's NaN)."""
-    return json.dumps(plain)
