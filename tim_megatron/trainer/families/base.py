@@ -57,11 +57,10 @@ class Family:
     """One model family: everything the trainer, the tiny-model builder and ``tim plan`` need to know."""
 
     name: str
-    """Registry name, also ``model.dims.family`` (e.g. ``glm4_moe``)."""
+    """HF ``model_type`` (used when ``architectures`` is absent), also the registry name and
+    ``model.dims.family`` (e.g. ``glm4_moe``)."""
     architectures: tuple[str, ...]
     """HF ``architectures`` entries this family loads."""
-    model_type: str
-    """HF ``model_type`` (used when ``architectures`` is absent)."""
     read_dims: Callable[[dict[str, Any]], ModelDims]
     """config.json -> :class:`ModelDims`; refuses what cannot be built exactly, naming the key."""
     hf_config: Callable[[ModelDims], Any]
@@ -84,6 +83,11 @@ class Family:
     expert bias so the tests exercise it."""
     notes: tuple[str, ...] = ()
     """What the family leaves out on purpose (docs/families.md lists it too)."""
+
+    @property
+    def model_type(self) -> str:
+        """HF ``model_type``: the family's name."""
+        return self.name
 
     def __post_init__(self):
         defaults = {

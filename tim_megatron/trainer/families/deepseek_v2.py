@@ -76,7 +76,6 @@ WEIGHTS: tuple[Rule, ...] = deepseek_v3.weight_rules(expert_bias=False)
 FAMILY = base.Family(
     name="deepseek_v2",
     architectures=(ARCH,),
-    model_type="deepseek_v2",
     read_dims=read_dims,
     hf_config=hf_config,
     weights=WEIGHTS,

@@ -263,7 +263,6 @@ WEIGHTS = weight_rules(expert_bias=True)
 FAMILY = base.Family(
     name="deepseek_v3",
     architectures=(ARCH,),
-    model_type="deepseek_v3",
     read_dims=read_dims,
     hf_config=hf_config,
     weights=WEIGHTS,

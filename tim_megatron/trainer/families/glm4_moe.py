@@ -86,7 +86,6 @@ WEIGHTS = (
 FAMILY = base.Family(
     name="glm4_moe",
     architectures=("Glm4MoeForCausalLM",),
-    model_type="glm4_moe",
     read_dims=read_dims,
     hf_config=hf_config,
     weights=WEIGHTS,

@@ -59,7 +59,6 @@ WEIGHTS = (
 FAMILY = base.Family(
     name="mixtral",
     architectures=("MixtralForCausalLM",),
-    model_type="mixtral",
     read_dims=read_dims,
     hf_config=hf_config,
     weights=WEIGHTS,

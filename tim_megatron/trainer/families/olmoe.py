@@ -62,7 +62,6 @@ WEIGHTS = (
 FAMILY = base.Family(
     name="olmoe",
     architectures=("OlmoeForCausalLM",),
-    model_type="olmoe",
     read_dims=read_dims,
     hf_config=hf_config,
     weights=WEIGHTS,

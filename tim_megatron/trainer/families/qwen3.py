@@ -40,7 +40,6 @@ WEIGHTS = (*base.ENDS, *base.attention_rules(), *base.dense_mlp_rules())
 FAMILY = base.Family(
     name="qwen3",
     architectures=("Qwen3ForCausalLM",),
-    model_type="qwen3",
     read_dims=read_dims,
     hf_config=hf_config,
     weights=WEIGHTS,

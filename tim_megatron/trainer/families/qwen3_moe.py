@@ -66,7 +66,6 @@ WEIGHTS = (*base.ENDS, *base.attention_rules(), *base.router_rules(), *base.expe
 FAMILY = base.Family(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
-    model_type="qwen3_moe",
     read_dims=read_dims,
     hf_config=hf_config,
     weights=WEIGHTS,
