@@ -92,6 +92,17 @@ class Bench:
 
         return MegatronTrainer(self.recipe(model, **recipe_kw), model_path=model.path)
 
+    def with_trainer(self, model: Model, use, **recipe_kw):
+        """``use(trainer)`` on a fresh trainer for ``recipe_kw``; the trainer is closed, dropped and its memory
+        freed afterwards, whether ``use`` returns or raises."""
+        tr = self.trainer(model, **recipe_kw)
+        try:
+            return use(tr)
+        finally:
+            tr.close()
+            del tr
+            self.free()
+
     def free(self) -> None:
         gc.collect()
         if self.on_gpu:
@@ -130,13 +141,13 @@ def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> 
         ),
     ]
     for dtype in ("float32", "bfloat16"):
-        tr = bench.trainer(model, dtype=dtype, micro_batch=n, max_model_len=length)
-        try:
-            got = tr.logprobs(SeqBatch(ids, lengths))[0].logprobs[:, 1:]
-        finally:
-            tr.close()
-            del tr
-            bench.free()
+        got = bench.with_trainer(
+            model,
+            lambda tr: tr.logprobs(SeqBatch(ids, lengths))[0].logprobs[:, 1:],
+            dtype=dtype,
+            micro_batch=n,
+            max_model_len=length,
+        )
         gap = compare.logprob_gap(got=got, want=ref, mask=mask)
         if dtype == "float32":
             status, rule = compare.judge_fp32(gap)
@@ -480,28 +491,21 @@ def checkpoint_round_trip(bench: Bench, model: Model, *, section: str) -> list[O
         old = tr.logprobs(batch)[0].logprobs
         return tr.train_step(batch, _loss_fn(tr.recipe, old, mask, adv), lr=1e-3).loss
 
-    root = bench.workdir / "checkpoints"
-    tr = bench.trainer(model, **kw)
-    try:
+    def save_between_steps(tr):
         step(tr)
-        saved = save_checkpoint(tr, root, step=1, state={"gpu_check": True})
+        saved = save_checkpoint(tr, bench.workdir / "checkpoints", step=1, state={"gpu_check": True})
         before = tr.logprobs(batch)[0].logprobs
         step(tr)
-        after = tr.logprobs(batch)[0].logprobs
-    finally:
-        tr.close()
-        del tr
-        bench.free()
-    tr = bench.trainer(model, **kw)
-    try:
+        return saved, before, tr.logprobs(batch)[0].logprobs
+
+    def restore_and_step(tr):
         load_checkpoint(tr, saved)
         restored = tr.logprobs(batch)[0].logprobs
         step(tr)
-        resumed = tr.logprobs(batch)[0].logprobs
-    finally:
-        tr.close()
-        del tr
-        bench.free()
+        return restored, tr.logprobs(batch)[0].logprobs
+
+    saved, before, after = bench.with_trainer(model, save_between_steps, **kw)
+    restored, resumed = bench.with_trainer(model, restore_and_step, **kw)
     d_restore = float((restored - before).abs().max())
     d_next = float((resumed - after).abs().max())
     status, rule = compare.judge_exact(d_restore)
