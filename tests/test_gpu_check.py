@@ -30,6 +30,21 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def _python_ok(*args: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root with 2 OpenMP threads; it must exit 0 (else the test fails showing
+    the tails of its stdout and stderr)."""
+    res = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"},
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return res
+
+
 def test_make_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
     out = tmp_path / "report.json"
     # -o: never remake the venv stamp (a worktree has no .venv, and setup would reinstall the package)
@@ -240,15 +255,7 @@ if __name__ == "__main__":
 def test_parity_on_a_random_checkpoint_goes_through_the_1b_path(tmp_path):
     """The ~1B section's path, scaled down: a random bf16 checkpoint, a recipe carrying its dims, both dtypes."""
     require(_installed("megatron.core"), "megatron-core")
-    res = subprocess.run(
-        [sys.executable, "-c", _SMALL_RANDOM_PARITY, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"},
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = _python_ok("-c", _SMALL_RANDOM_PARITY, str(tmp_path))
     found = {f["name"]: f for f in json.loads(res.stdout.strip().splitlines()[-1])}
     fp32 = found["megatron fp32 vs HF fp32, max |dlogp|"]
     assert fp32["verdict"] == "pass" and fp32["value"] < 1e-4, fp32
@@ -263,24 +270,7 @@ def test_cpu_run_of_every_section_that_can_run_on_cpu(tmp_path):
     require(_installed("megatron.core"), "megatron-core")
     require(_installed("vllm"), "vLLM")
     out = tmp_path / "report.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tim_megatron.gpu_check",
-            "--cpu",
-            "--json",
-            str(out),
-            "--workdir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"},
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    res = _python_ok("-m", "tim_megatron.gpu_check", "--cpu", "--json", str(out), "--workdir", str(tmp_path))
     report = json.loads(out.read_text())
     assert report["device"].startswith("cpu (a test of the code path")
     got = {(f["section"], f["name"]): f for f in report["findings"]}
