@@ -147,14 +147,14 @@ def _scan_json(
                     f"{head}: {file} line {n}: not valid JSON ({e.msg} at column {e.colno}); allowed: one JSON "
                     "object per line"
                 ) from None
-            if not isinstance(row, dict):
-                raise DataError(
-                    f"{head}: {file} line {n}: a JSON {json_type(row)}, not an object; allowed: one JSON object "
-                    'per line, such as {"prompt": "...", "answer": "..."}'
-                )
-            problem = check(row)
-            if problem:
-                problems.append(f"{file} line {n}: {problem}")
+            _check_row(
+                row,
+                f"{file} line {n}",
+                head=head,
+                allowed='one JSON object per line, such as {"prompt": "...", "answer": "..."}',
+                check=check,
+                problems=problems,
+            )
             lines.append(n)
     if not lines:
         raise DataError(f"{head}: {file} is empty (no JSON rows); allowed: one JSON object per line")
@@ -179,15 +179,26 @@ def _scan_json_array(
     if not isinstance(doc, list) or not doc:
         raise DataError(f"{head}: {file} holds no rows; allowed: a non-empty JSON array of objects")
     for k, row in enumerate(doc):
-        if not isinstance(row, dict):
-            raise DataError(
-                f"{head}: {file} row index {k}: a JSON {json_type(row)}, not an object; allowed: a JSON "
-                "array of objects"
-            )
-        problem = check(row)
-        if problem:
-            problems.append(f"{file} row index {k}: {problem}")
+        _check_row(
+            row,
+            f"{file} row index {k}",
+            head=head,
+            allowed="a JSON array of objects",
+            check=check,
+            problems=problems,
+        )
     return len(doc)
+
+
+def _check_row(
+    row, where: str, *, head: str, allowed: str, check: Callable[[dict], str | None], problems: list[str]
+) -> None:
+    """One parsed row at ``where`` (file and line or index): not an object raises; ``check``'s problem is kept."""
+    if not isinstance(row, dict):
+        raise DataError(f"{head}: {where}: a JSON {json_type(row)}, not an object; allowed: {allowed}")
+    problem = check(row)
+    if problem:
+        problems.append(f"{where}: {problem}")
 
 
 def _utf8(raw: bytes, *, at: str) -> str:
