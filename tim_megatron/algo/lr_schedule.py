@@ -22,18 +22,21 @@ from tim_megatron import metric_names as names
 from tim_megatron.algo.early_warning import SurgeDetector, surge_from_config
 
 
-@dataclass
-class ConstantLR:
+class _WarmupSchedule:
+    """A schedule fixed in advance (``base_lr`` and ``warmup_steps`` are its subclass's fields): a linear warm-up
+    to ``base_lr``, nothing learned from the run's metrics and no state to save."""
+
     base_lr: float
-    warmup_steps: int = 0
+    warmup_steps: int
 
     def observe(self, step: int, metrics: dict[str, float]) -> None:
         pass
 
-    def lr(self, step: int) -> float:
+    def warmup_lr(self, step: int) -> float | None:
+        """The rate during the warm-up; None after it."""
         if self.warmup_steps and step <= self.warmup_steps:
             return self.base_lr * step / self.warmup_steps
-        return self.base_lr
+        return None
 
     def state_dict(self) -> dict:
         return {}
@@ -43,28 +46,30 @@ class ConstantLR:
 
 
 @dataclass
-class CosineLR:
+class ConstantLR(_WarmupSchedule):
+    base_lr: float
+    warmup_steps: int = 0
+
+    def lr(self, step: int) -> float:
+        warm = self.warmup_lr(step)
+        return self.base_lr if warm is None else warm
+
+
+@dataclass
+class CosineLR(_WarmupSchedule):
     base_lr: float
     total_steps: int
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
 
-    def observe(self, step: int, metrics: dict[str, float]) -> None:
-        pass
-
     def lr(self, step: int) -> float:
-        if self.warmup_steps and step <= self.warmup_steps:
-            return self.base_lr * step / self.warmup_steps
+        warm = self.warmup_lr(step)
+        if warm is not None:
+            return warm
         span = max(self.total_steps - self.warmup_steps, 1)
         progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
         floor = self.min_lr_ratio * self.base_lr
         return floor + (self.base_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 @dataclass
