@@ -177,23 +177,20 @@ def test_trend_detector_ignores_a_spike_zeros_and_nan_and_round_trips():
 
 
 def test_early_warning_state_roundtrip():
-    ew = EarlyWarning.create(
-        metrics=["a"],
-        baseline_steps=2,
-        window=2,
-        threshold=2.0,
-        surge=SurgeDetector(window=1, baseline_steps=2),
-    )
+    def fresh() -> EarlyWarning:
+        return EarlyWarning.create(
+            metrics=["a"],
+            baseline_steps=2,
+            window=2,
+            threshold=2.0,
+            surge=SurgeDetector(window=1, baseline_steps=2),
+        )
+
+    ew = fresh()
     for s in range(1, 6):
         ew.update(s, {"a": 1.0 * s, "response/length_mean": 10.0})
     state = json.loads(json.dumps(ew.state_dict()))
-    ew2 = EarlyWarning.create(
-        metrics=["a"],
-        baseline_steps=2,
-        window=2,
-        threshold=2.0,
-        surge=SurgeDetector(window=1, baseline_steps=2),
-    )
+    ew2 = fresh()
     ew2.load_state_dict(state)
     for s in range(6, 9):
         assert ew.update(s, {"a": 1.0 * s, "response/length_mean": 30.0}) == ew2.update(
