@@ -656,41 +656,66 @@ def test_deepseek_v2_reads_the_lite_router_and_names_the_rest(change, match):
         dims_from_hf({**cfg, **change})
 
 
-def test_mla_and_group_settings_are_checked_in_a_recipe():
+_TINY_V3 = "recipes/tiny-deepseek-v3/grpo.yaml"
+_TINY = "recipes/tiny-moe/grpo.yaml"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "override", "match"),
+    [
+        (
+            _TINY_V3,
+            "model.dims.qk_norm=per_head",
+            r"model.dims.qk_norm does not apply to multi-head latent attention",
+        ),
+        (_TINY_V3, "model.dims.router_groups=3", r"router_groups = 3 must divide num_experts = 8"),
+        (
+            _TINY_V3,
+            "diagnostics.vexact=exact",
+            r"diagnostics.vexact = exact with multi-head latent attention",
+        ),
+        (
+            _TINY,
+            "model.dims.q_lora_rank=64",
+            r"model.dims.q_lora_rank is a multi-head latent attention setting",
+        ),
+        (
+            _TINY,
+            "model.dims.family=llama",
+            r"model.dims.family = 'llama' is not a known model family; allowed: .*glm4_moe",
+        ),
+        (
+            _TINY,
+            "model.dims.router_expert_bias=true",
+            r"router_expert_bias = true needs router_score = sigmoid",
+        ),
+        (_TINY, "model.dims.first_k_dense_layers=2", r"first_k_dense_layers = 2 leaves no MoE layer"),
+        (
+            _TINY,
+            "model.dims.partial_rotary_factor=0.3",
+            r"partial_rotary_factor = 0.3 x head_dim = 32 must be an even",
+        ),
+        (
+            _TINY,
+            "cluster.gpu_type=a100-8gb",
+            r"cluster.gpu_type = 'a100-8gb'.*unknown GPU type; allowed: a100-40gb",
+        ),
+    ],
+)
+def test_recipe_rejects_family_settings_it_cannot_run(recipe, override, match):
+    """MLA and router-group settings, an unknown family and impossible features: refused when the recipe loads."""
     from tim_megatron.recipe import RecipeError, load_recipe
 
-    ds = ROOT / "recipes/tiny-deepseek-v3/grpo.yaml"
-    with pytest.raises(
-        RecipeError, match=r"model.dims.qk_norm does not apply to multi-head latent attention"
-    ):
-        load_recipe(ds, ["model.dims.qk_norm=per_head"])
-    with pytest.raises(RecipeError, match=r"router_groups = 3 must divide num_experts = 8"):
-        load_recipe(ds, ["model.dims.router_groups=3"])
-    assert load_recipe(ds, ["parallel.tp=2"]).recipe.parallel.tp == 2  # MLA under TP: the rope-key patch
-    with pytest.raises(RecipeError, match=r"diagnostics.vexact = exact with multi-head latent attention"):
-        load_recipe(ds, ["diagnostics.vexact=exact"])
-    with pytest.raises(RecipeError, match=r"model.dims.q_lora_rank is a multi-head latent attention setting"):
-        load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", ["model.dims.q_lora_rank=64"])
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(ROOT / recipe, [override])
 
 
-def test_recipe_rejects_unknown_family_and_impossible_features(tmp_path):
-    from tim_megatron.recipe import RecipeError, load_recipe
+def test_mla_under_tp_loads():
+    from tim_megatron.recipe import load_recipe
 
-    tiny = ROOT / "recipes/tiny-moe/grpo.yaml"
-    with pytest.raises(
-        RecipeError, match=r"model.dims.family = 'llama' is not a known model family; allowed: .*glm4_moe"
-    ):
-        load_recipe(tiny, ["model.dims.family=llama"])
-    with pytest.raises(RecipeError, match=r"router_expert_bias = true needs router_score = sigmoid"):
-        load_recipe(tiny, ["model.dims.router_expert_bias=true"])
-    with pytest.raises(RecipeError, match=r"first_k_dense_layers = 2 leaves no MoE layer"):
-        load_recipe(tiny, ["model.dims.first_k_dense_layers=2"])
-    with pytest.raises(RecipeError, match=r"partial_rotary_factor = 0.3 x head_dim = 32 must be an even"):
-        load_recipe(tiny, ["model.dims.partial_rotary_factor=0.3"])
-    with pytest.raises(
-        RecipeError, match=r"cluster.gpu_type = 'a100-8gb'.*unknown GPU type; allowed: a100-40gb"
-    ):
-        load_recipe(tiny, ["cluster.gpu_type=a100-8gb"])
+    assert (
+        load_recipe(ROOT / _TINY_V3, ["parallel.tp=2"]).recipe.parallel.tp == 2
+    )  # MLA under TP: the rope-key patch
 
 
 # -------------------------------------------------------------------------------------------- new-recipe
