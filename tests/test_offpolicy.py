@@ -148,6 +148,26 @@ def test_the_recipe_refuses_what_cannot_split_or_aim():
     assert load_recipe(tiny, ["rl.correction.mode=tis", "rl.correction.target=staleness"]).recipe
 
 
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        ([], r"rollout.schedule = overlapped with rollout.max_staleness = 0: an on-policy step"),
+        (["rollout.max_staleness=1", "diagnostics.vexact=exact"], r"with the 'trainer' rollout backend"),
+        (["rollout.max_staleness=1", "trainer.offload_during_rollout=all"], r"offload_during_rollout = all"),
+        (["rollout.max_staleness=1", "rollout.sleep_between_steps=true"], r"sleep_between_steps = True"),
+        (
+            ["rollout.max_staleness=1", "rollout.tensor_parallel_size=2"],
+            r"tensor_parallel_size = 2: an engine",
+        ),
+    ],
+)
+def test_the_recipe_refuses_an_overlap_it_cannot_run(overrides, refused):
+    tiny = ROOT / "recipes/tiny-moe/grpo.yaml"
+    with pytest.raises(RecipeError, match=refused):
+        load_recipe(tiny, ["rollout.schedule=overlapped", *overrides])
+    assert load_recipe(tiny, ["rollout.schedule=overlapped", "rollout.max_staleness=1"]).recipe
+
+
 # ------------------------------------------------------------------------------------------ real runs
 
 
@@ -177,6 +197,20 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                 "output_dir": str(tmp / name),
             }
             for name, k, steps in (("vllm_k0", 0, 2), ("vllm_k2", 2, 4))
+        ]
+        + [
+            {  # the same k = 2 run on the overlapped schedule, checkpointed for the resume test
+                "name": "vllm_k2_overlapped",
+                "recipe": "recipes/tiny-moe/grpo.yaml",
+                "overrides": [
+                    *QUIET,
+                    *ckpt,
+                    "run.steps=4",
+                    "rollout.max_staleness=2",
+                    "rollout.schedule=overlapped",
+                ],
+                "output_dir": str(tmp / "vllm_k2_overlapped"),
+            }
         ],
         tmp / "w2",
     )
@@ -214,8 +248,12 @@ def test_vllm_with_k2_trains_batches_up_to_two_updates_old(runs):
 def test_a_resume_in_the_middle_of_a_k_step_off_run_continues_exactly(runs, tmp_path):
     """The step-2 checkpoint holds the batches of steps 3 and 4, sampled at steps 1 and 2: resumed from it, steps
     3 and 4 equal the uninterrupted run's (exact mode: the trainer samples, so nothing depends on the engine)."""
-    a = runs["exact_k2"]
-    c = tmp_path / "c"
+    _resumes_from_step_2_exactly(runs["exact_k2"], tmp_path / "c")
+
+
+def _resumes_from_step_2_exactly(a: Path, c: Path) -> None:
+    """Copy run ``a`` to ``c`` without its step-4 checkpoint, resume it from step 2 and compare every metric but
+    wall-clock time with ``a``'s (what a restart reports once, such as the kernels, aside)."""
     shutil.copytree(a, c, ignore=shutil.ignore_patterns("step_00000004", "run.lock"))
     (c / "checkpoints" / "latest").write_text("step_00000002")
     assert sorted(p.name for p in (c / "checkpoints" / "step_00000002" / "rank_state").iterdir()) == [
@@ -227,3 +265,20 @@ def test_a_resume_in_the_middle_of_a_k_step_off_run_continues_exactly(runs, tmp_
     once = {k for k in base[0] if k.startswith(("remedy/", "kernels/")) or k == "rollout/engines"}
     drop = [{k: v for k, v in r.items() if k not in once} for r in resumed]
     assert _strip(drop) == _strip([{k: v for k, v in r.items() if k not in once} for r in base])
+
+
+def test_the_overlapped_schedule_trains_the_sequential_schedules_numbers(runs):
+    """Sampling beside the update changes when things run, not what: the same weights sample the same prompts
+    with the same seeds, and pi_s comes from a copy of the sampling weights. Every metric but wall-clock time
+    equals the sequential run's, bit for bit."""
+    over, seq = metrics(runs["vllm_k2_overlapped"]), metrics(runs["vllm_k2"])
+    assert [r["offpolicy/age"] for r in over] == [0, 1, 2, 2]
+    # every step sampled a later batch on the thread (step 1: steps 2 and 3; then t + 2)
+    assert all(r["offpolicy/overlap_generate_seconds"] > 0 and "time/ahead" in r for r in over)
+    assert _strip(over) == _strip(seq)
+
+
+def test_a_resume_in_the_middle_of_an_overlapped_run_continues_exactly(runs, tmp_path):
+    """The overlapped schedule checkpoints after a step's sampling ahead is joined: the step-2 checkpoint holds
+    the batches of steps 3 and 4, and a resumed run trains them as the uninterrupted one did."""
+    _resumes_from_step_2_exactly(runs["vllm_k2_overlapped"], tmp_path / "c")

@@ -22,6 +22,7 @@ from tim_megatron.rl import phases
 from tim_megatron.rl.batch import broadcast_object, cat_padded
 from tim_megatron.rl.colocation import Colocation
 from tim_megatron.rl.offpolicy import Generated
+from tim_megatron.rl.overlap import start_ahead
 from tim_megatron.run_dir import RunDirNotWritable, record_step
 from tim_megatron.safe_files import write_atomic
 from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
@@ -116,8 +117,8 @@ def one_step(
     memory: Colocation = parts.colocation
     t = phases.Timer()
     cpu = phases.process_tree_cpu_seconds()
-    with t("step"):
-        start = {}
+    with t("step"), contextlib.ExitStack() as cleanup:
+        start, ahead = {}, None
         if step == 1 and r.run.val_every and r.run.val_samples:
             with t("validation"):  # the untrained policy: the lab's manipulation check (equal in every arm)
                 start = phases.validate(recipe=r, rollout=ro, prompts=prompts, step=0, observer=observer)
@@ -140,9 +141,11 @@ def one_step(
                 )
                 metrics.update(old.sync)
         else:  # off-policy: sample ahead, train the batch sampled rollout.max_staleness steps ago
-            batch, metrics, probe, old = offpolicy_samples(
+            batch, metrics, probe, old, ahead = offpolicy_samples(
                 parts, recipe=r, step=step, timer=t, observer=observer
             )
+            if ahead is not None:
+                cleanup.callback(ahead.wait)  # a failing step still lets the engine end its generation
         metrics.update({f"{k}_start": v for k, v in start.items()})
         with t("advantages"):
             adv = phases.advantages(recipe=r, batch=batch)
@@ -167,6 +170,9 @@ def one_step(
                     observer=observer,
                 )
             )
+        if ahead is not None:
+            with t("ahead"):  # the batches sampled beside the update, scored at their sampling weights
+                metrics.update(ahead.finish(parts, recipe=r, pending=parts.state.pending, observer=observer))
         with t("sync"):  # the new weights into every engine, verified
             metrics.update(
                 memory.to_rollout(probe=probe or parts.probe, last=step == r.run.steps, observer=observer)
@@ -191,12 +197,15 @@ def offpolicy_samples(parts: Prepared, *, recipe: Recipe, step: int, timer, obse
     """An off-policy step's samples (:mod:`tim_megatron.rl.offpolicy`): sample the batches not sampled yet up to
     step + k with the current weights and score each with the trainer at once (pi_s, with the sync and exact
     checks an on-policy step runs), then take the batch this step trains and score it at the current weights
-    (pi_t). Returns (batch, its sampling step's metrics, probe sequences, its trainer pass)."""
+    (pi_t). Returns (batch, its sampling step's metrics, probe sequences, its trainer pass, and with
+    ``rollout.schedule: overlapped`` the batches of later steps being sampled beside the update, else None)."""
     r, tr, ro, t = recipe, parts.trainer, parts.rollout, timer
     pending = parts.state.pending
+    todo = pending.to_sample(step)
+    later = [s for s in todo if s > step] if r.rollout.schedule == "overlapped" else []
     sampled = []
     with t("rollout"):
-        for s in pending.to_sample(step):
+        for s in (s for s in todo if s not in later):
             sampled.append(
                 (
                     s,
@@ -206,6 +215,7 @@ def offpolicy_samples(parts: Prepared, *, recipe: Recipe, step: int, timer, obse
                 )
             )
         moved = parts.colocation.to_trainer()
+    ahead = start_ahead(parts, recipe=r, step=step, steps=later) if later else None
     with t("old_logprobs"):
         for s, b, m, p in sampled:
             op = phases.old_logprobs(
@@ -226,7 +236,7 @@ def offpolicy_samples(parts: Prepared, *, recipe: Recipe, step: int, timer, obse
         old = phases.current_logprobs(
             trainer=tr, batch=g.batch, behaviour=g.behaviour, sampled=g.old_pass, age=g.age(step)
         )
-    return g.batch, {**g.metrics, **moved}, g.probe, old
+    return g.batch, {**g.metrics, **moved}, g.probe, old, ahead
 
 
 def dump_tokens(*, recipe, trainer, run_dir: Path, step: int, batch, old, adv) -> None:

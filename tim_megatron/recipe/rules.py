@@ -20,6 +20,7 @@ def check_recipe(r) -> None:
     _check_diagnostics(r)
     _check_injection(r)
     _check_task_and_schedule(r)
+    _check_offpolicy_schedule(r)
 
 
 def _check_model_and_parallel(r) -> None:
@@ -342,4 +343,41 @@ def _check_task_and_schedule(r) -> None:
         raise RecipeValueError(
             ["remedies.lr_schedule.decay_period", "remedies.lr_schedule.trigger_step"],
             "length_decay with trigger = step needs decay_period, or a trigger_step > 0 to derive it from",
+        )
+
+
+def _check_offpolicy_schedule(r) -> None:
+    """The overlapped off-policy schedule: a lag to overlap, an engine with weights of its own, and memory for
+    the engine and the trainer at once."""
+    ro = r.rollout
+    if ro.schedule != "overlapped":
+        return
+    if ro.max_staleness < 1:
+        raise RecipeValueError(
+            ["rollout.schedule", "rollout.max_staleness"],
+            f"rollout.schedule = overlapped with rollout.max_staleness = {ro.max_staleness}: an on-policy step "
+            "trains the batch it has just sampled, so there is nothing to sample beside the update; allowed: "
+            "max_staleness >= 1, or schedule = sequential",
+        )
+    if r.rollout_backend != "vllm":
+        raise RecipeValueError(
+            ["rollout.schedule", "rollout.backend", "diagnostics.vexact"],
+            f"rollout.schedule = overlapped with the {r.rollout_backend!r} rollout backend: it samples from the "
+            "trainer's own weights, which the update changes while it would sample; allowed: backend vllm, or "
+            "schedule = sequential (exact mode runs off-policy in sequence)",
+        )
+    if r.trainer.offload_during_rollout != "none" or ro.sleep_between_steps:
+        raise RecipeValueError(
+            ["rollout.schedule", "trainer.offload_during_rollout", "rollout.sleep_between_steps"],
+            f"rollout.schedule = overlapped with trainer.offload_during_rollout = {r.trainer.offload_during_rollout} "
+            f"and rollout.sleep_between_steps = {ro.sleep_between_steps}: the engine samples while the trainer "
+            "updates, so neither can give its memory to the other; allowed: offload_during_rollout = none and "
+            "sleep_between_steps = false",
+        )
+    if ro.tensor_parallel_size > 1:
+        raise RecipeValueError(
+            ["rollout.schedule", "rollout.tensor_parallel_size"],
+            f"rollout.schedule = overlapped with rollout.tensor_parallel_size = {ro.tensor_parallel_size}: an "
+            "engine over several ranks runs collectives while the trainer runs its own on the same ranks, which "
+            "this schedule does not order; allowed: tensor_parallel_size = 1, or schedule = sequential",
         )

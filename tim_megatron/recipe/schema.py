@@ -85,6 +85,12 @@ class RolloutConfig(Section):
     step samples the batch it trains k steps later (the first step samples steps 1..k+1), in sequence on the same
     machine, and the ratio is split per token into staleness and TIM (``mismatch/staleness/*``,
     ``mismatch/tim/*``)."""
+    schedule: Literal["sequential", "overlapped"] = "sequential"
+    """How an off-policy run (``max_staleness`` > 0) runs its sampling ahead. ``sequential``: each step samples,
+    then trains. ``overlapped``: the batch for a later step is sampled on a thread beside the update (the engine
+    has its own copy of the weights and keeps the pre-update ones until the step's sync), and scored at its
+    sampling weights after the update from a copy of them (:mod:`tim_megatron.rl.overlap`). Both train on the same
+    samples with the same numbers; the overlapped one needs the engine and the trainer resident at once."""
     max_model_len: int = Field(256, ge=2)
     """Longest prompt + response vLLM accepts. Longer prompts are rejected before generation."""
     temperature: float = Field(1.0, gt=0)

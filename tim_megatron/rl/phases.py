@@ -9,6 +9,7 @@ sufficient statistics, so every rank ends a phase with the same numbers whatever
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -37,7 +38,7 @@ from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import Recipe
 from tim_megatron.rl.batch import StepBatch, from_samples, global_width, rank_rows
 from tim_megatron.rl.objective import LossRows, make_loss_fn, token_weights
-from tim_megatron.rollout.base import RolloutEngine
+from tim_megatron.rollout.base import GenerationStats, RolloutEngine, Sample
 from tim_megatron.rollout.sync import WeightSync
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 from tim_megatron.trainer.parallel import dp_group
@@ -152,6 +153,17 @@ def _generate(
     return mine, groups, gen
 
 
+def sample_block(
+    *, recipe: Recipe, rollout: RolloutEngine, prompts: PromptSource, step: int
+) -> Callable[[], tuple[list[list[Sample]], GenerationStats]]:
+    """This engine's generation of step ``step``, as a call that touches the engine alone (no collective, no
+    tokenizer, no trainer): the overlapped off-policy schedule runs it on a thread beside the update. The prompts
+    are encoded here, on the caller's thread. :func:`rollouts` with ``sampled=`` finishes the batch."""
+    mine, first = _engine_block(prompts.step_items(step, recipe.data.prompts_per_step), rollout)
+    ids = prompts.encode(mine)
+    return lambda: rollout.generate(ids, step=step, first_index=first)
+
+
 def probe_sequences(*, prompts: PromptSource, rollout: RolloutEngine, step: int) -> list[list[int]]:
     """Probe sequences for an eager sync check when a step has none of its own: up to 8 prompts of this engine's
     block of step ``step``."""
@@ -167,15 +179,27 @@ def rollouts(
     prompts: PromptSource,
     step: int,
     observer: StepObserver = NO_OBSERVER,
+    sampled: tuple[list[list[Sample]], GenerationStats] | None = None,
 ) -> tuple[StepBatch, dict, list[list[int]]]:
     """Every engine samples ``rollout.n`` responses for its block of the step's prompts and scores them where they
     are; this rank keeps the rows it trains. Also returns this engine's probe sequences for an eager sync check:
     one sample of each of up to 8 prompts of its own block (the same on all of the engine's ranks, which must
-    submit identical requests; the rows this rank trains may come from another engine)."""
+    submit identical requests; the rows this rank trains may come from another engine). ``sampled``: this
+    engine's samples of the step, already drawn by :func:`sample_block` (on the overlapped schedule's thread)."""
     r, tr, ro = recipe, trainer, rollout
     total = r.data.prompts_per_step
     items = prompts.step_items(step, total)
-    mine, groups, gen = _generate(items=items, rollout=ro, prompts=prompts, step=step, observer=observer)
+    if sampled is None:
+        mine, groups, gen = _generate(items=items, rollout=ro, prompts=prompts, step=step, observer=observer)
+    else:
+        (mine, _), (groups, gen) = _engine_block(items, ro), sampled
+        observer.generated(
+            step=step,
+            engine=ro.engine_index,
+            prompts=len(mine),
+            sequences=sum(len(g) for g in groups),
+            stats=gen,
+        )
     rewards = [
         [score(it.reward, prompts.decode(s.response_ids), it.answer) for s in g]
         for it, g in zip(mine, groups, strict=True)

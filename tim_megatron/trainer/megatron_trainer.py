@@ -431,6 +431,39 @@ class MegatronTrainer:
         kernels = invariant_kernels.kernels_of(self.model)
         return kernels.wide.held() if kernels is not None else contextlib.nullcontext()
 
+    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a forward reads that an update can change: the parameters and the floating buffers (a
+        router's expert bias)."""
+        out = dict(self.model.named_parameters())
+        out.update((f"buffer:{n}", b) for n, b in self.model.named_buffers() if b.is_floating_point())
+        return out
+
+    def weights_snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights as they are now, for :meth:`weights_at` after later updates (the overlapped
+        off-policy schedule scores a batch at its sampling weights after the update that ran beside it)."""
+        self.require_resident(("params",), "a weight snapshot")
+        return {n: t.detach().clone() for n, t in self._weight_tensors().items()}
+
+    @contextlib.contextmanager
+    def weights_at(self, snapshot: dict[str, torch.Tensor]):
+        """``with trainer.weights_at(snap):`` the model computes with the snapshot's weights inside, and with its
+        own again after, bit for bit (they are copied out and back, never recomputed)."""
+        tensors = self._weight_tensors()
+        if tensors.keys() != snapshot.keys():
+            raise ValueError(
+                f"a weight snapshot of {len(snapshot)} tensors does not fit this model's {len(tensors)}"
+            )
+        now = self.weights_snapshot()
+        with torch.no_grad():
+            for n, t in tensors.items():
+                t.copy_(snapshot[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, t in tensors.items():
+                    t.copy_(now[n])
+
     def exact_cache_dtype(self) -> torch.dtype:
         """The dtype exact mode's KV cache stores keys and values in: what its kernels compute the model's in."""
         return invariant_kernels.kernels_of(self.model).compute_dtype(DTYPES[self.dtype])
