@@ -282,9 +282,9 @@ def scenario_vllm(out: dict, overrides: list[str]) -> None:
     from transformers import AutoModelForCausalLM
 
     from tim_megatron.algo.injection import perturbed_logprobs, sampling_noise
-    from tim_megatron.models.tiny import ensure_tiny_checkpoint
     from tim_megatron.rollout.base import FleetLayout, sample_seed
     from tim_megatron.rollout.vllm_engine import VLLMEngine
+    from tim_megatron.run_setup import model_path_for
 
     grpo = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
     std = 1.0
@@ -301,12 +301,7 @@ def scenario_vllm(out: dict, overrides: list[str]) -> None:
             *overrides,
         ],
     ).recipe
-    ck = ensure_tiny_checkpoint(
-        recipe.model.dims,
-        seed=recipe.model.tiny_seed,
-        warmup_steps=recipe.model.tiny_warmup_steps,
-        task=recipe.data.task,
-    )
+    ck = model_path_for(recipe)
     eng = VLLMEngine(recipe, model_path=ck, layout=FleetLayout(world=1, ranks_per_engine=1))
     prompts = [eng.tokenizer.encode(p) for p in ["3+4=", "1+1=", "2+0=", "4+4="]]
     injected, _ = eng.generate(prompts, step=1)

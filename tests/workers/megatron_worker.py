@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tim_megatron.algo.aggregation import local_denominator  # noqa: E402
-from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
 from tim_megatron.rl.objective import plain_loss_fn  # noqa: E402
+from tim_megatron.run_setup import model_path_for  # noqa: E402
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
@@ -328,12 +328,7 @@ def run_scenario(name: str, out_path: Path, overrides: list[str], *, last: bool 
     """One scenario on a trainer built for ``overrides``; rank 0 saves ``out_path``. ``last=False`` keeps the
     launcher's default process group for the next scenario in the same processes."""
     recipe = load_recipe(RECIPE, [*BASE, *overrides]).recipe
-    ckpt = ensure_tiny_checkpoint(
-        recipe.model.dims,
-        seed=recipe.model.tiny_seed,
-        warmup_steps=recipe.model.tiny_warmup_steps,
-        task=recipe.data.task,
-    )
+    ckpt = model_path_for(recipe)
     tr = MegatronTrainer(recipe, model_path=ckpt)
     out: dict = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     SCENARIOS[name](tr, out)

@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tim_megatron.algo import compute_mismatch  # noqa: E402
-from tim_megatron.models.tiny import ensure_tiny_checkpoint  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
 from tim_megatron.rollout.base import FleetLayout  # noqa: E402
 from tim_megatron.rollout.sync import WeightSync, WeightSyncError, manifest, verdict  # noqa: E402
 from tim_megatron.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from tim_megatron.run_setup import model_path_for  # noqa: E402
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "tiny-moe" / "grpo.yaml"
@@ -28,12 +28,7 @@ PROMPTS = ["3+4=", "1+1=", "2+0=", "4+4="]
 
 def build(overrides):
     recipe = load_recipe(RECIPE, ["trainer.micro_batch_size=8", *overrides]).recipe
-    ck = ensure_tiny_checkpoint(
-        recipe.model.dims,
-        seed=recipe.model.tiny_seed,
-        warmup_steps=recipe.model.tiny_warmup_steps,
-        task=recipe.data.task,
-    )
+    ck = model_path_for(recipe)
     tr = MegatronTrainer(recipe, model_path=ck)
     eng = VLLMEngine(
         recipe,
