@@ -420,10 +420,13 @@ def test_run_names_cannot_escape_the_runs_folder(tmp_path):
 def test_two_node_job(two_nodes, tmp_path):
     """`make submit` with cluster.nodes=2 on a real two-node Slurm (two network namespaces on this machine):
     torchrun rendezvous across the nodes, one rollout engine per node, every sync verified per engine, metrics and
-    checkpoints written; then scancel (SIGTERM: checkpoint) and a resume on two nodes that continues the run."""
+    checkpoints written; then scancel (SIGTERM: checkpoint) and a resume on two nodes that continues the run. The
+    run is one step off-policy on the overlapped schedule: each engine samples the next step's batch while the
+    ranks update, and the checkpoint holds that batch for the resume."""
     over = (
         f"run.steps=30 {FAST} checkpoint.every=2 run.output_dir={tmp_path} cluster.nodes=2 parallel.dp=2 "
-        f"cluster.cpus_per_task=1 cluster.env.GLOO_SOCKET_IFNAME={two_nodes.IFACE}"
+        f"cluster.cpus_per_task=1 cluster.env.GLOO_SOCKET_IFNAME={two_nodes.IFACE} "
+        "rollout.max_staleness=1 rollout.schedule=overlapped"
     )
     job, run = submitted(make("submit", two_nodes, RECIPE="recipes/tiny-moe/grpo.yaml", OVERRIDES=over))
     t0 = time.time()
@@ -436,8 +439,12 @@ def test_two_node_job(two_nodes, tmp_path):
     assert two_nodes.wait(job) == "CANCELLED"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["rollout/engines"] == 2.0
-    for r in rows:  # both engines verified at every step (eager probe after sync 1, then each step's samples)
-        assert r["sync/engine0/p80_abs_prob_diff"] <= 0.01 and r["sync/engine1/p80_abs_prob_diff"] <= 0.01
+    for r in rows:
+        # both engines verified at every sync: the eager probe after sync 1 (step 1's row), then each sync on the
+        # samples it drew, reported with them when they are trained one step later (so none in step 2's row)
+        if r["step"] != 2:
+            assert r["sync/engine0/p80_abs_prob_diff"] <= 0.01 and r["sync/engine1/p80_abs_prob_diff"] <= 0.01
+        assert r["offpolicy/age"] == min(r["step"] - 1, 1) and r["offpolicy/overlap_generate_seconds"] > 0
     log = (run / "logs" / f"slurm-{job}.out").read_text()
     assert "2 node(s) x 1 rank(s)" in log
     ranks = sorted((run / "logs").glob(f"ranks-{job}/*/attempt_0/*/stdout.log"))
@@ -446,3 +453,7 @@ def test_two_node_job(two_nodes, tmp_path):
     assert "rollout engine 0 of 2: rank 0 on cpu" in out and "rollout engine 1 of 2: rank 1 on cpu" in out
     assert json.loads((run / "run.json").read_text())["status"] == "preempted"
     resume_to_the_end(two_nodes, run, steps=30)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(
+        r["offpolicy/age"] == 1 for r in rows[1:]
+    )  # the resumed steps trained checkpointed batches too
