@@ -57,13 +57,22 @@ def test_bad_override_is_attributed_to_the_command_line(tmp_path):
         load_recipe(p, ["rl.clip.high=abc"])
 
 
-def test_unknown_key_did_you_mean(tmp_path):
-    p = write(tmp_path, "r.yaml", "rl:\n  clip:\n    hihg: 0.3\n")
-    with pytest.raises(RecipeError, match=r"unknown key 'rl.clip.hihg' \(did you mean 'rl.clip.high'\?\)"):
-        load_recipe(p)
-    q = write(tmp_path, "q.yaml", "ppo_epochs: 2\n")
-    with pytest.raises(RecipeError, match=r"did you mean 'rl.ppo_epochs'"):
-        load_recipe(q)
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        pytest.param(
+            "rl:\n  clip:\n    hihg: 0.3\n",
+            r"unknown key 'rl.clip.hihg' \(did you mean 'rl.clip.high'\?\)",
+            id="unknown-key-did-you-mean",
+        ),
+        pytest.param("ppo_epochs: 2\n", r"did you mean 'rl.ppo_epochs'", id="key-outside-its-section"),
+        pytest.param("base: nope.yaml\n", r"base = 'nope.yaml': file not found", id="missing-base"),
+        pytest.param("rl: [unclosed\n", "not valid YAML", id="bad-yaml"),
+    ],
+)
+def test_a_bad_recipe_file_is_refused_with_the_reason(tmp_path, text, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(write(tmp_path, "r.yaml", text))
 
 
 def test_gspo_with_token_mean_is_rejected(tmp_path):
@@ -86,15 +95,6 @@ def test_cyclic_base_chain_is_detected(tmp_path):
     b = write(tmp_path, "b.yaml", "base: a.yaml\n")
     with pytest.raises(RecipeError, match=r"cyclic base chain: .*b.yaml -> .*a.yaml -> .*b.yaml"):
         load_recipe(b)
-
-
-def test_missing_base_and_bad_yaml(tmp_path):
-    p = write(tmp_path, "r.yaml", "base: nope.yaml\n")
-    with pytest.raises(RecipeError, match=r"base = 'nope.yaml': file not found"):
-        load_recipe(p)
-    q = write(tmp_path, "q.yaml", "rl: [unclosed\n")
-    with pytest.raises(RecipeError, match="not valid YAML"):
-        load_recipe(q)
 
 
 def test_precision_mismatch_must_be_declared(tmp_path):
