@@ -179,3 +179,27 @@ def test_the_plan_counts_the_rollout_backend_it_has():
     assert plan.vllm_weights == 0 and plan.gpu_memory_utilization == 0
     assert plan.vllm_kv_cache == plan.kv_needed == per_token * exact.rollout.max_model_len * exact.rollout.n
     assert plan.trainer_state == vllm.trainer_state and plan.rollout_phase < vllm.rollout_phase
+
+
+def test_the_overlapped_step_hides_the_shorter_of_generation_and_update():
+    """The overlapped off-policy schedule: generation beside the trainer's pass and the update, then the new batch's
+    pass at its sampling weights and the sync; nothing offloaded. `tim plan` prints it under the step total."""
+    sp = step_plan(_recipe(H100, "trainer.offload_during_rollout=none"))
+    fwd = sp.forward_flops / sp.cluster_flops
+    assert sp.overlapped == pytest.approx(max(sp.rollout, fwd + sp.update) + fwd + sp.sync, rel=1e-12)
+    assert sp.overlapped < sp.total  # the rollout and the update no longer add
+    # bypass skips the on-policy old-logprob pass, not the off-policy one at the sampling weights
+    bypass = step_plan(_recipe(H100, "trainer.offload_during_rollout=none", "rl.correction.bypass=true"))
+    assert bypass.overlapped == pytest.approx(sp.overlapped, rel=1e-12)
+    out = _cli("plan", H100, "trainer.offload_during_rollout=none").output
+    assert f"{'off-policy, overlapped':<30} {sp.overlapped:7.1f} s" in out
+    assert "(this recipe's schedule)" not in out
+    one = [
+        "rollout.tensor_parallel_size=1",  # the overlapped schedule runs engines of one rank
+        "rollout.max_staleness=1",
+        "rollout.schedule=overlapped",
+        "rollout.sleep_between_steps=false",
+    ]
+    assert (
+        "(this recipe's schedule)" in _cli("plan", H100, "trainer.offload_during_rollout=none", *one).output
+    )

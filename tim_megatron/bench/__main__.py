@@ -17,6 +17,7 @@ BENCHES = {
     "fleet": "tim_megatron.bench.fleet",
     "exact": "tim_megatron.bench.exact",
     "experts": "tim_megatron.bench.experts",
+    "offpolicy": "tim_megatron.bench.offpolicy",
 }
 
 

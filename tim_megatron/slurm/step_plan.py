@@ -88,6 +88,15 @@ class StepPlan:
     def total(self) -> float:
         return sum(v for _, v in self.parts())
 
+    @property
+    def overlapped(self) -> float:
+        """The step on the overlapped off-policy schedule (``rollout.schedule: overlapped``): generation runs beside
+        the trainer's pass at the current weights and the update, then the new batch's pass at its sampling
+        weights and the sync follow; nothing is offloaded. A lower bound that assumes the engine and the trainer
+        do not slow each other down (true of engines on GPUs of their own, not of engines sharing the trainer's)."""
+        forward = self.forward_flops / self.cluster_flops  # pi_s is always scored, bypass or not
+        return max(self.rollout, forward + self.update) + forward + self.sync
+
 
 def step_plan(recipe: Recipe, plan: Plan | None = None) -> StepPlan | None:
     """The recipe's step (its own memory plan unless ``plan`` is given); None on a CPU recipe (no GPU peak)."""
@@ -216,6 +225,12 @@ def format_step(recipe: Recipe, plan: Plan) -> str:
     total = sp.total
     minutes = "" if math.isnan(total) else f" ({total / 60:.1f} min)"
     lines.append(f"    {'step total':<30} {_s(total)}{minutes}")
+    over = sp.overlapped
+    mine = " (this recipe's schedule)" if r.rollout.schedule == "overlapped" else ""
+    lines.append(
+        f"    {'off-policy, overlapped':<30} {_s(over)}   max(rollout, pass + update) + pass + sync, nothing "
+        f"offloaded, no contention assumed{mine}"
+    )
     if c.reference_step_seconds is not None:
         ratio = "" if math.isnan(total) else f"; the estimate is {total / c.reference_step_seconds:.2f} of it"
         lines.append(
