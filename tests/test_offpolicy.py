@@ -210,7 +210,22 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                     "rollout.schedule=overlapped",
                 ],
                 "output_dir": str(tmp / "vllm_k2_overlapped"),
-            }
+            },
+            *(
+                {  # PPO's ratio against pi_s, and against pi_t, in one minibatch (one update a step)
+                    "name": f"vllm_k2_{proximal}",
+                    "recipe": "recipes/tiny-moe/grpo.yaml",
+                    "overrides": [
+                        *QUIET,
+                        "run.steps=2",
+                        "rollout.max_staleness=2",
+                        "rl.minibatches=1",
+                        f"rl.proximal={proximal}",
+                    ],
+                    "output_dir": str(tmp / f"vllm_k2_{proximal}"),
+                }
+                for proximal in ("sampled", "current")
+            ),
         ],
         tmp / "w2",
     )
@@ -282,3 +297,19 @@ def test_a_resume_in_the_middle_of_an_overlapped_run_continues_exactly(runs, tmp
     """The overlapped schedule checkpoints after a step's sampling ahead is joined: the step-2 checkpoint holds
     the batches of steps 3 and 4, and a resumed run trains them as the uninterrupted one did."""
     _resumes_from_step_2_exactly(runs["vllm_k2_overlapped"], tmp_path / "c")
+
+
+def test_a_proximal_policy_at_the_sampling_weights_moves_ppos_ratio_by_the_staleness(runs):
+    """rl.proximal = sampled takes PPO's ratio against pi_s. Step 1 trains a batch sampled at its own weights
+    (pi_s is pi_t): everything equals the default run's. Step 2 trains the same batch at the same weights in both
+    runs (B_2, sampled by theta_0, trained by theta_1, in one update): only PPO's denominator differs, so the
+    ratio, about 1 against pi_t, spreads by the staleness part against pi_s."""
+    sampled, current = metrics(runs["vllm_k2_sampled"]), metrics(runs["vllm_k2_current"])
+    assert _strip(sampled[:1]) == _strip(current[:1])
+    a, b = sampled[1], current[1]
+    for key in ("mismatch/staleness/log_ratio_std", "mismatch/tim/log_ratio_std", "offpolicy/age"):
+        assert a[key] == b[key]
+    assert a["mismatch/staleness/log_ratio_std"] > 0.01
+    assert a["actor/ratio_std"] > 10 * b["actor/ratio_std"]
+    # exp(x) spreads as x does for small x: the ratio's spread is the staleness part's
+    assert a["actor/ratio_std"] == pytest.approx(a["mismatch/staleness/log_ratio_std"], rel=0.25)

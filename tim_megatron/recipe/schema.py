@@ -255,6 +255,12 @@ class RLConfig(Section):
     """Advantage estimator over each prompt's group of responses."""
     correction: CorrectionConfig = CorrectionConfig()
     """Importance-sampling correction for the rollout/trainer mismatch (TIS, MIS, IcePop)."""
+    proximal: Literal["current", "sampled"] = "current"
+    """The policy PPO's ratio and clip are taken against. ``current``: pi_t, the trainer at the weights the step
+    starts from (decoupled PPO, as AReaL: the trust region is around the policy now, and the correction handles
+    the behaviour policy). ``sampled``: pi_s, the trainer at the weights that sampled the batch (PPO on stale
+    data: the clip also bounds the policy's move since sampling; aim the correction at ``tim``). The same on
+    policy (``rollout.max_staleness`` 0), where pi_s is pi_t."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each step's rollouts."""
     minibatches: int = Field(1, ge=1)

@@ -543,8 +543,9 @@ def update(
     r, tr, op, local = recipe, trainer, old, batch
     n_local = len(local)
     per = n_local // r.rl.minibatches
+    proximal = op.old if r.rl.proximal == "current" else op.sampled_at  # what PPO's ratio is against
     loss_rows = LossRows(
-        old=op.old, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights
+        old=proximal, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights
     )
     routes = tr.modes.routing
     routing = routes.update
