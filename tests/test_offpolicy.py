@@ -313,3 +313,28 @@ def test_a_proximal_policy_at_the_sampling_weights_moves_ppos_ratio_by_the_stale
     assert a["actor/ratio_std"] > 10 * b["actor/ratio_std"]
     # exp(x) spreads as x does for small x: the ratio's spread is the staleness part's
     assert a["actor/ratio_std"] == pytest.approx(a["mismatch/staleness/log_ratio_std"], rel=0.25)
+
+
+def test_the_report_draws_the_split_by_age(runs, tmp_path):
+    """The report of off-policy runs: the age, staleness and TIM curves, and the parts by the trained batch's age
+    (each step trains one batch, so a step's metrics are its age's)."""
+    from tim_megatron.report.build import build_report
+    from tim_megatron.report.plots import by_age
+    from tim_megatron.report.runs import load_runs
+
+    build_report([runs["vllm_k2"], runs["exact_k2"]], tmp_path / "report")
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert (
+        "offpolicy_by_age.png" in page and (tmp_path / "report" / "offpolicy_by_age.png").stat().st_size > 0
+    )
+    assert "curve_mismatch-staleness-log_ratio_std.png" in page
+    rows = metrics(runs["vllm_k2"])
+    (run,) = load_runs([runs["vllm_k2"]], [])
+    split = by_age(run)
+    assert sorted(split) == [0, 1, 2] and split[2]["steps"] == 2  # steps 3 and 4
+    assert split[2]["staleness"] == pytest.approx(
+        (rows[2]["mismatch/staleness/log_ratio_std"] + rows[3]["mismatch/staleness/log_ratio_std"]) / 2
+    )
+    assert split[0]["staleness"] == 0.0 and split[1]["tim"] == rows[1]["mismatch/tim/log_ratio_std"]
+    (exact,) = load_runs([runs["exact_k2"]], [])
+    assert all(v["tim"] == 0.0 for v in by_age(exact).values())  # exact mode: no TIM at any age

@@ -97,6 +97,7 @@ def build_report(
         "scatter": plots.scatter_panels(runs, out, notices) if runs else [],
         "buckets": plots.bucket_panels(runs, out) if runs else [],
         "surrogate": plots.surrogate_panel(runs, out) if runs else [],
+        "ages": plots.age_panel(runs, out) if runs else [],
     }
     no_dumps = [r.name for r in runs if not r.dumps]
     aligned = align_section.section(runs, out, notices)
@@ -153,8 +154,11 @@ def _page(title, runs, rows, figs, notices, no_dumps, s: WarningSettings, aligne
         ("scatter", "pi_train vs pi_infer, earliest and latest dumps", "no token dumps"),
         ("buckets", "rho drift by probability bucket", None),
         ("surrogate", "Surrogate J against step", "J is logged by every run; none had a finite value"),
+        ("ages", "Off-policy: staleness and TIM by the trained batch's age", None),
     )
     for key, heading, empty in sections:
+        if key == "ages" and not figs[key]:
+            continue  # on-policy runs only
         parts.append(f"<h2>{e(heading)}</h2>")
         if key == "scatter" and no_dumps:
             parts.append(

@@ -301,3 +301,43 @@ def surrogate_panel(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
     _label(ax, "Objective-level surrogate J = sum A (phi - 1)", "J (advantage units)")
     ax.legend(loc="best", frameon=False)
     return [(_save(plt, fig, out, "surrogate_J.png"), "Surrogate J against step")]
+
+
+def by_age(run: RunData) -> dict[int, dict[str, float]]:
+    """An off-policy run's split by the trained batch's age: for each age, its steps and the mean over them of
+    the staleness and TIM parts' log-ratio std (each step trains one batch, of one age)."""
+    ages, stale, tim = (
+        dict(zip(*run.series(k), strict=True))
+        for k in (names.OFFPOLICY_AGE, names.STALENESS_STD, names.TIM_STD)
+    )
+    out: dict[int, dict[str, float]] = {}
+    for age in sorted({int(a) for a in ages.values()}):
+        steps = [s for s, a in ages.items() if int(a) == age and s in stale and s in tim]
+        if steps:
+            out[age] = {
+                "steps": float(len(steps)),
+                "staleness": float(np.mean([stale[s] for s in steps])),
+                "tim": float(np.mean([tim[s] for s in steps])),
+            }
+    return out
+
+
+def age_panel(runs: list[RunData], out: Path) -> list[tuple[str, str]]:
+    """The staleness and TIM parts against the trained batch's age, one line per off-policy run: the staleness
+    part grows with the age, the TIM part should not."""
+    split = {r.name: by_age(r) for r in runs}
+    split = {n: a for n, a in split.items() if len(a) > 1}
+    if not split:
+        return []
+    plt = _plt()
+    col = colors(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.6), constrained_layout=True)
+    for ax, part, title in ((axes[0], "staleness", "Staleness"), (axes[1], "tim", "TIM")):
+        for name, a in split.items():
+            ax.plot(list(a), [v[part] for v in a.values()], marker="o", color=col[name], label=name)
+        ax.set_xticks(sorted({age for a in split.values() for age in a}))
+        _label(
+            ax, f"{title} by age: std of its log-ratio", "nats per token (mean over steps)", "age (updates)"
+        )
+    axes[0].legend(loc="best", framealpha=0.85)
+    return [(_save(plt, fig, out, "offpolicy_by_age.png"), "Staleness and TIM by the trained batch's age")]
