@@ -129,6 +129,16 @@ EVAL_INDEX_BASE = 1 << 24
 numbers than step s's training rollout (whose prompt indices lie below this)."""
 
 
+def _tell_generated(observer: StepObserver, *, step: int, rollout: RolloutEngine, mine, groups, gen) -> None:
+    observer.generated(
+        step=step,
+        engine=rollout.engine_index,
+        prompts=len(mine),
+        sequences=sum(len(g) for g in groups),
+        stats=gen,
+    )
+
+
 def _generate(
     *,
     items: list,
@@ -143,13 +153,7 @@ def _generate(
     ``index_base`` offsets the prompts' global indices (their sample seeds)."""
     mine, first = _engine_block(items, rollout)
     groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=index_base + first, **how)
-    observer.generated(
-        step=step,
-        engine=rollout.engine_index,
-        prompts=len(mine),
-        sequences=sum(len(g) for g in groups),
-        stats=gen,
-    )
+    _tell_generated(observer, step=step, rollout=rollout, mine=mine, groups=groups, gen=gen)
     return mine, groups, gen
 
 
@@ -193,13 +197,7 @@ def rollouts(
         mine, groups, gen = _generate(items=items, rollout=ro, prompts=prompts, step=step, observer=observer)
     else:
         (mine, _), (groups, gen) = _engine_block(items, ro), sampled
-        observer.generated(
-            step=step,
-            engine=ro.engine_index,
-            prompts=len(mine),
-            sequences=sum(len(g) for g in groups),
-            stats=gen,
-        )
+        _tell_generated(observer, step=step, rollout=ro, mine=mine, groups=groups, gen=gen)
     rewards = [
         [score(it.reward, prompts.decode(s.response_ids), it.answer) for s in g]
         for it, g in zip(mine, groups, strict=True)
