@@ -53,6 +53,7 @@ SLOWEST_FIRST = (
     "test_loop.py",
     "test_integrity.py",
     "test_exact.py",
+    "test_engine_faults.py",
     "test_fleet.py",
     "test_trainer.py",
     "test_families.py",

@@ -23,6 +23,7 @@ from tim_megatron.rl.batch import broadcast_object, cat_padded
 from tim_megatron.rl.colocation import Colocation
 from tim_megatron.rl.offpolicy import Generated
 from tim_megatron.rl.overlap import start_ahead
+from tim_megatron.rollout.faults import EngineLost
 from tim_megatron.run_dir import RunDirNotWritable, record_step
 from tim_megatron.safe_files import write_atomic
 from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
@@ -94,7 +95,8 @@ def run_steps(
         from tim_megatron.run_dir import mark_failed
         from tim_megatron.trainer.megatron_trainer import NonFiniteAbort
 
-        if isinstance(e, NonFiniteAbort):  # its updates were skipped: the weights are the last good ones
+        if isinstance(e, NonFiniteAbort) or (isinstance(e, EngineLost) and e.before_update):
+            # its updates were skipped, or the step had not updated yet: the weights are the last good ones
             kept = save(parts, run_dir=run_dir, recipe=r, step=step - 1, overwrite=False)
             e.args = (f"{e}; last good state checkpointed: {kept}",)
         if trainer.is_rank0:
@@ -117,6 +119,7 @@ def one_step(
     memory: Colocation = parts.colocation
     t = phases.Timer()
     cpu = phases.process_tree_cpu_seconds()
+    ro.begin_step(step)
     with t("step"), contextlib.ExitStack() as cleanup:
         start, ahead = {}, None
         if step == 1 and r.run.val_every and r.run.val_samples:
@@ -177,6 +180,8 @@ def one_step(
             metrics.update(
                 memory.to_rollout(probe=probe or parts.probe, last=step == r.run.steps, observer=observer)
             )
+        if ro.restartable:  # every rank's engine restarts, summed
+            metrics.update(phases.fault_metrics(ro))
         if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
             with t("validation"):
                 metrics.update(

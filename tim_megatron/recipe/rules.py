@@ -21,6 +21,7 @@ def check_recipe(r) -> None:
     _check_injection(r)
     _check_task_and_schedule(r)
     _check_offpolicy_schedule(r)
+    _check_engine_process(r)
 
 
 def _check_model_and_parallel(r) -> None:
@@ -380,4 +381,33 @@ def _check_offpolicy_schedule(r) -> None:
             f"rollout.schedule = overlapped with rollout.tensor_parallel_size = {ro.tensor_parallel_size}: an "
             "engine over several ranks runs collectives while the trainer runs its own on the same ranks, which "
             "this schedule does not order; allowed: tensor_parallel_size = 1, or schedule = sequential",
+        )
+
+
+def _check_engine_process(r) -> None:
+    """An engine in its own process, and the fire drill that needs one."""
+    ro, d = r.rollout, r.rollout.fault_drill
+    if ro.engine_process and r.rollout_backend != "vllm":
+        raise RecipeValueError(
+            ["rollout.engine_process", "rollout.backend", "diagnostics.vexact"],
+            f"rollout.engine_process = true with the {r.rollout_backend!r} rollout backend: it samples with the "
+            "trainer's own model, in the trainer's process; allowed: backend vllm, or engine_process = false",
+        )
+    if ro.engine_process and ro.tensor_parallel_size > 1:
+        raise RecipeValueError(
+            ["rollout.engine_process", "rollout.tensor_parallel_size"],
+            f"rollout.engine_process = true with rollout.tensor_parallel_size = {ro.tensor_parallel_size}: an engine "
+            "in its own process serves one rank; allowed: tensor_parallel_size = 1, or engine_process = false",
+        )
+    if d.kind != "none" and not ro.engine_process:
+        raise RecipeValueError(
+            ["rollout.fault_drill.kind", "rollout.engine_process"],
+            f"rollout.fault_drill.kind = {d.kind} with rollout.engine_process = false: an engine in the rank's own "
+            "process takes the rank down with it, so there is nothing to recover; allowed: engine_process = true, "
+            "or kind = none",
+        )
+    if d.kind != "none" and d.rank >= r.parallel.world_size:
+        raise RecipeValueError(
+            ["rollout.fault_drill.rank", "parallel"],
+            f"rollout.fault_drill.rank = {d.rank}: the run has ranks 0 to {r.parallel.world_size - 1}",
         )

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from tim_megatron import metric_names as names
 from tim_megatron.recipe.base import INT_LIMIT, NAME_PATTERN, Dtype, RecipeValueError, Section  # noqa: F401
 from tim_megatron.recipe.dims import FAMILIES, ModelDims  # noqa: F401
+from tim_megatron.recipe.faults import FaultDrillConfig, FaultsConfig
 from tim_megatron.recipe.rules import check_recipe
 
 # ----------------------------------------------------------------------------------------------- model
@@ -136,6 +137,14 @@ class RolloutConfig(Section):
     may differ more: real MoE mismatch, logged). Unset: 1e-4 when both sides are fp32, 0.01 otherwise."""
     capture_routed_experts: bool = False
     """Record the top-k experts vLLM used for every token (needed by R3; derived when R3 is on)."""
+    engine_process: bool = False
+    """Run each rank's vLLM engine in a process of its own (:mod:`tim_megatron.rollout.process_engine`), so that an
+    engine that dies, hangs or raises is restarted and the step's lost samples regenerated, instead of taking the
+    rank down. False: in the rank's process, weights passed by reference."""
+    faults: FaultsConfig = FaultsConfig()
+    """How long an engine in its own process may take, and how often it may be restarted."""
+    fault_drill: FaultDrillConfig = FaultDrillConfig()
+    """A planted fault, to watch recovery work (tests, and a cluster before a long job)."""
 
 
 # -------------------------------------------------------------------------------------------- trainer

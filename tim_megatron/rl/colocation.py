@@ -17,6 +17,7 @@ sleeps: there is one copy of the weights, and it is the trainer's.
 from __future__ import annotations
 
 from tim_megatron.observer import NO_OBSERVER, StepObserver
+from tim_megatron.rollout.faults import EngineLost, agree_on_engines
 from tim_megatron.trainer.offload import LEVELS, Transfer
 
 MIB = 2**20
@@ -71,7 +72,12 @@ class Colocation:
             moved.append(self.trainer.offload(early))  # it gives the freed blocks back to the device too
         else:
             self.trainer.release_memory()  # the trainer's cached blocks go back before vLLM takes its memory
-        self.rollout.wake_up(tags=["weights"])
+        lost = None
+        try:
+            self.rollout.wake_up(tags=["weights"])
+        except EngineLost as e:
+            lost = e
+        agree_on_engines(self.rollout, lost, phase="wake")
         out = self.sync.push(
             self.rollout,
             self.trainer,

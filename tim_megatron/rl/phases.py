@@ -39,6 +39,7 @@ from tim_megatron.recipe import Recipe
 from tim_megatron.rl.batch import StepBatch, from_samples, global_width, rank_rows
 from tim_megatron.rl.objective import LossRows, make_loss_fn, token_weights
 from tim_megatron.rollout.base import GenerationStats, RolloutEngine, Sample
+from tim_megatron.rollout.faults import EngineLost, agree_on_engines
 from tim_megatron.rollout.sync import WeightSync
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 from tim_megatron.trainer.parallel import dp_group
@@ -139,6 +140,16 @@ def _tell_generated(observer: StepObserver, *, step: int, rollout: RolloutEngine
     )
 
 
+def fault_metrics(rollout: RolloutEngine) -> dict[str, float]:
+    """This step's ``faults/*`` metrics summed over the ranks (every rank calls)."""
+    local = rollout.faults()
+    keys = sorted(k for k in local if "_max_" not in k)
+    highest = sorted(k for k in local if "_max_" in k)
+    values = _sum_over_engines(rollout, [local[k] for k in keys]) if keys else []
+    values += _max_over_world([local[k] for k in highest]) if highest else []
+    return dict(zip(keys + highest, values, strict=True))
+
+
 def _generate(
     *,
     items: list,
@@ -147,12 +158,18 @@ def _generate(
     step: int,
     observer: StepObserver,
     index_base: int = 0,
+    before_update: bool = False,
     **how,
 ):
     """Generate for this engine's block of ``items`` and tell the observer: its items, groups and stats.
     ``index_base`` offsets the prompts' global indices (their sample seeds)."""
     mine, first = _engine_block(items, rollout)
-    groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=index_base + first, **how)
+    lost = None
+    try:
+        groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=index_base + first, **how)
+    except EngineLost as e:
+        lost = e
+    agree_on_engines(rollout, lost, phase="generate", before_update=before_update)
     _tell_generated(observer, step=step, rollout=rollout, mine=mine, groups=groups, gen=gen)
     return mine, groups, gen
 
@@ -194,7 +211,9 @@ def rollouts(
     total = r.data.prompts_per_step
     items = prompts.step_items(step, total)
     if sampled is None:
-        mine, groups, gen = _generate(items=items, rollout=ro, prompts=prompts, step=step, observer=observer)
+        mine, groups, gen = _generate(
+            items=items, rollout=ro, prompts=prompts, step=step, observer=observer, before_update=True
+        )
     else:
         (mine, _), (groups, gen) = _engine_block(items, ro), sampled
         _tell_generated(observer, step=step, rollout=ro, mine=mine, groups=groups, gen=gen)

@@ -39,6 +39,16 @@ def _build_vllm(recipe, trainer, *, model_path: Path, tokenizer):
     from tim_megatron.rollout.vllm_engine import VLLMEngine
 
     layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=recipe.rollout.tensor_parallel_size)
+    if recipe.rollout.engine_process:
+        from tim_megatron.rollout.process_engine import ProcessEngine
+
+        return ProcessEngine(
+            recipe,
+            model_path=model_path,
+            layout=layout,
+            rank=trainer.rank,
+            num_moe_layers=trainer.num_moe_layers(),
+        )
     return VLLMEngine(
         recipe,
         model_path=model_path,

@@ -153,6 +153,17 @@ class RolloutEngine(Protocol):
     """The engine this rank belongs to."""
     shares_trainer_weights: bool
     """True when the engine samples with the trainer's own parameters (nothing to sync or verify)."""
+    restartable: bool
+    """True when a failed engine is restarted in place (:mod:`tim_megatron.rollout.process_engine`): the ranks then
+    agree after each engine call whether one was lost for good."""
+
+    def begin_step(self, step: int) -> None:
+        """A new RL step starts (what the engine counts per step starts again)."""
+        ...
+
+    def faults(self) -> dict[str, float]:
+        """This step's ``faults/*`` metrics on this rank (none for an engine that is not restarted)."""
+        ...
 
     def generate(
         self,

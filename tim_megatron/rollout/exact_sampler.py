@@ -56,6 +56,7 @@ class ExactMismatchError(RuntimeError):
 class ExactSampler:
     """This rank's share of exact sampling: the rows its data-parallel rank trains (see the module docstring)."""
 
+    restartable = False
     shares_trainer_weights = True
 
     def __init__(self, trainer, *, eos_id: int, injection: SamplingInjection | None = None):
@@ -285,6 +286,12 @@ class ExactSampler:
             "device": "trainer (exact)",
             "tensor_parallel_size": self.trainer.tp,
         }
+
+    def begin_step(self, step: int) -> None:
+        """Nothing counted per step."""
+
+    def faults(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         pass

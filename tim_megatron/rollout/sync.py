@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.observer import NO_OBSERVER, StepObserver
+from tim_megatron.rollout.faults import EngineLost, agree_on_engines
 from tim_megatron.trainer.parallel import dp_group
 
 
@@ -333,7 +334,12 @@ class WeightSync:
             for _ in checked:  # the export is collective: drain it, load nothing
                 pass
         else:
-            rollout.update_weights(faulty(checked, fault) if fault != "off" else checked)
+            lost = None
+            try:
+                rollout.update_weights(faulty(checked, fault) if fault != "off" else checked)
+            except EngineLost as e:
+                lost = e
+            agree_on_engines(rollout, lost, phase="sync")
         problems = checked.problems()
         layout = rollout.layout
         flags = torch.zeros(layout.engines, dtype=torch.float64)
@@ -370,7 +376,12 @@ class WeightSync:
         from tim_megatron.trainer.megatron_trainer import SeqBatch
 
         layout = rollout.layout
-        scored = rollout.score(seqs) if seqs else []
+        lost, scored = None, []
+        try:
+            scored = rollout.score(seqs) if seqs else []
+        except EngineLost as e:
+            lost = e
+        agree_on_engines(rollout, lost, phase="score")
         blocks = _leaders_gather((seqs, scored), layout, self.rank)
         rows, vllm, engine = [], [], []
         for k, (s, sc) in enumerate(blocks):

@@ -180,6 +180,7 @@ def memory_error(e: BaseException) -> bool:
 class VLLMEngine:
     """This rank's share of the vLLM fleet: an in-process ``vllm.LLM`` (see the module docstring)."""
 
+    restartable = False
     shares_trainer_weights = False
 
     def __init__(
@@ -486,6 +487,12 @@ class VLLMEngine:
             self._awake_tags |= want
         if self._awake_tags >= {"weights", "kv_cache"}:
             self.asleep = 0
+
+    def begin_step(self, step: int) -> None:
+        """Nothing counted per step."""
+
+    def faults(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         """Shut the engine down in this process, so another can start in it: vLLM's own in-process teardown

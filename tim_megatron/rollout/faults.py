@@ -1,0 +1,75 @@
+"""What a lost rollout engine is, what recovering from it costs, and how the ranks agree that one was lost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class EngineLost(RuntimeError):
+    """A rank's rollout engine failed more often than ``rollout.faults`` allows."""
+
+    def __init__(self, message: str, *, rank: int, phase: str, cause: str):
+        super().__init__(message)
+        self.rank, self.phase, self.cause = rank, phase, cause
+        self.before_update = False
+        """Set when every rank agreed on it before the step changed the trainer (the step before can be saved)."""
+
+    def __reduce__(self):  # sent to the other ranks whole
+        return (_engine_lost, (str(self), self.rank, self.phase, self.cause))
+
+
+def _engine_lost(message: str, rank: int, phase: str, cause: str) -> EngineLost:
+    return EngineLost(message, rank=rank, phase=phase, cause=cause)
+
+
+@dataclass
+class FaultTally:
+    """What recovery cost, this step and over the run (``faults/*`` metrics)."""
+
+    restarts: int = 0
+    seconds_lost: float = 0.0
+    prompts_regenerated: int = 0
+    run_restarts: int = 0
+    witness_max_abs_prob_diff: float = 0.0
+    """The largest probability difference between a restarted engine and its predecessor on the same probe."""
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "faults/restarts": float(self.restarts),
+            "faults/seconds_lost": self.seconds_lost,
+            "faults/prompts_regenerated": float(self.prompts_regenerated),
+            "faults/restarts_run": float(self.run_restarts),
+            "faults/witness_max_abs_prob_diff": self.witness_max_abs_prob_diff,
+        }
+
+
+def agree_on_engines(rollout, error: EngineLost | None, *, phase: str, before_update: bool = False) -> None:
+    """Every rank calls this after an engine call that may have lost its engine for good: if any rank did, every
+    rank raises :class:`EngineLost` (its own, or one naming the ranks that lost theirs), so that none waits in a
+    collective the others never reach. A no-op for engines that are not restarted (nothing to agree on).
+    ``before_update``: the step has not changed the trainer yet (the run may checkpoint the step before)."""
+    if not getattr(rollout, "restartable", False):
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    flags = torch.zeros(rollout.layout.world, dtype=torch.float64)
+    if error is not None:
+        flags[rollout.rank] = 1.0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    lost = [r for r in range(len(flags)) if flags[r] > 0]
+    if not lost:
+        return
+    if error is None:
+        error = EngineLost(
+            f"rank(s) {', '.join(map(str, lost))} lost their rollout engine during {phase} (their logs say why)",
+            rank=lost[0],
+            phase=phase,
+            cause="another rank's engine",
+        )
+    error.before_update = before_update
+    raise error
