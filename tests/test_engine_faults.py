@@ -75,6 +75,18 @@ def test_an_engine_killed_mid_generation_is_restarted_and_the_samples_are_the_sa
     assert line in console
 
 
+def test_the_report_has_a_section_on_the_faults(two_rank_runs, tmp_path):
+    from tim_megatron.report.build import build_report, fault_rows
+    from tim_megatron.report.runs import load_runs
+
+    (clean, _), (killed, _) = two_rank_runs["clean"], two_rank_runs["killed"]
+    (row,) = [f for f in fault_rows(load_runs([killed], [])) if f["restarts"]]
+    assert row["restarts"] == 1 and row["prompts_regenerated"] == 8 and row["steps"] == [2]
+    build_report([clean, killed], tmp_path / "report")
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Rollout engine faults" in page and "<td>2</td>" in page
+
+
 # ------------------------------------------------------------------------------------------ one rank
 
 

@@ -422,11 +422,13 @@ def test_two_node_job(two_nodes, tmp_path):
     torchrun rendezvous across the nodes, one rollout engine per node, every sync verified per engine, metrics and
     checkpoints written; then scancel (SIGTERM: checkpoint) and a resume on two nodes that continues the run. The
     run is one step off-policy on the overlapped schedule: each engine samples the next step's batch while the
-    ranks update, and the checkpoint holds that batch for the resume."""
+    ranks update, and the checkpoint holds that batch for the resume. The engines run in processes of their own,
+    and the second node's is killed during step 2's generation: it is restarted there and the job goes on."""
     over = (
         f"run.steps=30 {FAST} checkpoint.every=2 run.output_dir={tmp_path} cluster.nodes=2 parallel.dp=2 "
         f"cluster.cpus_per_task=1 cluster.env.GLOO_SOCKET_IFNAME={two_nodes.IFACE} "
-        "rollout.max_staleness=1 rollout.schedule=overlapped"
+        "rollout.max_staleness=1 rollout.schedule=overlapped "
+        "rollout.engine_process=true rollout.fault_drill.kind=kill rollout.fault_drill.rank=1"
     )
     job, run = submitted(make("submit", two_nodes, RECIPE="recipes/tiny-moe/grpo.yaml", OVERRIDES=over))
     t0 = time.time()
@@ -445,6 +447,7 @@ def test_two_node_job(two_nodes, tmp_path):
         if r["step"] != 2:
             assert r["sync/engine0/p80_abs_prob_diff"] <= 0.01 and r["sync/engine1/p80_abs_prob_diff"] <= 0.01
         assert r["offpolicy/age"] == min(r["step"] - 1, 1) and r["offpolicy/overlap_generate_seconds"] > 0
+        assert r["faults/restarts"] == (1 if r["step"] == 2 else 0)  # the second node's engine, killed once
     log = (run / "logs" / f"slurm-{job}.out").read_text()
     assert "2 node(s) x 1 rank(s)" in log
     ranks = sorted((run / "logs").glob(f"ranks-{job}/*/attempt_0/*/stdout.log"))

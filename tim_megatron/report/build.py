@@ -120,6 +120,51 @@ def build_report(
     }
 
 
+def fault_rows(runs) -> list[dict]:
+    """Per run whose engines ran in processes of their own (``faults/*`` logged): restarts, seconds lost, prompts
+    regenerated, and the steps that had a restart."""
+    out = []
+    for r in runs:
+        logged = [row for row in r.rows if "faults/restarts" in row]
+        if logged:
+            out.append(
+                {
+                    "run": r.name,
+                    "restarts": sum(row["faults/restarts"] for row in logged),
+                    "seconds_lost": sum(row.get("faults/seconds_lost", 0.0) for row in logged),
+                    "prompts_regenerated": sum(row.get("faults/prompts_regenerated", 0.0) for row in logged),
+                    "steps": [int(row["step"]) for row in logged if row["faults/restarts"] > 0],
+                }
+            )
+    return out
+
+
+def _faults_section(runs) -> list[str]:
+    rows = fault_rows(runs)
+    if not rows:
+        return []
+    e = html.escape
+    head = ("run", "engine restarts", "seconds lost", "prompts regenerated", "steps with a restart")
+    parts = [
+        "<h2>Rollout engine faults</h2>",
+        "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>",
+    ]
+    for f in rows:
+        cells = (
+            f["run"],
+            fmt_cell(f["restarts"]),
+            fmt_cell(f["seconds_lost"]),
+            fmt_cell(f["prompts_regenerated"]),
+        )
+        steps = ", ".join(map(str, f["steps"])) or "none"
+        parts.append("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in (*cells, steps)) + "</tr>")
+    parts.append(
+        "</table><p class='muted'>Engines in processes of their own (rollout.engine_process): each restart "
+        "reloaded the weights its engine held and regenerated what was lost (docs/faults.md).</p>"
+    )
+    return parts
+
+
 def _img(f: str, cap: str) -> str:
     return f'<figure><img src="{html.escape(f)}" alt="{html.escape(cap)}"></figure>'
 
@@ -169,6 +214,7 @@ def _page(title, runs, rows, figs, notices, no_dumps, s: WarningSettings, aligne
             parts.append(f"<div class='{cls}'>" + "".join(_img(f, c) for f, c in figs[key]) + "</div>")
         elif empty and key != "scatter":
             parts.append(f"<p class='muted'>{e(empty)}</p>")
+    parts.extend(_faults_section(runs))
     parts.extend(aligned)  # already escaped
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -23,6 +23,7 @@ reference to the last weights loaded, and each restart pays an engine start-up.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing as mp
 import os
@@ -66,8 +67,28 @@ class _Failed(Exception):
 # ------------------------------------------------------------------------------------------ the child
 
 
+def _die_with_parent(parent: int) -> None:
+    """End this process soon after the rank that started it ends, however it ends. (Not ``PR_SET_PDEATHSIG``: it
+    fires when the *thread* that started the process ends, and the overlapped schedule restarts engines from its
+    sampling thread.)"""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tim-engine-parent-watch", daemon=True).start()
+
+
 def _serve(conn, spec: dict) -> None:
-    """The engine's process: build the engine, then answer calls until ``close`` or the pipe ends."""
+    """The engine's process: build the engine, then answer calls until ``close`` or the pipe ends.
+
+    It ignores SIGTERM and SIGINT: a job's stop (Slurm's SIGTERM reaches every process of the step) is the rank's to
+    handle, which checkpoints and then closes its engine; and it ends soon after its rank does."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(spec["parent"])
     for k in list(os.environ):
         if k in _RANK_VARIABLES or k.startswith("TORCHELASTIC_"):
             del os.environ[k]
@@ -150,6 +171,8 @@ class ProcessEngine:
         """The first sequences scored after the last load and their scores: a restarted engine must agree."""
         self._proc = None
         self._conn = None
+        # before multiprocessing's own exit handler, which would SIGTERM (ignored) and wait for it forever
+        atexit.register(self._stop)
         self.info = self._start(armed=True)
 
     # ---------------------------------------------------------------------------- process
@@ -163,6 +186,7 @@ class ProcessEngine:
             "engine_index": self.engine_index,
             "num_moe_layers": self.num_moe_layers,
             "drill": self.drill if armed else None,
+            "parent": os.getpid(),
         }
         self._proc = ctx.Process(
             target=_serve, args=(theirs, spec), name=f"tim-engine-rank{self.rank}", daemon=True
@@ -203,6 +227,7 @@ class ProcessEngine:
         return f"its process ended ({how})"
 
     def _stop(self) -> None:
+        """Kill the engine's process (if alive) and wait for it; an engine that ignores SIGTERM is sent SIGKILL."""
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
         if self._proc is not None:
