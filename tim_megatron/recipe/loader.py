@@ -449,8 +449,11 @@ def _format_validation(err: ValidationError, prov: dict[str, str]) -> str:
         else:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{src}: {key} = {_value(e['input'])}: {msg}{_hint(e)}")
-    if len(errors) > MAX_ERROR_LINES:
-        lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more problems")
+    # the count of what is left out must survive the clip to MAX_ERROR_CHARS: list fewer problems instead
+    while len(lines) > 1 and sum(len(x) + 1 for x in lines) > MAX_ERROR_CHARS - 200:
+        lines.pop()
+    if len(errors) > len(lines):
+        lines.append(f"... and {len(errors) - len(lines)} more problems")
     return "\n".join(lines)
 
 
