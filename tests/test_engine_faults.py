@@ -44,8 +44,8 @@ def _tokens(run: Path) -> dict[int, list]:
 
 
 def _two_ranks(tmp: Path, *extra: str) -> tuple[Path, str]:
-    """A 3-step run on two ranks, one engine process each: its folder and its console output."""
-    args = [TINY, "--nproc", "2", "parallel.dp=2", "run.steps=3", "diagnostics.dumps.every=1", *QUIET, *OWN]
+    """A 4-step run on two ranks, one engine process each: its folder and its console output."""
+    args = [TINY, "--nproc", "2", "parallel.dp=2", "run.steps=4", "diagnostics.dumps.every=1", *QUIET, *OWN]
     res = run_ok([*TIM, "train", *args, *extra, f"run.output_dir={tmp}"], threads=1, timeout=900)
     return run_folder(tmp), res.stdout + res.stderr
 
@@ -60,15 +60,15 @@ def two_rank_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
 
 
 def test_an_engine_killed_mid_generation_is_restarted_and_the_samples_are_the_same(two_rank_runs):
-    """Rank 1's engine is killed at step 2 of 3 after generating its block, before it answers: the run completes,
+    """Rank 1's engine is killed at step 2 of 4 after generating its block, before it answers: the run completes,
     one restart is recorded with its block regenerated, and every sampled token and logprob of every step equals
     the unfaulted run's (vLLM's seeded sampling: the same seeds in a batch of the same composition)."""
     (clean, _), (killed, console) = two_rank_runs["clean"], two_rank_runs["killed"]
     rows = metrics(killed)
-    assert [r["faults/restarts"] for r in rows] == [0, 1, 0]
+    assert [r["faults/restarts"] for r in rows] == [0, 1, 0, 0]
     assert rows[1]["faults/prompts_regenerated"] == 8.0  # rank 1's block of the 16 prompts
     assert rows[1]["faults/seconds_lost"] > 0
-    assert _tokens(killed) == _tokens(clean) and len(_tokens(clean)) == 3
+    assert _tokens(killed) == _tokens(clean) and len(_tokens(clean)) == 4
     assert _faultless(rows) == _faultless(metrics(clean))
     assert json.loads((killed / "run.json").read_text())["status"] == "completed"
     line = "fault: rank 1's rollout engine died during generate at step 2: its process ended (signal SIGKILL)"
@@ -98,11 +98,11 @@ def one_rank_runs(tmp_path_factory) -> dict[str, dict]:
         "sync_killed": ["rollout.fault_drill.kind=kill", "rollout.fault_drill.phase=sync"],
         "hung": [
             "rollout.fault_drill.kind=hang",
-            "rollout.fault_drill.phase=wake",
             "rollout.faults.timeout_s=5",
         ],
+        "wake_raised": ["rollout.fault_drill.kind=raise", "rollout.fault_drill.phase=wake"],
         "every_restart": [
-            "rollout.fault_drill.kind=raise",
+            "rollout.fault_drill.kind=kill",
             "rollout.fault_drill.every_attempt=true",
             "rollout.faults.max_restarts_per_step=1",
             "checkpoint.every=1",
@@ -124,11 +124,12 @@ def one_rank_runs(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.parametrize(
     "name, step, regenerated",
-    [("sync_killed", 2, 0), ("hung", 2, 0)],
+    [("sync_killed", 2, 0), ("hung", 2, 16), ("wake_raised", 2, 0)],
 )
 def test_a_fault_in_each_phase_is_recovered_with_the_same_samples(one_rank_runs, name, step, regenerated):
-    """A kill during the weight load of step 2's sync, and an engine that stops answering (SIGSTOP) at its wake-up
-    before that sync: each costs one restart and nothing else."""
+    """A kill during the weight load of step 2's sync, an engine that stops answering (SIGSTOP) during step 2's
+    generation (its 16 prompts generated again), and a wake-up that raises: each costs one restart and nothing
+    else."""
     res, clean = one_rank_runs[name], one_rank_runs["clean"]
     assert res["error"] is None and res["exit"] == 0, res["error"]
     run, base = Path(res["run_dir"]), Path(clean["run_dir"])
@@ -142,14 +143,14 @@ def test_a_fault_in_each_phase_is_recovered_with_the_same_samples(one_rank_runs,
 def test_an_engine_that_dies_on_every_restart_stops_the_run_with_a_checkpoint_that_resumes(
     one_rank_runs, tmp_path
 ):
-    """Raises at step 2 and again in its restart: past rollout.faults.max_restarts_per_step = 1 the run stops with
+    """Killed at step 2 and again in its restart: past rollout.faults.max_restarts_per_step = 1 the run stops with
     EngineLost naming the rank, the phase and the cause, keeps step 1's checkpoint, and a resume without the drill
     finishes the run with the unfaulted run's numbers."""
     res = one_rank_runs["every_restart"]
     assert res["exit"] != 0 and res["error"] is not None
     err = res["error"]
-    assert "EngineLost" in err and "rank 0's rollout engine raised during generate at step 2" in err, err
-    assert "fault drill: generate raised at generate, step 2" in err, err
+    assert "EngineLost" in err and "rank 0's rollout engine died during generate at step 2" in err, err
+    assert "its process ended (signal SIGKILL)" in err, err
     assert "rollout.faults.max_restarts_per_step = 1 allows no more" in err and "step_00000001" in err, err
     run = Path(res["run_dir"])
     assert json.loads((run / "run.json").read_text())["status"] == "failed"

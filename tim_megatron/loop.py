@@ -221,26 +221,30 @@ def offpolicy_samples(parts: Prepared, *, recipe: Recipe, step: int, timer, obse
             )
         moved = parts.colocation.to_trainer()
     ahead = start_ahead(parts, recipe=r, step=step, steps=later) if later else None
-    with t("old_logprobs"):
-        for s, b, m, p in sampled:
-            op = phases.old_logprobs(
-                recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=b, step=step, observer=observer
-            )
-            pending.add(
-                Generated(
-                    step=s,
-                    version=step - 1,
-                    batch=b,
-                    behaviour=op.old,
-                    metrics={**m, **op.sync},
-                    probe=p,
-                    old_pass=op,
+    with contextlib.ExitStack() as on_error:  # a failure here still lets the engine end its generation
+        if ahead is not None:
+            on_error.callback(ahead.wait)
+        with t("old_logprobs"):
+            for s, b, m, p in sampled:
+                op = phases.old_logprobs(
+                    recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=b, step=step, observer=observer
                 )
+                pending.add(
+                    Generated(
+                        step=s,
+                        version=step - 1,
+                        batch=b,
+                        behaviour=op.old,
+                        metrics={**m, **op.sync},
+                        probe=p,
+                        old_pass=op,
+                    )
+                )
+            g = pending.take(step)
+            old = phases.current_logprobs(
+                trainer=tr, batch=g.batch, behaviour=g.behaviour, sampled=g.old_pass, age=g.age(step)
             )
-        g = pending.take(step)
-        old = phases.current_logprobs(
-            trainer=tr, batch=g.batch, behaviour=g.behaviour, sampled=g.old_pass, age=g.age(step)
-        )
+        on_error.pop_all()  # it went well: the step joins the generation after the update
     return g.batch, {**g.metrics, **moved}, g.probe, old, ahead
 
 

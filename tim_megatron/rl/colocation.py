@@ -17,7 +17,7 @@ sleeps: there is one copy of the weights, and it is the trainer's.
 from __future__ import annotations
 
 from tim_megatron.observer import NO_OBSERVER, StepObserver
-from tim_megatron.rollout.faults import EngineLost, agree_on_engines
+from tim_megatron.rollout.faults import agreed
 from tim_megatron.trainer.offload import LEVELS, Transfer
 
 MIB = 2**20
@@ -50,7 +50,8 @@ class Colocation:
 
     def to_trainer(self) -> dict[str, float]:
         """The rollout is done: the engine sleeps and the trainer's state returns."""
-        self.rollout.sleep(level=2)  # the update replaces the weights: nothing to keep
+        # the update replaces the weights: nothing to keep
+        agreed(self.rollout, lambda: self.rollout.sleep(level=2), phase="sleep")
         if not self._moves:
             return {}
         return _metrics("onload", self.trainer.onload())
@@ -72,18 +73,15 @@ class Colocation:
             moved.append(self.trainer.offload(early))  # it gives the freed blocks back to the device too
         else:
             self.trainer.release_memory()  # the trainer's cached blocks go back before vLLM takes its memory
-        lost = None
-        try:
-            self.rollout.wake_up(tags=["weights"])
-        except EngineLost as e:
-            lost = e
-        agree_on_engines(self.rollout, lost, phase="wake")
+        agreed(self.rollout, lambda: self.rollout.wake_up(tags=["weights"]), phase="wake")
         out = self.sync.push(
             self.rollout,
             self.trainer,
             probe=None if probe is None else lambda: probe,
             last=last,
-            after_load=lambda: self.rollout.wake_up(tags=["kv_cache"]),
+            after_load=lambda: agreed(
+                self.rollout, lambda: self.rollout.wake_up(tags=["kv_cache"]), phase="wake"
+            ),
             observer=observer,
         )
         if self._moves and "params" in self.parts:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from tim_megatron.observer import StepObserver
 from tim_megatron.rl import phases
 from tim_megatron.rl.offpolicy import Generated, Pending
-from tim_megatron.rollout.faults import EngineLost, agree_on_engines
+from tim_megatron.rollout.faults import agreed
 
 
 @dataclass
@@ -50,13 +50,8 @@ class Ahead:
         ``pending``. Returns the overlap's metrics."""
         tr, ro = parts.trainer, parts.rollout
         t0 = time.perf_counter()
-        results, lost = [], None
-        try:
-            results = [(s, f.result()) for s, f in self.running]
-        except EngineLost as e:
-            lost = e
+        results = agreed(parts.rollout, lambda: [(s, f.result()) for s, f in self.running], phase="generate")
         self.pool.shutdown(wait=True)
-        agree_on_engines(parts.rollout, lost, phase="generate")
         waited = time.perf_counter() - t0
         gen_seconds = 0.0
         for s, sampled in results:

@@ -39,7 +39,7 @@ from tim_megatron.recipe import Recipe
 from tim_megatron.rl.batch import StepBatch, from_samples, global_width, rank_rows
 from tim_megatron.rl.objective import LossRows, make_loss_fn, token_weights
 from tim_megatron.rollout.base import GenerationStats, RolloutEngine, Sample
-from tim_megatron.rollout.faults import EngineLost, agree_on_engines
+from tim_megatron.rollout.faults import agreed
 from tim_megatron.rollout.sync import WeightSync
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 from tim_megatron.trainer.parallel import dp_group
@@ -164,12 +164,13 @@ def _generate(
     """Generate for this engine's block of ``items`` and tell the observer: its items, groups and stats.
     ``index_base`` offsets the prompts' global indices (their sample seeds)."""
     mine, first = _engine_block(items, rollout)
-    lost = None
-    try:
-        groups, gen = rollout.generate(prompts.encode(mine), step=step, first_index=index_base + first, **how)
-    except EngineLost as e:
-        lost = e
-    agree_on_engines(rollout, lost, phase="generate", before_update=before_update)
+    ids = prompts.encode(mine)
+    groups, gen = agreed(
+        rollout,
+        lambda: rollout.generate(ids, step=step, first_index=index_base + first, **how),
+        phase="generate",
+        before_update=before_update,
+    )
     _tell_generated(observer, step=step, rollout=rollout, mine=mine, groups=groups, gen=gen)
     return mine, groups, gen
 

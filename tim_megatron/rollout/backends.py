@@ -5,7 +5,8 @@ The one place a backend is added. Each entry says how to build this rank's engin
 of the run (the loop, the weight sync, the memory choreography) sees only the protocol.
 
 * ``vllm``: the vLLM fleet (:mod:`tim_megatron.rollout.vllm_engine`), one in-process engine per group of
-  ``rollout.tensor_parallel_size`` ranks.
+  ``rollout.tensor_parallel_size`` ranks; with ``rollout.engine_process`` each rank's engine in a process of its
+  own, restarted when it fails (:mod:`tim_megatron.rollout.process_engine`).
 * ``trainer``: the exact sampler (:mod:`tim_megatron.rollout.exact_sampler`), the Megatron model sampling from its
   own training forward; ``diagnostics.vexact: exact`` implies it.
 """
@@ -39,17 +40,10 @@ def _build_vllm(recipe, trainer, *, model_path: Path, tokenizer):
     from tim_megatron.rollout.vllm_engine import VLLMEngine
 
     layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=recipe.rollout.tensor_parallel_size)
-    if recipe.rollout.engine_process:
-        from tim_megatron.rollout.process_engine import ProcessEngine
-
-        return ProcessEngine(
-            recipe,
-            model_path=model_path,
-            layout=layout,
-            rank=trainer.rank,
-            num_moe_layers=trainer.num_moe_layers(),
-        )
-    return VLLMEngine(
+    engine = VLLMEngine
+    if recipe.rollout.engine_process:  # the same engine in a process of its own, restarted when it fails
+        from tim_megatron.rollout.process_engine import ProcessEngine as engine
+    return engine(
         recipe,
         model_path=model_path,
         layout=layout,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class EngineLost(RuntimeError):
@@ -45,11 +49,14 @@ class FaultTally:
         }
 
 
-def agree_on_engines(rollout, error: EngineLost | None, *, phase: str, before_update: bool = False) -> None:
-    """Every rank calls this after an engine call that may have lost its engine for good: if any rank did, every
-    rank raises :class:`EngineLost` (its own, or one naming the ranks that lost theirs), so that none waits in a
-    collective the others never reach. A no-op for engines that are not restarted (nothing to agree on).
-    ``before_update``: the step has not changed the trainer yet (the run may checkpoint the step before)."""
+def agree_on_engines(
+    rollout, error: BaseException | None, *, phase: str, before_update: bool = False
+) -> None:
+    """Every rank calls this after an engine call that may have lost its engine for good: if any rank did (or its
+    call failed otherwise), every rank raises: that rank its own error, the others :class:`EngineLost` naming the
+    ranks, so that none waits in a collective the others never reach. Without a restartable engine the error, if
+    any, is raised at once (nothing to agree on). ``before_update``: the step has not changed the trainer yet (the
+    run may checkpoint the step before)."""
     if not getattr(rollout, "restartable", False):
         if error is not None:
             raise error
@@ -71,5 +78,17 @@ def agree_on_engines(rollout, error: EngineLost | None, *, phase: str, before_up
             phase=phase,
             cause="another rank's engine",
         )
-    error.before_update = before_update
+    if isinstance(error, EngineLost):
+        error.before_update = before_update
     raise error
+
+
+def agreed(rollout, call: Callable[[], T], *, phase: str, before_update: bool = False) -> T:
+    """``call()`` (an engine call), then :func:`agree_on_engines` on how it went; its result."""
+    out, error = None, None
+    try:
+        out = call()
+    except Exception as e:
+        error = e
+    agree_on_engines(rollout, error, phase=phase, before_update=before_update)
+    return out

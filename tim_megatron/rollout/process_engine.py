@@ -23,9 +23,9 @@ reference to the last weights loaded, and each restart pays an engine start-up.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import signal
 import time
@@ -135,6 +135,12 @@ def _serve(conn, spec: dict) -> None:
 # ------------------------------------------------------------------------------------------ the rank's side
 
 
+def _kill(proc) -> None:
+    if proc.is_alive():
+        proc.kill()
+    proc.join(timeout=30)
+
+
 class ProcessEngine:
     """This rank's vLLM engine, in a child process; meets :class:`~tim_megatron.rollout.base.RolloutEngine`."""
 
@@ -171,8 +177,6 @@ class ProcessEngine:
         """The first sequences scored after the last load and their scores: a restarted engine must agree."""
         self._proc = None
         self._conn = None
-        # before multiprocessing's own exit handler, which would SIGTERM (ignored) and wait for it forever
-        atexit.register(self._stop)
         self.info = self._start(armed=True)
 
     # ---------------------------------------------------------------------------- process
@@ -192,6 +196,9 @@ class ProcessEngine:
             target=_serve, args=(theirs, spec), name=f"tim-engine-rank{self.rank}", daemon=True
         )
         self._proc.start()
+        # killed before multiprocessing's own exit handler would SIGTERM it (ignored) and wait for it forever, or when
+        # this object goes; the finalizer holds the process, not the engine (and its weights)
+        mp.util.Finalize(self, _kill, args=(self._proc,), exitpriority=10)
         theirs.close()
         self._conn = mine
         try:
@@ -236,51 +243,66 @@ class ProcessEngine:
             self._conn.close()
 
     def _rpc(self, method: str, args: tuple, kw: dict, phase: str):
-        self._conn.send((method, args, kw, (phase, self.step)))
+        try:
+            self._conn.send((method, args, kw, (phase, self.step)))
+        except OSError:  # it died between calls (an OOM kill while idle)
+            self._proc.join(timeout=5)
+            raise _Failed("died", self._ended()) from None
         return self._answer(self.limits.timeout_s)
 
     def _call(self, method: str, *args, phase: str, **kw):
         """Call the engine; on a failure restart it (within the budget) and call again."""
-        lost_this_step = 0
         while True:
             t0 = time.perf_counter()
             try:
                 return self._rpc(method, args, kw, phase)
             except _Failed as f:
-                lost_this_step += 1
-                self._recover(f, phase=phase, attempt=lost_this_step)
-                self.tally.seconds_lost += time.perf_counter() - t0
+                try:
+                    self._recover(f, phase=phase)
+                finally:
+                    self.tally.seconds_lost += time.perf_counter() - t0
                 if method == "generate":
                     self.tally.prompts_regenerated += len(args[0])
 
-    def _recover(self, f: _Failed, *, phase: str, attempt: int) -> None:
+    def _recover(self, f: _Failed, *, phase: str) -> None:
         """Kill what is left of the engine, and start one that holds the weights the dead one held (checked against
-        what the dead one answered), or raise :class:`EngineLost` past the budget."""
-        self._stop()
-        where = f"rank {self.rank}'s rollout engine {f.kind} during {phase} at step {self.step}: {f.cause}"
-        print(f"fault: {where}; restarting it (restart {attempt} of this step)", flush=True)
-        over = (
-            f"rollout.faults.max_restarts_per_step = {self.limits.max_restarts_per_step}"
-            if attempt > self.limits.max_restarts_per_step
-            else f"rollout.faults.max_restarts = {self.limits.max_restarts}"
-            if self.tally.run_restarts >= self.limits.max_restarts
-            else None
-        )
-        if over:
-            raise EngineLost(
-                f"{where}; it was restarted {attempt - 1} time(s) this step and {self.tally.run_restarts} in the run, "
-                f"and {over} allows no more",
-                rank=self.rank,
-                phase=phase,
-                cause=f"{f.kind}: {f.cause}",
+        what the dead one answered); a restart that fails is one more restart. :class:`EngineLost` past the
+        budget (restarts this step, and over the run)."""
+        while True:
+            self._stop()
+            where = (
+                f"rank {self.rank}'s rollout engine {f.kind} during {phase} at step {self.step}: {f.cause}"
             )
-        self.tally.restarts += 1
-        self.tally.run_restarts += 1
-        self.info = self._start(armed=self.drill_again)
-        if self._weights is not None:
-            self._rpc("update_weights", (self._weights,), {}, "recover")
-        if self._witness is not None:
-            self._check_witness()
+            over = (
+                f"rollout.faults.max_restarts_per_step = {self.limits.max_restarts_per_step}"
+                if self.tally.restarts >= self.limits.max_restarts_per_step
+                else f"rollout.faults.max_restarts = {self.limits.max_restarts}"
+                if self.tally.run_restarts >= self.limits.max_restarts
+                else None
+            )
+            if over:
+                print(f"fault: {where}; not restarting it ({over})", flush=True)
+                raise EngineLost(
+                    f"{where}; it was restarted {self.tally.restarts} time(s) this step and "
+                    f"{self.tally.run_restarts} in the run, and {over} allows no more",
+                    rank=self.rank,
+                    phase=phase,
+                    cause=f"{f.kind}: {f.cause}",
+                )
+            self.tally.restarts += 1
+            self.tally.run_restarts += 1
+            print(f"fault: {where}; restarting it (restart {self.tally.restarts} of this step)", flush=True)
+            try:
+                self.info = self._start(armed=self.drill_again)
+                if self._weights is not None:
+                    self._rpc("update_weights", (self._weights,), {}, "recover")
+                if self._witness is not None:
+                    self._check_witness()
+                return
+            except _Failed as g:
+                f = g
+            except EngineStartError as g:
+                f = _Failed("died", str(g))
 
     def _check_witness(self) -> None:
         """The restarted engine scores what its predecessor scored first after the same load: at least 80% of the
@@ -354,6 +376,7 @@ class ProcessEngine:
         }
 
     def close(self) -> None:
-        with contextlib.suppress(_Failed):
-            self._rpc("close", (), {}, "close")
+        if self._proc is not None and self._proc.is_alive():
+            with contextlib.suppress(_Failed, OSError):
+                self._rpc("close", (), {}, "close")
         self._stop()

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.observer import NO_OBSERVER, StepObserver
-from tim_megatron.rollout.faults import EngineLost, agree_on_engines
+from tim_megatron.rollout.faults import agree_on_engines, agreed
 from tim_megatron.trainer.parallel import dp_group
 
 
@@ -309,7 +309,8 @@ class WeightSync:
             rep = seen["load"] = self.load(rollout, trainer.export_hf())
             if after_load is not None:
                 after_load()
-            rollout.reset_prefix_cache()  # cached KV was computed with the old weights
+            # cached KV was computed with the old weights
+            agreed(rollout, rollout.reset_prefix_cache, phase="sync")
             self.syncs += 1
             self.pending = self.check == "every" and not last
             out = self._report_metrics(rollout, rep)
@@ -333,13 +334,10 @@ class WeightSync:
         if fault == "skip":
             for _ in checked:  # the export is collective: drain it, load nothing
                 pass
+            agree_on_engines(rollout, None, phase="sync")  # the other ranks' loads are agreed on
         else:
-            lost = None
-            try:
-                rollout.update_weights(faulty(checked, fault) if fault != "off" else checked)
-            except EngineLost as e:
-                lost = e
-            agree_on_engines(rollout, lost, phase="sync")
+            stream = faulty(checked, fault) if fault != "off" else checked
+            agreed(rollout, lambda: rollout.update_weights(stream), phase="sync")
         problems = checked.problems()
         layout = rollout.layout
         flags = torch.zeros(layout.engines, dtype=torch.float64)
@@ -376,12 +374,7 @@ class WeightSync:
         from tim_megatron.trainer.megatron_trainer import SeqBatch
 
         layout = rollout.layout
-        lost, scored = None, []
-        try:
-            scored = rollout.score(seqs) if seqs else []
-        except EngineLost as e:
-            lost = e
-        agree_on_engines(rollout, lost, phase="score")
+        scored = agreed(rollout, lambda: rollout.score(seqs) if seqs else [], phase="score")
         blocks = _leaders_gather((seqs, scored), layout, self.rank)
         rows, vllm, engine = [], [], []
         for k, (s, sc) in enumerate(blocks):

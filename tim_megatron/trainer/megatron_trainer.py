@@ -447,22 +447,18 @@ class MegatronTrainer:
     @contextlib.contextmanager
     def weights_at(self, snapshot: dict[str, torch.Tensor]):
         """``with trainer.weights_at(snap):`` the model computes with the snapshot's weights inside, and with its
-        own again after, bit for bit (they are copied out and back, never recomputed)."""
+        own again after, bit for bit. The two are swapped tensor by tensor (the snapshot holds the model's own
+        weights meanwhile), so no second copy of the model is made."""
         tensors = self._weight_tensors()
         if tensors.keys() != snapshot.keys():
             raise ValueError(
                 f"a weight snapshot of {len(snapshot)} tensors does not fit this model's {len(tensors)}"
             )
-        now = self.weights_snapshot()
-        with torch.no_grad():
-            for n, t in tensors.items():
-                t.copy_(snapshot[n])
+        _swap(tensors, snapshot)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for n, t in tensors.items():
-                    t.copy_(now[n])
+            _swap(tensors, snapshot)
 
     def exact_cache_dtype(self) -> torch.dtype:
         """The dtype exact mode's KV cache stores keys and values in: what its kernels compute the model's in."""
@@ -717,3 +713,12 @@ class MegatronTrainer:
             h.revert()
         self._handles.clear()
         teardown_parallel(keep_default_group=keep_default_group)
+
+
+def _swap(tensors: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
+    """Exchange the values of same-named tensors, one temporary tensor at a time."""
+    with torch.no_grad():
+        for n, t in tensors.items():
+            tmp = t.detach().clone()
+            t.copy_(other[n])
+            other[n].copy_(tmp)
