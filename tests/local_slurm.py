@@ -190,8 +190,13 @@ class TwoNodeSlurm(LocalSlurm):
     IFACE = "tim0"
     """The interface name inside both namespaces (jobs set GLOO_SOCKET_IFNAME to it)."""
 
-    def __init__(self, root: Path, *, cpus_per_node: int = 1, memory_mb: int = 8000):
+    def __init__(
+        self, root: Path, *, cpus_per_node: int = 1, memory_mb: int = 8000, slurmd_timeout: int = 15
+    ):
         self.root = Path(root)
+        # Seconds slurmctld waits for a silent slurmd before it holds the node down and requeues its jobs (Slurm's
+        # default is 300): here a lost node is found in a test's time.
+        self.slurmd_timeout = slurmd_timeout
         self.cpus = cpus_per_node
         self.memory_mb = memory_mb
         self.conf = self.root / "slurm.conf"
@@ -250,6 +255,7 @@ ClusterName=timtest2
 SlurmctldHost={socket.gethostname()}({self.addr[0]})
 SlurmctldPort={ctld}
 SlurmdPort={slurmd_port}
+SlurmdTimeout={self.slurmd_timeout}
 {_common_conf(r, sock, node="%n")}
 {nodes}
 PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
@@ -278,6 +284,30 @@ PartitionName=cpu Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.5)
         raise RuntimeError(
             f"two-node Slurm did not come up: {out and out.stdout} {out and out.stderr}\n" + self.logs()
+        )
+
+    def lose_node2(self) -> None:
+        """``node2`` is lost as a node is when its power goes: its link goes down first (so nothing it held says
+        goodbye: no FIN, no RST reaches ``node1``), then every process in its namespace (slurmd, the job's launcher,
+        ranks and engines) is killed."""
+        ns = self.ns[1]
+        self._ip("-n", ns, "link", "set", self.IFACE, "down")
+        for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except (ValueError, ProcessLookupError):
+                continue
+
+    def restore_node2(self) -> None:
+        """``node2`` comes back (a replaced or rebooted node): its link up and its slurmd started again; Slurm returns
+        it to service when it registers (``ReturnToService=2``)."""
+        ns = self.ns[1]
+        self._ip("-n", ns, "link", "set", self.IFACE, "up")
+        subprocess.run(
+            [*self.enter(ns), "slurmd", "-f", str(self.conf), "-N", "node2"],
+            check=True,
+            env=self.env,
+            capture_output=True,
         )
 
     def stop(self) -> None:

@@ -241,6 +241,51 @@ def test_the_launcher_exit_code_follows_the_ranks_record(tmp_path):
     assert _meta(d)["requeue_attempt"] is None
 
 
+def test_each_attempt_records_how_the_one_before_it_ended(tmp_path, monkeypatch):
+    """A new attempt keeps the earlier attempt's end in ``earlier_attempts``: one whose processes were killed (a lost
+    node) left ``running`` and is written down as such; the resume's console line names it and the steps run again."""
+    from tim_megatron.run_dir import attempt, mark_failed, mark_finished, read_meta, record_step, resume_note
+
+    d = _run_folder(tmp_path, [])
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    for restart, end in enumerate(("killed", "failed", "preempted", "resumed")):
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        with attempt(d):
+            pass  # the attempt's start-up (the run itself is not needed here)
+        if end == "killed":
+            record_step(d, 13)  # steps 1..13 logged, then SIGKILL: nothing records the end
+        elif end == "failed":
+            record_step(d, 14)
+            mark_failed(d, RuntimeError("Connection closed by peer [10.0.0.2]:5000\nmore"))
+        elif end == "preempted":
+            record_step(d, 20)
+            mark_finished(d, "preempted", step=20, wall_seconds=1.0, max_requeues=3)
+    meta = read_meta(d)
+    assert meta["attempt"] == "77.3" and [e["attempt"] for e in meta["earlier_attempts"]] == [
+        "77.0",
+        "77.1",
+        "77.2",
+    ]
+    killed, failed, preempted = meta["earlier_attempts"]
+    assert (
+        killed["status"] == "running" and killed["step"] == 13 and "processes were killed" in killed["reason"]
+    )
+    assert failed["status"] == "failed" and failed["reason"].startswith(
+        "RuntimeError: Connection closed by peer"
+    )
+    assert preempted["status"] == "preempted" and preempted["step"] == 20
+    # the notes each resume prints (from the checkpoints of steps 10, 10 and 20)
+    assert resume_note({**meta, "attempt": "77.1", "earlier_attempts": [killed]}, start_step=11) == (
+        "attempt 77.1 resumes from the checkpoint of step 10: attempt 77.0 reached step 13 and ended without a "
+        "record: its processes were killed (a lost node, the out-of-memory killer or SIGKILL); steps 11..13 run again"
+    )
+    assert resume_note({**meta, "attempt": "77.2", "earlier_attempts": [failed]}, start_step=14).endswith(
+        "reached step 14 and failed (RuntimeError: Connection closed by peer [10.0.0.2]:5000); step 14 runs again"
+    )
+    assert resume_note(meta, start_step=21).endswith("attempt 77.2 reached step 20 and was preempted")
+    assert resume_note({"attempt": "x"}, start_step=21) is None and resume_note(meta, start_step=1) is None
+
+
 def test_sigterm_to_two_ranks_exits_75_when_preempted_and_0_in_teardown(tmp_path):
     require(importable("megatron.core", "vllm"), "megatron-core and vLLM")
     d = tmp_path / "run"

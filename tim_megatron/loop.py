@@ -180,8 +180,10 @@ def one_step(
             metrics.update(
                 memory.to_rollout(probe=probe or parts.probe, last=step == r.run.steps, observer=observer)
             )
-        if ro.restartable:  # every rank's engine restarts, summed
-            metrics.update(phases.fault_metrics(ro))
+        if ro.restartable:  # every rank's engine restarts, summed; the run's count goes on across attempts
+            faults = phases.fault_metrics(ro)
+            faults["faults/restarts_run"] = parts.state.count_restarts(faults["faults/restarts_run"])
+            metrics.update(faults)
         if r.run.val_every and (step % r.run.val_every == 0 or step == r.run.steps):
             with t("validation"):
                 metrics.update(

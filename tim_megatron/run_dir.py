@@ -312,6 +312,59 @@ def _checkpoint_step(d: Path) -> int | None:
 # -------------------------------------------------------------------------------------------- status
 
 
+EARLIER_ATTEMPTS_KEPT = 100
+"""How many earlier attempts ``run.json`` lists under ``earlier_attempts`` (the oldest are dropped)."""
+
+NO_RECORD = (
+    "ended without a record: its processes were killed (a lost node, the out-of-memory killer or SIGKILL)"
+)
+"""How an attempt ended that left ``run.json`` ``running``: nothing of it could write its end."""
+
+
+def _record_earlier_attempt(meta: dict) -> None:
+    """Before a new attempt overwrites ``attempt``: the attempt that held the folder, how it ended and the step it
+    reached, appended to ``earlier_attempts``. An attempt whose processes were killed (a whole node lost in a
+    Slurm job, which Slurm then requeues) left the status ``running``; this is where that is written down."""
+    old = meta.get("attempt")
+    if not old or old == attempt_id():
+        return
+    status = meta.get("status")
+    entry = {"attempt": old, "status": status, "step": meta.get("step"), "start_step": meta.get("start_step")}
+    if status == "running":
+        entry["reason"] = NO_RECORD
+    elif meta.get("reason"):
+        entry["reason"] = meta["reason"]
+    earlier = meta.get("earlier_attempts")
+    earlier = earlier if isinstance(earlier, list) else []
+    meta["earlier_attempts"] = [*earlier, entry][-EARLIER_ATTEMPTS_KEPT:]
+
+
+def resume_note(meta: dict, *, start_step: int) -> str | None:
+    """The console's line on a resume: which checkpoint, which attempt came before, how it ended, and which of
+    its steps run again (those after the checkpoint; their rows were dropped from ``metrics.jsonl``)."""
+    earlier = meta.get("earlier_attempts")
+    if start_step <= 1 or not isinstance(earlier, list) or not earlier or not isinstance(earlier[-1], dict):
+        return None
+    last = earlier[-1]
+    status, reason = last.get("status"), last.get("reason")
+    if status == "running":
+        how = NO_RECORD
+    else:
+        how = {"preempted": "was preempted", "failed": "failed"}.get(status, f"ended {status}")
+        if reason:
+            first = str(reason).strip().splitlines()[0] if str(reason).strip() else ""
+            how += f" ({first[:200]}{'...' if len(first) > 200 else ''})" if first else ""
+    reached = last.get("step")
+    again = ""
+    if isinstance(reached, int) and reached >= start_step:
+        again = f"step {start_step}" if reached == start_step else f"steps {start_step}..{reached}"
+        again = f"; {again} {'runs' if reached == start_step else 'run'} again"
+    return (
+        f"attempt {meta.get('attempt')} resumes from the checkpoint of step {start_step - 1}: attempt "
+        f"{last.get('attempt')} reached step {reached} and {how}{again}"
+    )
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
@@ -569,6 +622,7 @@ def attempt(d: Path, *, writer: bool = True):
 
         def start(meta):
             _transition(meta, "running", d)
+            _record_earlier_attempt(meta)
             meta.update(
                 status="running",
                 updated=_now(),

@@ -45,6 +45,16 @@ class LoopState:
     """The first step this process runs: 1, or the step after the checkpoint it resumed from."""
     pending: Pending | None = None
     """Off-policy runs (``rollout.max_staleness`` > 0): the batches sampled ahead, waiting to be trained."""
+    restarts_before: float = 0.0
+    """Rollout-engine restarts of the attempts before this process, as of the checkpoint it resumed from."""
+    restarts_run: float = 0.0
+    """Rollout-engine restarts over the run so far, every attempt's up to the checkpoint counted
+    (``faults/restarts_run``; a checkpoint keeps it, so a resumed run counts on)."""
+
+    def count_restarts(self, this_process: float) -> float:
+        """The run's restart count, given this process's (every rank's engines, summed)."""
+        self.restarts_run = self.restarts_before + this_process
+        return self.restarts_run
 
     @classmethod
     def create(cls, recipe) -> LoopState:
@@ -58,7 +68,11 @@ class LoopState:
         return None if self.pending is None else self.pending.state()
 
     def state_dict(self) -> dict:
-        return {"schedule": self.schedule.state_dict(), "warnings": self.warnings.state_dict()}
+        return {
+            "schedule": self.schedule.state_dict(),
+            "warnings": self.warnings.state_dict(),
+            "engine_restarts": self.restarts_run,
+        }
 
     def load_state_dict(self, state: dict, *, step: int, rank_state=None) -> None:
         """Restore from a checkpoint written after ``step``: the next step run is ``step + 1``. ``rank_state``:
@@ -66,6 +80,8 @@ class LoopState:
         self.schedule.load_state_dict(state["schedule"])
         self.warnings.load_state_dict(state["warnings"])
         self.start_step = step + 1
+        # checkpoints written before engines could restart hold no count: none restarted then
+        self.restarts_before = self.restarts_run = float(state.get("engine_restarts", 0.0))
         if self.pending is not None:
             if rank_state is None:
                 raise StalenessError(
