@@ -284,7 +284,7 @@ class ProcessEngine:
                 print(f"fault: {where}; not restarting it ({over})", flush=True)
                 raise EngineLost(
                     f"{where}; it was restarted {self.tally.restarts} time(s) this step and "
-                    f"{self.tally.run_restarts} in the run, and {over} allows no more",
+                    f"{self.tally.run_restarts} since this process started, and {over} allows no more",
                     rank=self.rank,
                     phase=phase,
                     cause=f"{f.kind}: {f.cause}",
