@@ -21,7 +21,6 @@ from tim_megatron.recipe import LoadedRecipe, Recipe
 from tim_megatron.rl import phases
 from tim_megatron.rl.batch import broadcast_object, cat_padded
 from tim_megatron.rl.colocation import Colocation
-from tim_megatron.rl.offpolicy import Generated
 from tim_megatron.rl.overlap import start_ahead
 from tim_megatron.rollout.faults import EngineLost
 from tim_megatron.run_dir import RunDirNotWritable, record_step
@@ -227,21 +226,12 @@ def offpolicy_samples(parts: Prepared, *, recipe: Recipe, step: int, timer, obse
         if ahead is not None:
             on_error.callback(ahead.wait)
         with t("old_logprobs"):
-            for s, b, m, p in sampled:
-                op = phases.old_logprobs(
-                    recipe=r, trainer=tr, rollout=ro, sync=parts.sync, batch=b, step=step, observer=observer
-                )
-                pending.add(
-                    Generated(
-                        step=s,
-                        version=step - 1,
-                        batch=b,
-                        behaviour=op.old,
-                        metrics={**m, **op.sync},
-                        probe=p,
-                        old_pass=op,
-                    )
-                )
+            for one in sampled:
+                scored = phases.scored_as_sampled(
+                    recipe=r, trainer=tr, rollout=ro, sync=parts.sync, sampled=one, step=step, observer=observer,
+                    keep_pass=True,
+                )  # fmt: skip
+                pending.add(scored)
             g = pending.take(step)
             old = phases.current_logprobs(
                 trainer=tr, batch=g.batch, behaviour=g.behaviour, sampled=g.old_pass, age=g.age(step)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from tim_megatron.observer import StepObserver
 from tim_megatron.rl import phases
-from tim_megatron.rl.offpolicy import Generated, Pending
+from tim_megatron.rl.offpolicy import Pending
 from tim_megatron.rollout.faults import agreed
 
 
@@ -56,7 +56,7 @@ class Ahead:
         gen_seconds = 0.0
         for s, sampled in results:
             gen_seconds += sampled[1].seconds
-            b, m, p = phases.rollouts(
+            finished = phases.rollouts(
                 recipe=recipe,
                 trainer=tr,
                 rollout=ro,
@@ -65,26 +65,12 @@ class Ahead:
                 observer=observer,
                 sampled=sampled,
             )
-            with tr.weights_at(self.snapshot):
-                op = phases.old_logprobs(
-                    recipe=recipe,
-                    trainer=tr,
-                    rollout=ro,
-                    sync=parts.sync,
-                    batch=b,
-                    step=self.step,
-                    observer=observer,
-                )
-            pending.add(
-                Generated(
-                    step=s,
-                    version=self.step - 1,
-                    batch=b,
-                    behaviour=op.old,
-                    metrics={**m, **op.sync},
-                    probe=p,
-                )
-            )
+            with tr.weights_at(self.snapshot):  # the weights it was sampled with, not the updated ones
+                scored = phases.scored_as_sampled(
+                    recipe=recipe, trainer=tr, rollout=ro, sync=parts.sync, sampled=(s, *finished),
+                    step=self.step, observer=observer, keep_pass=False,
+                )  # fmt: skip
+            pending.add(scored)
         return {
             "offpolicy/overlap_generate_seconds": gen_seconds,
             "offpolicy/overlap_wait_seconds": waited,

@@ -38,8 +38,9 @@ from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import Recipe
 from tim_megatron.rl.batch import StepBatch, from_samples, global_width, rank_rows
 from tim_megatron.rl.objective import LossRows, make_loss_fn, token_weights
+from tim_megatron.rl.offpolicy import Generated
 from tim_megatron.rollout.base import GenerationStats, RolloutEngine, Sample
-from tim_megatron.rollout.faults import agreed
+from tim_megatron.rollout.faults import FaultTally, agreed
 from tim_megatron.rollout.sync import WeightSync
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 from tim_megatron.trainer.parallel import dp_group
@@ -143,8 +144,8 @@ def _tell_generated(observer: StepObserver, *, step: int, rollout: RolloutEngine
 def fault_metrics(rollout: RolloutEngine) -> dict[str, float]:
     """This step's ``faults/*`` metrics summed over the ranks (every rank calls)."""
     local = rollout.faults()
-    keys = sorted(k for k in local if "_max_" not in k)
-    highest = sorted(k for k in local if "_max_" in k)
+    keys = sorted(k for k in local if k not in FaultTally.HIGHEST)
+    highest = sorted(k for k in local if k in FaultTally.HIGHEST)
     values = _sum_over_engines(rollout, [local[k] for k in keys]) if keys else []
     values += _max_over_world([local[k] for k in highest]) if highest else []
     return dict(zip(keys + highest, values, strict=True))
@@ -341,6 +342,36 @@ class OldPass:
         return self.old if self.behaviour is None else self.behaviour
 
 
+def scored_as_sampled(
+    *,
+    recipe: Recipe,
+    trainer: MegatronTrainer,
+    rollout: RolloutEngine,
+    sync: WeightSync,
+    sampled: tuple,
+    step: int,
+    observer: StepObserver = NO_OBSERVER,
+    keep_pass: bool,
+):
+    """A batch sampled for a later step, scored by the trainer at the weights it holds now (pi_s, with the checks an
+    on-policy step runs), as a :class:`tim_megatron.rl.offpolicy.Generated` sampled at step ``step`` (version
+    ``step - 1``). ``sampled``: (its step, batch, metrics, probe), as :func:`rollouts` gave them. ``keep_pass``:
+    keep the trainer pass for reuse (only when these are also the weights of the step that trains it)."""
+    s, b, m, p = sampled
+    op = old_logprobs(
+        recipe=recipe, trainer=trainer, rollout=rollout, sync=sync, batch=b, step=step, observer=observer
+    )
+    return Generated(
+        step=s,
+        version=step - 1,
+        batch=b,
+        behaviour=op.old,
+        metrics={**m, **op.sync},
+        probe=p,
+        old_pass=op if keep_pass else None,
+    )
+
+
 def old_logprobs(
     *,
     recipe: Recipe,
@@ -391,19 +422,22 @@ def old_logprobs(
     rollout = batch.rollout_logprobs.clone()
     if r.rl.correction.bypass:
         old = rollout.clone()
-    trainer_routing = recorded
-    if routes.free_routing_probe and batch.routed_experts is not None:
-        _, trainer_routing = tr.logprobs(
-            SeqBatch(batch.input_ids, batch.lengths), routing="record"
-        )  # free routing, for the metric
     return OldPass(
         old=old,
         rollout=rollout,
         entropy=ent,
-        trainer_routing=trainer_routing,
+        trainer_routing=_trainer_routing(trainer=tr, batch=batch, recorded=recorded),
         recomputed=recomputed,
         sync=checks,
     )
+
+
+def _trainer_routing(*, trainer: MegatronTrainer, batch: StepBatch, recorded):
+    """The routing the trainer chooses by itself, for the routing metrics: what its pass recorded, or, where that
+    pass replayed the rollout's routes (R3), one more pass with free routing."""
+    if trainer.modes.routing.free_routing_probe and batch.routed_experts is not None:
+        return trainer.logprobs(SeqBatch(batch.input_ids, batch.lengths), routing="record")[1]
+    return recorded
 
 
 def _trainer_pass(*, trainer: MegatronTrainer, batch: StepBatch, seq: SeqBatch):
@@ -428,14 +462,11 @@ def current_logprobs(
         batch.input_ids, batch.lengths, batch.routed_experts if routes.old_pass_uses_rollout_routes else None
     )
     old, ent, recorded = _trainer_pass(trainer=tr, batch=batch, seq=seq)
-    trainer_routing = recorded
-    if routes.free_routing_probe and batch.routed_experts is not None:
-        _, trainer_routing = tr.logprobs(SeqBatch(batch.input_ids, batch.lengths), routing="record")
     return OldPass(
         old=old,
         rollout=batch.rollout_logprobs.clone(),
         entropy=ent,
-        trainer_routing=trainer_routing,
+        trainer_routing=_trainer_routing(trainer=tr, batch=batch, recorded=recorded),
         recomputed=True,
         behaviour=behaviour,
         age=age,

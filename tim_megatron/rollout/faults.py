@@ -39,6 +39,9 @@ class FaultTally:
     witness_max_abs_prob_diff: float = 0.0
     """The largest probability difference between a restarted engine and its predecessor on the same probe."""
 
+    HIGHEST = frozenset({"faults/witness_max_abs_prob_diff"})
+    """The metrics that are the largest over the ranks (the others are sums)."""
+
     def metrics(self) -> dict[str, float]:
         return {
             "faults/restarts": float(self.restarts),
@@ -57,7 +60,7 @@ def agree_on_engines(
     ranks, so that none waits in a collective the others never reach. Without a restartable engine the error, if
     any, is raised at once (nothing to agree on). ``before_update``: the step has not changed the trainer yet (the
     run may checkpoint the step before)."""
-    if not getattr(rollout, "restartable", False):
+    if not rollout.restartable:
         if error is not None:
             raise error
         return
