@@ -476,6 +476,7 @@ def test_two_node_job(two_nodes, tmp_path):
     log = (run / "logs" / f"slurm-{job}.out").read_text()  # both attempts: the log is appended to
     assert f"job {job} attempt {job}.0: 2 node(s) x 1 rank(s)" in log and f"attempt {job}.1: 2 node(s)" in log
     assert f"Slurm requeued job {job} " in log and "after losing node(s): node2 (down" in log, log[-3000:]
+    assert f"attempt {job}.1: the run completed" in log and "not requeueing" not in log, log[-3000:]
     again = f"steps 11..{lost_at} run again" if lost_at > 11 else "step 11 runs again"
     assert (
         f"attempt {job}.1 resumes from the checkpoint of step 10: attempt {job}.0 reached step {lost_at} and ended "

@@ -35,7 +35,8 @@ def new_schedule(recipe):
 @dataclass
 class LoopState:
     """What the loop carries from step to step besides the model: the LR schedule (it watches the metrics, for the
-    length-surge decay), the early-warning detectors, and the first step of this process."""
+    length-surge decay), the early-warning detectors, the first step of this process, the batches sampled ahead
+    (off-policy runs) and the run's count of rollout-engine restarts."""
 
     schedule: object
     """The learning-rate schedule (:func:`tim_megatron.algo.build_schedule`)."""
