@@ -1,5 +1,6 @@
-"""megatron-core's MLA decoder (with tim_megatron.trainer.mla's core attention) against HF transformers'
-DeepSeek-V3, on a tiny dense model in float32, in a fresh process (megatron-core keeps global state).
+"""megatron-core's MLA decoder as the trainer builds it (the DeepSeek-V3 family's config and layer specs, with
+tim_megatron.trainer.mla's core attention) against HF transformers' DeepSeek-V3 made from the same family's config
+arguments, on a tiny dense model in float32, in a fresh process (megatron-core keeps global state).
 
     python tests/workers/mla_worker.py OUT.json
 
@@ -54,38 +55,50 @@ VARIANTS = {
 }
 
 
-def hf_model(q_lora_rank, rope_scaling, eps=1e-6, latent_scale=1.0):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def dims_of(q_lora_rank, rope_scaling, eps=1e-6):
+    """The variant as the DeepSeek-V3 family's dims of a dense model (the attention is what is compared)."""
+    from tim_megatron.recipe.schema import ModelDims
 
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if rope_scaling:
-        rope = {**rope_scaling, "rope_theta": 10000.0}
-    cfg = DeepseekV3Config(
+    yarn = rope_scaling or {}
+    return ModelDims(
+        family="deepseek_v3",
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=FFN,
-        moe_intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        first_k_dense_replace=LAYERS,  # every layer dense: the attention is what is compared
+        num_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=HEADS,
-        q_lora_rank=q_lora_rank,
+        head_dim=NOPE + ROPE,
+        num_experts=0,
+        num_experts_per_tok=0,
+        moe_intermediate_size=0,
+        q_lora_rank=q_lora_rank or 0,
         kv_lora_rank=KV_RANK,
         qk_nope_head_dim=NOPE,
         qk_rope_head_dim=ROPE,
         v_head_dim=V,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
+        qk_norm="none",
         max_position_embeddings=64,
-        rope_parameters=rope,
-        rope_interleave=True,
+        rope_theta=10000.0,
         rms_norm_eps=eps,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        initializer_range=0.1,  # sharp attention: a wrong position encoding would show in the logprobs
+        rope_scaling="yarn" if yarn else "none",
+        yarn_factor=yarn.get("factor", 1.0),
+        yarn_original_max_position_embeddings=yarn.get("original_max_position_embeddings", 0),
+        yarn_beta_fast=yarn.get("beta_fast", 32.0),
+        yarn_beta_slow=yarn.get("beta_slow", 1.0),
+        yarn_mscale=yarn.get("mscale", 1.0),
+        yarn_mscale_all_dim=yarn.get("mscale_all_dim", 0.0),
     )
+
+
+def hf_model(dims, latent_scale=1.0):
+    """HF transformers' DeepSeek-V3 from the family's own config arguments, with random weights."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from tim_megatron.trainer.families.deepseek_v3 import hf_config
+
+    cfg = hf_config(dims)
+    cfg.initializer_range = 0.1  # sharp attention: a wrong position encoding would show in the logprobs
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():  # norms away from 1 so that a misplaced one shows
@@ -97,52 +110,13 @@ def hf_model(q_lora_rank, rope_scaling, eps=1e-6, latent_scale=1.0):
     return model
 
 
-def megatron_model(q_lora_rank, rope_scaling, eps=1e-6):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import MLATransformerConfig
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+def megatron_model(dims):
+    """megatron-core's GPTModel as the trainer builds it (:func:`tim_megatron.trainer.model.build_model`), without
+    transformer-engine."""
+    from tim_megatron.recipe.schema import ModelConfig, ParallelismConfig
+    from tim_megatron.trainer.model import BuildOptions, build_model
 
-    from tim_megatron.trainer.mla import mla_layer_spec
-    from tim_megatron.trainer.model import plain_layers
-    from tim_megatron.trainer.norm import SequenceParallelRMSNorm
-
-    yarn = rope_scaling or {}
-    config = MLATransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        ffn_hidden_size=FFN,
-        layernorm_epsilon=eps,
-        **plain_layers(),
-        use_cpu_initialization=True,
-        perform_initialization=False,
-        params_dtype=torch.float32,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=KV_RANK,
-        qk_head_dim=NOPE,
-        qk_pos_emb_head_dim=ROPE,
-        v_head_dim=V,
-        rope_type="yarn" if yarn else "rope",
-        rotary_base=10000,
-        rotary_scaling_factor=yarn.get("factor", 1.0),
-        original_max_position_embeddings=yarn.get("original_max_position_embeddings", 64),
-        beta_fast=yarn.get("beta_fast", 32.0),
-        beta_slow=yarn.get("beta_slow", 1.0),
-        mscale=yarn.get("mscale", 1.0),
-        mscale_all_dim=yarn.get("mscale_all_dim", 0.0),
-    )
-    spec = TransformerBlockSubmodules(
-        layer_specs=[mla_layer_spec(num_experts=None, use_te=False) for _ in range(LAYERS)],
-        layer_norm=SequenceParallelRMSNorm,
-    )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=VOCAB,
-        max_sequence_length=64,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
-    ).eval()
+    return build_model(dims, ModelConfig(dims=dims), ParallelismConfig(), BuildOptions(use_te=False)).eval()
 
 
 def copy_weights(hf, gpt, q_lora_rank) -> int:
@@ -196,9 +170,9 @@ def compare(name: str, spec: dict, *, megatron_rope_scaling="same", latent_eps: 
     from tim_megatron.trainer.mla import LatentRMSNorm
 
     eps = spec.get("eps", 1e-6)
-    hf = hf_model(spec["q_lora_rank"], spec["rope_scaling"], eps, spec.get("latent_scale", 1.0))
+    hf = hf_model(dims_of(spec["q_lora_rank"], spec["rope_scaling"], eps), spec.get("latent_scale", 1.0))
     scaling = spec["rope_scaling"] if megatron_rope_scaling == "same" else megatron_rope_scaling
-    gpt = megatron_model(spec["q_lora_rank"], scaling, eps)
+    gpt = megatron_model(dims_of(spec["q_lora_rank"], scaling, eps))
     latent = [m for m in gpt.modules() if isinstance(m, LatentRMSNorm)]
     assert len(latent) == LAYERS * (2 if spec["q_lora_rank"] else 1), len(latent)
     if latent_eps is not None:

@@ -316,8 +316,9 @@ def hf_common(dims: ModelDims) -> dict[str, Any]:
 
 def hf_shared_expert_moe(dims: ModelDims, family: str) -> dict[str, Any]:
     """transformers config arguments of the GLM-4.5 / DeepSeek-V3 MoE layout: leading dense layers, routed
-    experts with a sigmoid router and routed scaling, shared experts counted in routed experts' widths."""
-    shared, rest = divmod(dims.shared_expert_intermediate_size, dims.moe_intermediate_size)
+    experts with a sigmoid router and routed scaling, shared experts counted in routed experts' widths. A dense
+    model (``num_experts = 0``) is every layer a leading dense one."""
+    shared, rest = divmod(dims.shared_expert_intermediate_size, dims.moe_intermediate_size or 1)
     if rest:
         raise ValueError(f"{family}'s shared expert width is a whole number of routed experts' widths")
     return dict(
@@ -326,7 +327,7 @@ def hf_shared_expert_moe(dims: ModelDims, family: str) -> dict[str, Any]:
         n_routed_experts=dims.num_experts,
         num_experts_per_tok=dims.num_experts_per_tok,
         n_shared_experts=shared,
-        first_k_dense_replace=dims.first_k_dense_layers,
+        first_k_dense_replace=dims.first_k_dense_layers if dims.is_moe else dims.num_layers,
         routed_scaling_factor=dims.routed_scaling_factor,
         norm_topk_prob=dims.norm_topk_prob,
         n_group=dims.router_groups,
