@@ -16,9 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 from tim_megatron.algo import compute_mismatch  # noqa: E402
 from tim_megatron.recipe import load_recipe  # noqa: E402
-from tim_megatron.rollout.base import FleetLayout  # noqa: E402
+from tim_megatron.rollout.backends import BACKENDS  # noqa: E402
 from tim_megatron.rollout.sync import WeightSync, WeightSyncError, manifest, verdict  # noqa: E402
-from tim_megatron.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from tim_megatron.run_setup import model_path_for  # noqa: E402
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch  # noqa: E402
 
@@ -30,12 +29,7 @@ def build(overrides):
     recipe = load_recipe(RECIPE, ["trainer.micro_batch_size=8", *overrides]).recipe
     ck = model_path_for(recipe)
     tr = MegatronTrainer(recipe, model_path=ck)
-    eng = VLLMEngine(
-        recipe,
-        model_path=ck,
-        layout=FleetLayout(world=1, ranks_per_engine=1),
-        num_moe_layers=tr.num_moe_layers(),
-    )
+    eng = BACKENDS["vllm"].build(recipe, tr, model_path=ck, tokenizer=None)  # as a run builds it
     return recipe, ck, tr, eng
 
 

@@ -20,21 +20,16 @@ def run(*, rounds: int = 5, demo_step_s: float | None = None, overrides: list[st
 
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.recipe import load_recipe
-    from tim_megatron.rollout.base import FleetLayout
+    from tim_megatron.rollout.backends import BACKENDS
     from tim_megatron.rollout.sync import WeightSync, manifest
-    from tim_megatron.rollout.vllm_engine import VLLMEngine, sample_seed
+    from tim_megatron.rollout.vllm_engine import sample_seed
     from tim_megatron.run_setup import model_path_for
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
     recipe = load_recipe("recipes/tiny-moe/grpo.yaml", overrides or []).recipe
     path = model_path_for(recipe)
     tr = MegatronTrainer(recipe, model_path=path)
-    eng = VLLMEngine(
-        recipe,
-        model_path=path,
-        layout=FleetLayout(world=1, ranks_per_engine=1),
-        num_moe_layers=tr.num_moe_layers(),
-    )
+    eng = BACKENDS["vllm"].build(recipe, tr, model_path=path, tokenizer=None)  # as a run builds it
     src = PromptSource(recipe.data, seed=0)
     prompts = [
         encode_prompt(eng.tokenizer, it.prompt) for it in src.step_items(1, recipe.data.prompts_per_step)
