@@ -282,6 +282,10 @@ def test_each_attempt_records_how_the_one_before_it_ended(tmp_path, monkeypatch)
     assert resume_note({**meta, "attempt": "77.2", "earlier_attempts": [failed]}, start_step=14).endswith(
         "reached step 14 and failed (RuntimeError: Connection closed by peer [10.0.0.2]:5000); step 14 runs again"
     )
+    long = {**failed, "reason": "E: " + "x" * 300 + "\nsecond line"}  # the first line only, clipped at 200
+    assert resume_note({**meta, "attempt": "77.2", "earlier_attempts": [long]}, start_step=14).endswith(
+        "failed (E: " + "x" * 197 + "... (103 more characters)); step 14 runs again"
+    )
     assert resume_note(meta, start_step=21).endswith("attempt 77.2 reached step 20 and was preempted")
     assert resume_note({"attempt": "x"}, start_step=21) is None and resume_note(meta, start_step=1) is None
 

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from tim_megatron.recipe import LoadedRecipe, recipe_to_yaml
-from tim_megatron.recipe.loader import load_recipe
+from tim_megatron.recipe.loader import clip, load_recipe
 from tim_megatron.run_lock import LOCK_FILE
 from tim_megatron.safe_files import (
     UnsafePathError,
@@ -346,14 +346,14 @@ def resume_note(meta: dict, *, start_step: int) -> str | None:
     if start_step <= 1 or not isinstance(earlier, list) or not earlier or not isinstance(earlier[-1], dict):
         return None
     last = earlier[-1]
-    status, reason = last.get("status"), last.get("reason")
-    if status == "running":
-        how = NO_RECORD
+    status, reason = last.get("status"), str(last.get("reason") or "")
+    if status == "running":  # its reason is NO_RECORD, written by _record_earlier_attempt
+        how = reason or NO_RECORD
     else:
         how = {"preempted": "was preempted", "failed": "failed"}.get(status, f"ended {status}")
-        if reason:
-            first = str(reason).strip().splitlines()[0] if str(reason).strip() else ""
-            how += f" ({first[:200]}{'...' if len(first) > 200 else ''})" if first else ""
+        first = next(iter(reason.strip().splitlines()), "")  # an error's first line
+        if first:
+            how += f" ({clip(first, 200)})"
     reached = last.get("step")
     again = ""
     if isinstance(reached, int) and reached >= start_step:
