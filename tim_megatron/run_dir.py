@@ -426,15 +426,15 @@ def _transition(meta: dict, status: str, d: Path) -> None:
         )
 
 
-def set_status(d: Path, status: str, **extra) -> None:
+def set_status(d: Path, status: str, **extra) -> dict:
     """The one writer of ``run.json``'s status after the folder is created (:data:`ALLOWED_FROM` says which
-    changes are allowed; :class:`StatusTransitionError` otherwise)."""
+    changes are allowed; :class:`StatusTransitionError` otherwise). Returns ``run.json`` as written."""
 
     def change(meta):
         _transition(meta, status, d)
         meta.update(status=status, updated=_now(), **extra)
 
-    update_meta(d, change)
+    return update_meta(d, change)
 
 
 def record_step(d: Path, step: int) -> None:
@@ -447,11 +447,11 @@ def record_step(d: Path, step: int) -> None:
     update_meta(d, change, use_reserve=False)
 
 
-def mark_running(d: Path, *, start_step: int, resumed_from: str | None) -> None:
+def mark_running(d: Path, *, start_step: int, resumed_from: str | None) -> dict:
     """Start-up is over: steps ``start_step``.. begin. Records the cores this process may run on (a run's numbers
-    depend on its thread count: float sums in another order)."""
+    depend on its thread count: float sums in another order). Returns ``run.json`` as written."""
     cores = sorted(os.sched_getaffinity(0))
-    set_status(d, "running", start_step=start_step, resumed_from=resumed_from, cpu_affinity=cores)
+    return set_status(d, "running", start_step=start_step, resumed_from=resumed_from, cpu_affinity=cores)
 
 
 def mark_finished(

@@ -136,7 +136,7 @@ def setup(
     from tim_megatron.rl.phases import probe_sequences
     from tim_megatron.rollout.backends import backend_for
     from tim_megatron.rollout.sync import WeightSync, manifest
-    from tim_megatron.run_dir import mark_running, read_meta, resume_note
+    from tim_megatron.run_dir import mark_running, resume_note
     from tim_megatron.run_state import LoopState
     from tim_megatron.stop import StopRequest
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer
@@ -176,10 +176,10 @@ def setup(
         console=console if trainer.is_rank0 else None,
     )  # fmt: skip
     if trainer.is_rank0:
-        mark_running(run_dir, start_step=state.start_step, resumed_from=str(ckpt) if ckpt else None)
+        meta = mark_running(run_dir, start_step=state.start_step, resumed_from=str(ckpt) if ckpt else None)
         if console is not None:
             _announce(console, loaded, run_dir, trainer=trainer, start=state.start_step, layout=layout)
-            if ckpt is not None and (note := resume_note(read_meta(run_dir), start_step=state.start_step)):
+            if ckpt is not None and (note := resume_note(meta, start_step=state.start_step)):
                 console.print(f"  {note}", highlight=False)
     return Prepared(
         trainer=trainer,

@@ -348,11 +348,11 @@ def scored_as_sampled(
     trainer: MegatronTrainer,
     rollout: RolloutEngine,
     sync: WeightSync,
-    sampled: tuple,
+    sampled: tuple[int, StepBatch, dict, list[list[int]]],
     step: int,
     observer: StepObserver = NO_OBSERVER,
     keep_pass: bool,
-):
+) -> Generated:
     """A batch sampled for a later step, scored by the trainer at the weights it holds now (pi_s, with the checks an
     on-policy step runs), as a :class:`tim_megatron.rl.offpolicy.Generated` sampled at step ``step`` (version
     ``step - 1``). ``sampled``: (its step, batch, metrics, probe), as :func:`rollouts` gave them. ``keep_pass``:
