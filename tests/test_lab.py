@@ -773,6 +773,142 @@ def test_c2_reads_the_policys_reward_deficit_against_the_dose(tmp_path):
     assert v.verdict == "inconclusive" and "run.val_samples = 0" in v.detail
 
 
+SMALL_GRID = """name: small
+seeds: [1, 2, 3]
+collapse_min_steps: 5
+overrides: [run.steps=30]
+arms:
+  - {name: baseline}
+"""
+
+
+def _small_root(tmp_path: Path, seeds=(1, 2, 3)):
+    from tim_megatron.lab.grid import load_grid, plan
+    from tim_megatron.lab.runner import run_dir, run_spec
+
+    path = tmp_path / "g.yaml"
+    path.write_text(f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\n" + SMALL_GRID)
+    grid = load_grid(path)
+    (p,) = plan(grid)
+    root = tmp_path / "runs"
+    for s in seeds:
+        _fake_run(run_dir(root, "baseline", s), run_spec(grid, p, s), steps=30, growth=1.0, seed=s)
+    return path, root
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "typed"),
+    [
+        ("mismatch/old_vs_rollout/bucket/0.9-1/rho_mean", "abc", None),
+        ("mismatch/old_vs_rollout/bucket/0.01-0.1/count", "100", None),
+        ("val/policy_reward_start", [0.5], None),
+        ("val/policy_reward_start", None, float("nan")),  # NaN as the tracker writes it: no notice
+        ("mismatch/old_vs_rollout/bucket/0.9-1/count", "inf", float("inf")),  # the tracker's infinity
+        ("reward/mean", {"a": 1}, None),
+        ("objective/J", True, None),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_left_out_and_named(tmp_path, key, value, typed):
+    """One string, list or object where the lab reads a number, in one row of one run, ended the report in a
+    ValueError or TypeError (runstats sums bucket counts and takes float() of the start reward). Now the value is
+    left out (the tracker's own spellings of NaN and infinity are read as such) and named: run, step, key."""
+    from tim_megatron.lab.rows import checked_rows
+
+    _, root = _small_root(tmp_path, seeds=(1,))
+    d = root / "baseline" / "seed1"
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[6][key] = value
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checked, notices, changed = checked_rows(d, run="baseline/seed1")
+    assert changed
+    if typed is None:
+        assert key not in checked[6]
+        (notice,) = notices
+        assert notice.startswith("run baseline/seed1: metrics.jsonl holds 1 value(s) that are not numbers")
+        assert f"step 7: {key!r} = " in notice
+    else:
+        assert not notices
+        assert key not in checked[6] if value is None else checked[6][key] == typed
+    assert all(
+        r[k] == rows[i][k] for i, r in enumerate(checked) for k in r if (i, k) != (6, key)
+    )  # nothing else
+
+
+def test_a_report_over_a_run_with_a_wrong_typed_metric_is_still_written_and_lists_commits(tmp_path):
+    """From a root: a string bucket count in one row of one run, one run of the grid missing, one run that
+    recorded its commit: the report is written, names the value left out and the missing run, and lists the
+    commits the runs came from ("not recorded" for the others)."""
+    import csv
+
+    from tim_megatron.lab.main import run_lab
+
+    path, root = _small_root(tmp_path, seeds=(1, 2))
+    d = root / "baseline" / "seed2"
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows[4]["mismatch/old_vs_rollout/bucket/0.01-0.1/count"] = "abc"
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = json.loads((d / "run.json").read_text())
+    code = {"commit": "ab" * 20, "clean": True, "diff_sha256": None, "version": "0.1.0", "libraries": {}}
+    (d / "run.json").write_text(json.dumps({**meta, "code": code}))
+    res = run_lab(str(path), root=root, out=tmp_path / "report", aggregate_only=True, log=lambda m: None)
+    md = (tmp_path / "report" / "tables.md").read_text()
+    assert "Notice: run baseline/seed2: metrics.jsonl holds 1 value(s)" in md and "step 5: " in md
+    assert "Notice: 1 of the grid's 3 runs are not in this report" in md and "baseline/seed3" in md
+    assert f"{'ab' * 6} (clean, version '0.1.0') for 1 run(s) (baseline/seed2)" in md
+    assert "not recorded for 1 run(s) (baseline/seed1)" in md
+    assert {r["seed"]: (r["code_commit"], r["code_clean"]) for r in csv.DictReader(
+        (tmp_path / "report" / "runs.csv").read_text().splitlines()
+    )} == {"1": ("not recorded", ""), "2": ("ab" * 20, "true")}  # fmt: skip
+    assert res["lab"].runs["baseline"][2].path == str(d)  # read through a checked copy, reported where it is
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Code the runs came from" in page and "ab" * 20 in page
+
+
+def test_a_preregistered_grid_runs_only_from_a_clean_tree_unless_told(tmp_path):
+    import subprocess
+
+    from tim_megatron.lab.grid import GridError
+    from tim_megatron.lab.main import run_lab
+
+    repo = tmp_path / "project"
+    git = _git_repo(repo)
+    (repo / "docs" / "prereg").mkdir(parents=True)
+    (repo / "docs" / "prereg" / "pre.md").write_text("lab/pre.yaml\n")
+    _commit(git, "prereg", authored="2026-03-01T12:00:00+00:00")
+    (repo / "notes.txt").write_text("uncommitted\n")
+    body = (
+        f"base_recipe: {ROOT / 'recipes/tiny-moe/countdown.yaml'}\nseeds: [1]\n"
+        "arms: [{name: a, requires: a future feature, overrides: [diagnostics.future=1]}]\n"
+    )
+    for name in ("pre", "free"):
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\n" + body)
+    quiet = dict(out=tmp_path / "report", log=lambda m: None, repo=repo)
+    with pytest.raises(
+        GridError, match=r"pre-registered \(docs/prereg/pre.md\).*uncommitted changes.*\?\? notes.txt"
+    ):
+        run_lab(str(tmp_path / "pre.yaml"), root=tmp_path / "runs-pre", **quiet)
+    assert not (tmp_path / "runs-pre").exists()  # refused before anything ran
+    run_lab(str(tmp_path / "pre.yaml"), root=tmp_path / "runs-pre", allow_dirty=True, **quiet)
+    run_lab(
+        str(tmp_path / "pre.yaml"), root=tmp_path / "runs-pre", aggregate_only=True, **quiet
+    )  # runs nothing
+    run_lab(str(tmp_path / "free.yaml"), root=tmp_path / "runs-free", **quiet)  # not pre-registered
+    subprocess.run([*git, "add", "-A"], check=True)
+    _commit(git, "notes", authored="2026-03-01T13:00:00+00:00")
+    run_lab(str(tmp_path / "pre.yaml"), root=tmp_path / "runs-pre", **quiet)  # clean now
+    subprocess.run(["rm", "-rf", str(repo / ".git")], check=True)
+    with pytest.raises(GridError, match="cannot be told .*not a git repository"):
+        run_lab(str(tmp_path / "pre.yaml"), root=tmp_path / "runs-pre", **quiet)
+
+
+def test_the_shipped_preregistered_grids_are_the_ones_with_a_preregistration():
+    from tim_megatron.lab.checkout import registration
+    from tim_megatron.lab.grid import load_grid
+
+    marked = {p.stem for p in (ROOT / "lab").glob("*.yaml") if registration(load_grid(p), ROOT)}
+    assert marked == {"A", "B", "D"}
+
+
 def test_lab_surge_detector_is_the_runs_own_recipe(tmp_path):
     from tim_megatron.lab.runstats import surge_detector
     from tim_megatron.recipe import load_recipe, recipe_to_yaml
@@ -808,36 +944,172 @@ def test_false_alarms_count_only_runs_that_can_fire():
     assert e.warned == 1 and e.false_alarms == 0
 
 
-def test_the_rule_fixing_sentence_follows_git(tmp_path):
-    """The report's sentence on when the rules were fixed is read from git: the last commit of the rule code
-    against the first run's start, 'before' or 'after' as they fall; uncommitted rule code and a folder without
-    git history are said plainly; nothing is hard-coded."""
+# --------------------------------------------------- whether the rules were in place before the runs (provenance)
+
+RULES = ("lab/rules.py", "lab/more.py")
+
+
+def _git_repo(path: Path) -> list[str]:
+    """A fresh repository at ``path``; the git command line to use in it."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    return git
+
+
+def _commit(git: list[str], message: str, *, authored: str, committed: str | None = None) -> str:
+    import os
+    import subprocess
+
+    env = {**os.environ, "GIT_AUTHOR_DATE": authored, "GIT_COMMITTER_DATE": committed or authored}
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", message], check=True, env=env)
+    return subprocess.run(
+        [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def _rules_repo(tmp_path: Path) -> tuple[Path, list[str]]:
+    """Two rule files committed at 2026-03-01 12:00 UTC, then an unrelated commit at 14:00."""
+    repo = tmp_path / "repo"
+    git = _git_repo(repo)
+    (repo / "lab").mkdir()
+    (repo / "lab" / "rules.py").write_text("RULE = 1\n")
+    (repo / "lab" / "more.py").write_text("MORE = 1\n")
+    _commit(git, "rules", authored="2026-03-01T12:00:00+00:00")
+    (repo / "README").write_text("other\n")
+    _commit(git, "other", authored="2026-03-01T14:00:00+00:00")
+    return repo, git
+
+
+def _run(name: str, created: object = "2026-03-01T13:00:00", **kw):
+    from tim_megatron.lab.provenance import RunRules
+
+    return RunRules(name=name, created=created, **kw)
+
+
+def test_the_rules_sentence_dates_content_by_author_date_whatever_the_readers_zone(tmp_path, monkeypatch):
+    """Run starts written without a zone are read as UTC, git's dates are epochs, and every time printed is UTC,
+    named: the sentence is the same in Berlin, Los Angeles and UTC. A rebase that keeps the rule files' content
+    (a new committer date, the author date kept) does not move the verdict."""
+    import os
     import subprocess
     import time
 
-    from tim_megatron.lab.provenance import created_time, rules_fixed_text
+    from tim_megatron.lab.provenance import rules_fixed_text
 
-    repo = tmp_path / "repo"
-    (repo / "lab").mkdir(parents=True)
-    files = ("lab/rules.py",)
-    assert "cannot be stated" in rules_fixed_text(first_start=0.0, repo=repo, files=files)
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "init", "-q"], check=True)
-    (repo / "lab" / "rules.py").write_text("RULE = 1\n")
-    subprocess.run([*git, "add", "."], check=True)
-    committed = "2026-03-01T12:00:00"
-    env = {**__import__("os").environ, "GIT_COMMITTER_DATE": committed, "GIT_AUTHOR_DATE": committed}
-    subprocess.run([*git, "commit", "-q", "-m", "rules"], check=True, env=env)
-    at = created_time(committed)
-    before = rules_fixed_text(first_start=at + 3600, repo=repo, files=files)
-    assert "before the first run of this grid started" in before and "2026-03-01 12:00" in before
-    after = rules_fixed_text(first_start=at - 60, repo=repo, files=files)
-    assert "after the first run" in after and "not fixed before the runs" in after
-    assert "no run start" in rules_fixed_text(first_start=None, repo=repo, files=files)
+    repo, git = _rules_repo(tmp_path)
+    runs = [_run("a/seed1"), _run("a/seed2", "2026-03-01T13:30:00+00:00")]
+    said = {}
+    try:
+        for tz in ("UTC", "Europe/Berlin", "America/Los_Angeles"):
+            monkeypatch.setenv("TZ", tz)
+            time.tzset()
+            said[tz] = rules_fixed_text(runs=runs, repo=repo, files=RULES)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert len(set(said.values())) == 1, said
+    text = said["UTC"]
+    assert "the first run's start, 2026-03-01 13:00 UTC" in text and "2026-03-01 12:00 UTC" in text
+    assert "rules.py and more.py have their current content since commits authored before that start" in text
+    assert text.endswith("So the rules were fixed before the runs.")
+    # rewrite the history (every commit anew, as a rebase does; content and author dates kept): the committer
+    # dates move past the start
+    env = {**os.environ, "FILTER_BRANCH_SQUELCH_WARNING": "1"}
+    late = "export GIT_COMMITTER_DATE='2026-03-02T09:00:00+00:00'"
+    subprocess.run(
+        [*git, "filter-branch", "-f", "--env-filter", late], check=True, capture_output=True, env=env
+    )
+    rebased = rules_fixed_text(runs=runs, repo=repo, files=RULES)
+    assert "current content since commits authored before that start" in rebased
+    assert (
+        "committed after it, 2026-03-02 09:00 UTC (a rebase or cherry-pick keeps the author date)" in rebased
+    )
+    assert rebased.endswith("So the rules were fixed before the runs.")
+
+
+def test_the_rules_sentence_names_the_rule_file_changed_after_the_first_run(tmp_path):
+    from tim_megatron.lab.provenance import rules_fixed_text
+
+    repo, git = _rules_repo(tmp_path)
+    (repo / "lab" / "more.py").write_text("MORE = 2\n")
+    _commit(git, "more", authored="2026-03-01T15:00:00+00:00")
+    text = rules_fixed_text(
+        runs=[_run("a/seed1"), _run("a/seed2", "2026-03-01T16:00:00")], repo=repo, files=RULES
+    )
+    assert "rules.py has its current content since a commit authored before that start" in text
+    assert "more.py has its current content only since commit" in text
+    assert "authored 2026-03-01 15:00 UTC, after that start" in text
+    assert text.endswith("So not every rule was fixed before the runs.")
+    (repo / "lab" / "rules.py").write_text("RULE = 3\n")  # uncommitted: no commit dates it
+    text = rules_fixed_text(runs=[_run("a/seed1")], repo=repo, files=RULES)
+    assert "for rules.py it cannot be stated: this checkout has uncommitted changes to it" in text
+
+
+def test_the_rules_sentence_cannot_be_stated_from_a_shallow_clone_or_where_git_refuses(tmp_path, monkeypatch):
+    import subprocess
+
+    from tim_megatron.lab.provenance import rules_fixed_text
+
+    repo, _ = _rules_repo(tmp_path)
+    shallow = tmp_path / "shallow"
+    subprocess.run(
+        ["git", "clone", "-q", "--depth", "1", f"file://{repo}", str(shallow)],
+        check=True,
+        capture_output=True,
+    )
+    text = rules_fixed_text(runs=[_run("a/seed1")], repo=shallow, files=RULES)
+    assert "it cannot be stated: " in text and "is a shallow clone" in text, text
+    assert text.endswith("So whether every rule was fixed before the runs cannot be stated.")
+    tarball = tmp_path / "unpacked"  # the same files without .git
+    (tarball / "lab").mkdir(parents=True)
+    for f in RULES:
+        (tarball / f).write_bytes((repo / f).read_bytes())
+    text = rules_fixed_text(runs=[_run("a/seed1")], repo=tarball, files=RULES)
+    assert "git refuses to read" in text and "not a git repository" in text, text
+    monkeypatch.setenv("GIT_TEST_ASSUME_DIFFERENT_OWNER", "1")  # git's own test switch for a foreign owner
+    text = rules_fixed_text(runs=[_run("a/seed1")], repo=repo, files=RULES)
+    assert "dubious ownership" in text and "cannot be stated" in text, text
+
+
+def test_a_recorded_hash_or_commit_decides_without_dates_and_implausible_starts_are_left_out(tmp_path):
+    from tim_megatron.lab.checkout import RunCode
+    from tim_megatron.lab.provenance import rule_hashes, rules_fixed_text
+
+    repo, git = _rules_repo(tmp_path)
+    now = rule_hashes(repo, RULES)
+    tarball = tmp_path / "unpacked"  # no git at all: the hashes suffice
+    (tarball / "lab").mkdir(parents=True)
+    for f in RULES:
+        (tarball / f).write_bytes((repo / f).read_bytes())
+    hashed = [_run(f"a/seed{s}", "0001-01-01T00:00:00", hashes=dict(now)) for s in (1, 2)]
+    text = rules_fixed_text(runs=hashed, repo=tarball, files=RULES)
+    assert "Every one of the 2 runs recorded the rules' sha256 as it started (lab.json)" in text
+    assert text.endswith(
+        "rules.py and more.py are as every run started with. So the rules were fixed before the runs."
+    )
+    other = {**now, "lab/more.py": "0" * 64}
+    text = rules_fixed_text(runs=[hashed[0], _run("a/seed2", hashes=other)], repo=tarball, files=RULES)
+    assert "more.py differs from the sha256 that 1 run(s) recorded as they started (a/seed2)" in text
+    # a clean commit recorded by the run: the blobs at that commit against today's files
+    head = _commit(git, "head", authored="2026-03-01T15:00:00+00:00")
+    code = (RunCode(commit=head, clean=True, diff_sha256=None, version="0.1"),)
+    assert "So the rules were fixed" in rules_fixed_text(
+        runs=[_run("a/seed1", codes=code)], repo=repo, files=RULES
+    )
     (repo / "lab" / "rules.py").write_text("RULE = 2\n")
-    assert "uncommitted changes" in rules_fixed_text(first_start=at + 3600, repo=repo, files=files)
-    assert created_time("not a time") is None and created_time(None) is None
-    assert created_time(time.strftime("%Y-%m-%dT%H:%M:%S")) is not None
+    _commit(git, "changed", authored="2026-03-01T16:00:00+00:00")
+    text = rules_fixed_text(runs=[_run("a/seed1", codes=code)], repo=repo, files=RULES)
+    assert f"rules.py differs from its content at commit {head[:12]}, which a/seed1 ran from" in text
+    # starts of year 1 and in the future decide nothing: they are named and left out
+    runs = [_run("a/seed1", "0001-01-01T00:00:00"), _run("a/seed2", "9999-01-01T00:00:00+00:00")]
+    text = rules_fixed_text(runs=[*runs, _run("a/seed3", "2026-03-01T13:00:00")], repo=repo, files=RULES)
+    assert "2 run(s) recorded no plausible start (2000 to now) and are left out of that comparison" in text
+    assert "a/seed1 ('0001-01-01T00:00:00')" in text and "the first run's start, 2026-03-01 13:00 UTC" in text
+    assert "cannot be stated: no run" in rules_fixed_text(runs=runs, repo=repo, files=RULES)
 
 
 def test_the_policy_outcome_is_the_mean_of_the_last_two_evaluations():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import lzma
+import re
 import tarfile
 from pathlib import Path
 
@@ -137,3 +138,197 @@ def test_ds_tables_in_the_docs_regenerate_byte_for_byte_from_its_committed_runs(
     doc.write_bytes(committed)
     include_tables(doc, "D", (tmp_path / "report" / "tables.md").read_text())
     assert doc.read_bytes() == committed
+
+
+# ------------------------------------------------------------------------- hostile archives and targets (issue 56)
+
+
+def _runs_of(root: Path):
+    """The runs of an unpacked archive, as the report's rules_text reads them."""
+    from types import SimpleNamespace
+
+    runs: dict[str, dict] = {}
+    for d in sorted(root.glob("*/seed*")):
+        seed = int(d.name[4:])
+        runs.setdefault(d.parent.name, {})[seed] = SimpleNamespace(arm=d.parent.name, seed=seed, path=str(d))
+    return SimpleNamespace(runs=runs)
+
+
+def test_ds_rules_sentence_is_the_same_in_every_time_zone(monkeypatch):
+    """D's runs wrote their start without a zone (UTC); the sentence read it in the reader's zone, so Berlin said
+    the rules changed after the first run and UTC before. Now the same sentence, in UTC, everywhere."""
+    import time
+
+    from tim_megatron.lab.report import rules_text
+
+    grid = load_grid(REPO / "lab" / "D.yaml")
+    said = {}
+    with unpacked(grid, plan(grid), REPO / "lab" / "data" / "D.tar.xz") as root:
+        lab = _runs_of(root)
+        try:
+            for tz in ("UTC", "Europe/Berlin", "America/Los_Angeles"):
+                monkeypatch.setenv("TZ", tz)
+                time.tzset()
+                said[tz] = rules_text(lab)
+        finally:
+            monkeypatch.undo()
+            time.tzset()
+    assert len(set(said.values())) == 1, said
+    assert "2026-11-28 04:14 UTC" in said["UTC"]
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("D-pilot/exact/seed01/run.json", "has seed folder 'seed01'"),
+        ("D-pilot/exact/seed\u0661/run.json", "has seed folder"),
+        ("D-pilot/exact/seed\u00b2/run.json", "has seed folder"),
+        ("D-pilot/exact/seed7/run.json", "names seed 7, not one of grid 'D-pilot'"),
+        ("D-pilot/../x/run.json", "names arm '..', not an arm of grid 'D-pilot'"),
+        ("D-pilot/exact/../run.json", "has seed folder '..'"),
+        ("D-pilot/exact/seed1/run.json", "appears twice"),
+    ],
+)
+def test_an_archive_member_must_name_an_arm_and_seed_of_the_grid_exactly(tmp_path, name, why):
+    """``seed01`` and ``seed١`` passed as seed 1 and bypassed the completed-run check; ``D-pilot/../x`` passed the
+    member check; ``seed²`` and ``exact/../run.json`` ended in tracebacks."""
+    grid, plans = _pilot()
+    members = [*_members(PILOT).items(), (name, b"{}")]
+    buf = io.BytesIO()
+    with lzma.open(buf, "wb", preset=0) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        for n, data in members:
+            info = tarfile.TarInfo(n)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    bad = tmp_path / "x.tar.xz"
+    bad.write_bytes(buf.getvalue())
+    with pytest.raises(GridError, match=re.escape(why)), unpacked(grid, plans, bad):
+        pass
+
+
+def test_a_member_over_the_limit_is_refused_at_its_header_before_its_data_is_decompressed(
+    tmp_path, monkeypatch
+):
+    """The header's size is checked before the data is read: data that would fail to decompress further on is
+    never reached (before, every header was read first, which decompressed every byte: 152 s for a 10 MB archive
+    declaring 64 GiB)."""
+    import random
+
+    from tim_megatron.lab import archive
+
+    monkeypatch.setattr(archive, "MAX_MEMBER_BYTES", 1 << 20)
+    grid, plans = _pilot()
+    data = random.Random(0).randbytes(2 << 20)  # incompressible: the compressed stream is as long as the data
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("D-pilot/exact/seed1/metrics.jsonl")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    packed = bytearray(lzma.compress(raw.getvalue(), preset=0))
+    packed[len(packed) // 2] ^= 0xFF  # corrupt in the middle of the member's data
+    bad = tmp_path / "big.tar.xz"
+    bad.write_bytes(bytes(packed))
+    with pytest.raises(GridError, match=r"is 2097152 bytes \(at most 1048576\)"), unpacked(grid, plans, bad):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["link", "folder", "fifo", "device"])
+def test_from_archive_names_what_the_path_is(tmp_path, kind):
+    import os
+
+    grid, plans = _pilot()
+    path = {"device": Path("/dev/zero")}.get(kind, tmp_path / "a.tar.xz")
+    if kind == "link":
+        path.symlink_to(PILOT)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    what = {
+        "link": "is a symbolic link",
+        "folder": "is a folder",
+        "fifo": "is a FIFO",
+        "device": "is a character device",
+    }
+    with (
+        pytest.raises(GridError, match=f"--from-archive {re.escape(str(path))}: {what[kind]}"),
+        unpacked(grid, plans, path),
+    ):
+        pass
+
+
+def test_an_archive_lacking_runs_of_the_grid_gives_a_report_that_names_them(tmp_path):
+    members = {k: v for k, v in _members(PILOT).items() if not k.startswith("D-pilot/inject-noise-3/seed2/")}
+    part = _archive(tmp_path / "part.tar.xz", members)
+    res = run_lab(
+        str(PILOT_GRID), aggregate_only=True, from_archive=part, out=tmp_path / "r", log=lambda m: None
+    )
+    (notice,) = [n for n in res["notices"] if "not in this report" in n]
+    assert notice.startswith("1 of the grid's 6 runs are not in this report") and notice.endswith(
+        "inject-noise-3/seed2"
+    )
+    assert f"Notice: {notice}" in (tmp_path / "r" / "tables.md").read_text()
+    assert "inject-noise-3/seed2" in (tmp_path / "r" / "index.html").read_text()
+
+
+@pytest.mark.parametrize(
+    "case", ["no folder", "a folder", "a fifo", "exists", "inside root", "inside out", "a link"]
+)
+def test_write_archive_target_is_checked_before_anything_runs(tmp_path, case):
+    """A missing folder, a folder, a FIFO, a link, an existing file (without --overwrite-archive) or a path inside
+    the run folders or the report: refused with a named error before the first run (the grid's one arm would run
+    if the check came later: its run folders are never made)."""
+    import os
+
+    grid = tmp_path / "g.yaml"
+    grid.write_text(
+        f"name: g\nbase_recipe: {REPO / 'recipes/tiny-moe/countdown.yaml'}\nseeds: [1]\n"
+        "arms: [{name: a, requires: a future feature, overrides: [diagnostics.future=1]}]\n"
+    )
+    root, out = tmp_path / "runs", tmp_path / "report"
+    target = {
+        "no folder": tmp_path / "none" / "a.tar.xz",
+        "inside root": root / "a" / "seed1" / "run.json",
+        "inside out": out / "a.tar.xz",
+    }.get(case, tmp_path / "a.tar.xz")
+    if case == "a folder":
+        target.mkdir()
+    elif case == "a fifo":
+        os.mkfifo(target)
+    elif case == "exists":
+        target.write_bytes(b"kept")
+    elif case == "a link":
+        target.symlink_to(tmp_path / "elsewhere")
+    elif case == "inside root":
+        target.parent.mkdir(parents=True)
+        target.write_text("{}")
+    elif case == "inside out":
+        out.mkdir()
+    why = {
+        "no folder": "its folder .* is missing",
+        "a folder": "is a folder",
+        "a fifo": "is a FIFO",
+        "exists": "already exists; pass --overwrite-archive",
+        "inside root": "lies inside the run folders",
+        "inside out": "lies inside the report folder",
+        "a link": "is a symbolic link",
+    }[case]
+    with pytest.raises(GridError, match=why):
+        run_lab(str(grid), root=root, out=out, write_archive_to=target, log=lambda m: None)
+    assert not (root / "lab.lock").exists() and not (out / "index.html").exists()  # nothing ran, no report
+    if case == "exists":
+        assert target.read_bytes() == b"kept"
+
+
+def test_a_run_file_over_the_archive_limit_is_one_error_naming_the_run(tmp_path, monkeypatch):
+    from tim_megatron.lab import archive
+
+    grid, plans = _pilot()
+    with unpacked(grid, plans, PILOT) as root:
+        monkeypatch.setattr(archive, "MAX_MEMBER_BYTES", 4096)
+        with pytest.raises(
+            GridError,
+            match=r"run exact/seed1's metrics.jsonl has \d+ bytes, over the archive's limit of 4096",
+        ):
+            write_archive(grid, plans, root, tmp_path / "a.tar.xz")
+    assert not (tmp_path / "a.tar.xz").exists()

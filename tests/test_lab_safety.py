@@ -295,6 +295,10 @@ def test_a_run_is_reused_only_under_the_same_resolved_recipe(tmp_path):
 
     assert status() == "completed"
     first = json.loads(lab_json.read_text()).get("recipe_sha256")
+    from tim_megatron.lab.provenance import RULE_FILES, rule_hashes
+
+    recorded = json.loads(lab_json.read_text())["rules"]  # the rule files' content as the run started
+    assert recorded == rule_hashes() and set(recorded) == set(RULE_FILES) and all(recorded.values())
     assert status() == "reused"
     parent.write_text(f"base: {COUNTDOWN}\noptim: {{lr: 2.0e-6}}\n")  # the grid and its recipe file unchanged
     assert status() == "completed"
@@ -425,3 +429,31 @@ def test_the_report_reads_no_run_through_a_link(tmp_path):
     (root / "a").mkdir(parents=True)
     (root / "a" / "seed1").symlink_to(made / "a" / "seed1", target_is_directory=True)
     assert collect(grid, plan(grid), root).runs == {}
+
+
+def test_tim_lab_refuses_to_replace_an_archive_unless_told(tmp_path):
+    """``--write-archive`` onto an existing file stops before anything else (exit 2, the file kept);
+    ``--overwrite-archive`` lets the command go on (here to the report of an empty root, then the named error that
+    there is no completed run to archive)."""
+    from typer.testing import CliRunner
+
+    from tim_megatron.cli import app
+
+    grid = _grid(tmp_path, "arms: [{name: a}]\n")
+    target = tmp_path / "a.tar.xz"
+    target.write_bytes(b"kept")
+    cmd = [
+        "lab",
+        str(grid),
+        "--aggregate-only",
+        "--root",
+        str(tmp_path / "runs"),
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    res = CliRunner().invoke(app, [*cmd, "--write-archive", str(target)])
+    assert res.exit_code == 2 and "already exists; pass --overwrite-archive" in res.output, res.output
+    assert target.read_bytes() == b"kept" and not (tmp_path / "r").exists()
+    res = CliRunner().invoke(app, [*cmd, "--write-archive", str(target), "--overwrite-archive"])
+    assert res.exit_code == 2 and "no completed run of grid 'g'" in res.output, res.output
+    assert (tmp_path / "r" / "index.html").exists() and target.read_bytes() == b"kept"

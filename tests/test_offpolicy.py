@@ -119,24 +119,141 @@ def test_a_batch_older_than_k_is_never_trained():
         p.take(6)
 
 
+def _sampled(step: int, version: int, n: int = 4) -> Generated:
+    b = _batch(n)
+    b.response_mask[:, 1:] = True
+    b.rollout_logprobs = _logprobs(7 + step, (n, 3)) * b.response_mask
+    return Generated(
+        step=step,
+        version=version,
+        batch=b,
+        behaviour=_logprobs(8 + step, (n, 3)) * b.response_mask,
+        metrics={"reward": 0.5},
+        probe=[[1]],
+    )
+
+
 def test_pending_batches_round_trip_through_their_checkpoint_form():
     p = Pending(k=2)
-    b = _batch(3)
-    b.rollout_logprobs = _logprobs(7, (3, 3))
-    p.add(
-        Generated(
-            step=4, version=1, batch=b, behaviour=_logprobs(8, (3, 3)), metrics={"reward": 0.5}, probe=[[1]]
-        )
-    )
+    p.add(_sampled(4, 1))
     tensors, plain = p.state()
     q = Pending.from_state(tensors, json.loads(json.dumps(plain)), k=2)
     g = q.take(4)
-    assert (g.version, g.metrics, g.probe, g.batch.total_rows) == (1, {"reward": 0.5}, [[1]], 3)
+    b = p.batches[4].batch
+    assert (g.version, g.metrics, g.probe, g.batch.total_rows) == (1, {"reward": 0.5}, [[1]], 4)
     assert torch.equal(g.batch.rollout_logprobs, b.rollout_logprobs) and torch.equal(
         g.behaviour, p.batches[4].behaviour
     )
     with pytest.raises(StalenessError, match="rollout.max_staleness = 2; this run has 3"):
         Pending.from_state(tensors, plain, k=3)
+
+
+def _tamper(what: str, tensors: dict, plain: dict) -> None:
+    entry = plain["batches"][0]
+    if what == "nan behaviour":
+        tensors["3.behaviour"][0, 2] = float("nan")
+    elif what == "positive logprob":
+        tensors["3.batch.rollout_logprobs"][1, 1] = 0.5
+    elif what == "doubled total_rows":
+        entry["total_rows"] *= 2
+    elif what == "relabelled age":
+        entry["version"] = 1
+    elif what == "missing tensor":
+        del tensors["3.batch.rewards"]
+    elif what == "string metric":
+        entry["metrics"] = {"reward": "abc"}
+    elif what == "step as text":
+        entry["step"] = "3"
+    elif what == "wrong shape":
+        tensors["3.batch.lengths"] = torch.ones(2, 2, dtype=torch.long)
+    elif what == "float token ids":
+        tensors["3.batch.input_ids"] = tensors["3.batch.input_ids"].float()
+    elif what == "a step missing":
+        plain["batches"] = plain["batches"][:1]
+    elif what == "batches not a list":
+        plain["batches"] = {"3": entry}
+    elif what == "length past the row":
+        tensors["3.batch.lengths"][0] = 99
+
+
+@pytest.mark.parametrize(
+    "what, refused",
+    [
+        (
+            "nan behaviour",
+            r"step 3's pending batch has log-probs that are not finite or above 0 \(behaviour\)",
+        ),
+        ("positive logprob", r"not finite or above 0 \(rollout_logprobs\)"),
+        ("doubled total_rows", r"says it is part of 8 rows; this run's steps have 4"),
+        (
+            "relabelled age",
+            r"step 3's pending batch says it was sampled with the weights of update 1; .* update 0",
+        ),
+        ("missing tensor", r"step 3's pending batch has no tensor 'batch.rewards'"),
+        ("string metric", r"metrics are not a mapping of names to numbers"),
+        ("step as text", r"a pending batch's step is '3'; a step is an integer"),
+        ("wrong shape", r"lengths is torch.int64 \[2, 2\]; expected a integer tensor of shape \[4\]"),
+        ("float token ids", r"input_ids is torch.float32 .*expected a integer tensor"),
+        (
+            "a step missing",
+            r"after step 2 the pending batches are those of steps \[3, 4\]; the file holds \[3\]",
+        ),
+        ("batches not a list", r"pending batches' list is damaged"),
+        ("length past the row", r"lengths outside its rows"),
+    ],
+)
+def test_a_damaged_or_relabelled_pending_batch_is_refused_by_name(what, refused):
+    """Issue 56 (a pending off-policy batch): tampered files, their checksums rewritten, ended in KeyError /
+    TypeError tracebacks or were accepted (NaN behaviour log-probs, doubled total_rows, an age relabelled). Each is
+    now refused by name, with the file, the step and what was expected."""
+    p = Pending(k=2)
+    p.add(_sampled(3, 0))  # after step 2 at k = 2: step 3 was sampled at step 1 (update 0),
+    p.add(_sampled(4, 1))  # step 4 at step 2 (update 1)
+    tensors, plain = p.state()
+    plain = json.loads(json.dumps(plain))
+    Pending.from_state(tensors, plain, k=2, step=2, total_rows=4, group_size=2, where="f")  # intact: loads
+    _tamper(what, tensors, plain)
+    with pytest.raises(StalenessError, match=f"^f: .*{refused}"):
+        Pending.from_state(tensors, plain, k=2, step=2, total_rows=4, group_size=2, where="f")
+
+
+def test_a_resume_that_would_drop_or_lacks_the_pending_batches_says_which():
+    """Issue 56: an off-policy checkpoint resumed with rollout.max_staleness = 0 dropped its pending batches without
+    a word; a missing pending file said "resume with the recorded value" although the value was the recorded one."""
+    from tim_megatron.run_state import LoopState
+
+    recipe = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", []).recipe
+    p = Pending(k=2)
+    p.add(_sampled(3, 0))
+    state = LoopState.create(recipe).state_dict()
+    on_policy = LoopState.create(recipe)
+    with pytest.raises(
+        StalenessError, match=r"rollout.max_staleness = 2\); this run has rollout.max_staleness = 0"
+    ):
+        on_policy.load_state_dict(state, step=2, rank_state=p.state(), where="ckpt/rank0")
+    off = LoopState.create(
+        load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", ["rollout.max_staleness=2"]).recipe
+    )
+    with pytest.raises(StalenessError, match=r"\(ckpt/rank0 is missing\).*cannot continue exactly") as e:
+        off.load_state_dict(state, step=2, rank_state=None, where="ckpt/rank0")
+    assert "resume with the recorded value" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["not safetensors", "no record", "record not json"])
+def test_a_damaged_rank_state_file_is_a_named_checkpoint_error(tmp_path, damage):
+    from safetensors.torch import save_file
+
+    from tim_megatron.trainer.checkpoint import CheckpointError, load_rank_state, rank_state_file
+
+    f = rank_state_file(tmp_path, 0)
+    f.parent.mkdir(parents=True)
+    if damage == "not safetensors":
+        f.write_bytes(b"\x00" * 40)
+    else:
+        meta = None if damage == "no record" else {"plain": "{not json"}
+        save_file({"x": torch.zeros(1)}, str(f), metadata=meta)
+    with pytest.raises(CheckpointError, match=f"{f}: .*damaged"):
+        load_rank_state(tmp_path, 0)
 
 
 def test_the_recipe_refuses_what_cannot_split_or_aim():
@@ -264,6 +381,37 @@ def test_a_resume_in_the_middle_of_a_k_step_off_run_continues_exactly(runs, tmp_
     """The step-2 checkpoint holds the batches of steps 3 and 4, sampled at steps 1 and 2: resumed from it, steps
     3 and 4 equal the uninterrupted run's (exact mode: the trainer samples, so nothing depends on the engine)."""
     _resumes_from_step_2_exactly(runs["exact_k2"], tmp_path / "c")
+
+
+def test_a_pending_batch_whose_rewards_were_changed_stops_the_resume_in_one_line(runs, tmp_path):
+    """Issue 56: a pending batch's rewards flipped (1 - r) with the checksum rewritten was trained on while the
+    stored reward mean was logged. The resume now rescores each row from its tokens and stops before any engine
+    starts, with one line (the named error, the file, the row; no traceback) and the traceback in logs/errors.log."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tim_megatron.trainer.checkpoint import rank_state_file, write_checksums
+
+    c = tmp_path / "c"
+    shutil.copytree(runs["exact_k2"], c, ignore=shutil.ignore_patterns("step_00000004", "run.lock"))
+    (c / "checkpoints" / "latest").write_text("step_00000002")
+    folder = c / "checkpoints" / "step_00000002"
+    f = rank_state_file(folder, 0)
+    with safe_open(str(f), framework="pt") as h:
+        meta, tensors = h.metadata(), {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    flipped = 1 - tensors["3.batch.rewards"]
+    assert not torch.equal(flipped, tensors["3.batch.rewards"])
+    tensors["3.batch.rewards"] = flipped
+    save_file(tensors, str(f), metadata=meta)
+    write_checksums(folder)  # the tamperer rewrote the checksum too
+    res = tim_train(["--resume", str(c)], c, check=False)
+    err = res.stderr
+    assert res.returncode == 1 and "Traceback" not in err + res.stdout, err[-3000:]
+    assert f"StalenessError: {f}: step 3's pending batch is not what step 3 sampled: row " in err, err[-3000:]
+    assert "its response scores" in err and "tim train --resume" in err and "logs/errors.log" in err, err
+    assert "Traceback" in (c / "logs" / "errors.log").read_text()
+    assert json.loads((c / "run.json").read_text())["status"] == "failed"
+    assert "rollout engine" not in res.stdout  # it stopped before any engine started
 
 
 def _resumes_from_step_2_exactly(a: Path, c: Path) -> None:

@@ -203,3 +203,25 @@ def test_the_overlapped_step_hides_the_shorter_of_generation_and_update():
     assert (
         "(this recipe's schedule)" in _cli("plan", H100, "trainer.offload_during_rollout=none", *one).output
     )
+
+
+def test_the_step_counts_the_validations_it_runs():
+    """Issue 56: ``run.val_samples`` sizes the evaluation at each validation, which ``tim plan`` did not count. The
+    plan's step now has a validation part: one validation's generation (val_prompts x (1 greedy + val_samples)
+    sequences, the same decode model as the rollout) spread over ``run.val_every`` steps; none without it."""
+    from tim_megatron.slurm.fleet_plan import validation_minutes, validation_sequences
+
+    off = step_plan(_recipe(H100, "run.val_every=0"))
+    assert off.validation == 0.0 and off.total == pytest.approx(sum(v for _, v in off.parts()))
+    greedy = _recipe(H100, "run.val_every=10", "run.val_samples=0")
+    sampled = _recipe(H100, "run.val_every=10", "run.val_samples=8")
+    assert validation_sequences(greedy) == greedy.data.val_prompts
+    assert validation_sequences(sampled) == 9 * sampled.data.val_prompts
+    one, many = step_plan(greedy), step_plan(sampled)
+    assert 0 < one.validation < many.validation
+    assert many.validation == pytest.approx(validation_minutes(sampled) * 60 / 10)
+    assert many.total - off.total == pytest.approx(many.validation)
+    every_5 = step_plan(_recipe(H100, "run.val_every=5", "run.val_samples=8"))
+    assert every_5.validation == pytest.approx(2 * many.validation)
+    printed = _cli("plan", H100, "run.val_every=10", "run.val_samples=8").output
+    assert "validation, per step" in printed and "every 10 step(s)" in printed

@@ -438,3 +438,84 @@ def test_every_family_feature_is_read_by_its_families():
 
     for f in FEATURES:
         assert set(f.families) <= set(FAMILIES) and set(f.fields) <= set(ModelDims.model_fields)
+
+
+def test_a_rule_on_the_world_size_sees_the_world_that_nproc_and_nodes_give():
+    """Issue 56, bug 9: ``tim train --nproc 2 ... rollout.fault_drill.rank=1`` was refused ("the run has ranks 0 to
+    0") unless parallel.dp=2 was also given, although --nproc says parallel.dp follows it: the rules ran on the
+    recipe before the world size was known. The same held for ``tim submit --nodes``."""
+    from tim_megatron.cli import _load_for_world
+    from tim_megatron.slurm.submit import with_nodes
+
+    drill = [
+        "rollout.engine_process=true",
+        "rollout.fault_drill.kind=kill",
+        "rollout.fault_drill.rank=1",
+    ]
+    tiny = ROOT / "recipes/tiny-moe/grpo.yaml"
+    with pytest.raises(RecipeError, match=r"rollout.fault_drill.rank = 1: the run has ranks 0 to 0"):
+        _load_for_world(tiny, drill, 1)
+    assert _load_for_world(tiny, drill, 2).recipe.parallel.dp == 2
+    assert _load_for_world(tiny, [*drill, "parallel.dp=2"], 2).recipe.parallel.dp == 2
+    with pytest.raises(RecipeError, match=r"rank = 1: the run has ranks 0 to 0"):  # dp given: it is kept
+        _load_for_world(tiny, [*drill, "parallel.dp=1"], 2)
+    big = ROOT / "recipes/qwen3-30b-a3b/gspo.yaml"
+    c = load_recipe(big).recipe
+    last = c.parallel.world_size * 2 - 1  # a rank that only the doubled job has
+    on_two = [*drill[:2], f"rollout.fault_drill.rank={last}", "rollout.tensor_parallel_size=1"]
+    with pytest.raises(RecipeError, match=rf"rank = {last}: the run has ranks 0 to {last // 2}"):
+        with_nodes(big, on_two, None)
+    assert with_nodes(big, on_two, c.cluster.nodes * 2).recipe.parallel.world_size == last + 1
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        (
+            [
+                "rollout.engine_process=true",
+                "rollout.fault_drill.kind=kill",
+                "rollout.fault_drill.step=30",
+                "run.steps=4",
+            ],
+            r"rollout.fault_drill.step = 30 with run.steps = 4: the drill would never fire",
+        ),
+        (
+            ["rollout.max_staleness=16", "run.steps=4"],
+            r"step 1 would sample 17 batches, of which 13 would never",
+        ),
+        (["rollout.faults.timeout_s=5"], r"rollout.faults is set with rollout.engine_process = false"),
+        (
+            ["rl.correction.mode=tis", "rl.correction.target=staleness"],
+            r"target = staleness with rollout.max_staleness = 0: .*every staleness weight is 1",
+        ),
+        (
+            ["model.tiny_warmup_steps=2147483647"],
+            r"model.dims|tiny_warmup_steps.*less than or equal to 20000",
+        ),
+        (["run.val_samples=1000000"], r"val_samples.*less than or equal to 256"),
+        (["run.val_samples=8", "run.val_every=0"], r"run.val_samples = 8 with run.val_every = 0"),
+    ],
+)
+def test_values_that_can_never_take_effect_or_never_end_are_refused_by_name(overrides, refused):
+    """Issue 56: each of these loaded in silence and did nothing (a drill past the run, corrections aimed at a part
+    that is 0, budgets of an engine process with none) or sized work without bound (a warm-up of 2^31 steps, a
+    million samples per validation prompt, batches sampled ahead that are never trained)."""
+    with pytest.raises(RecipeError, match=refused):
+        load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", overrides)
+
+
+def test_latent_attention_and_real_checkpoints_refuse_settings_they_ignore(tmp_path):
+    with pytest.raises(RecipeError, match=r"trainer.attention = materialized with latent attention"):
+        load_recipe(ROOT / "recipes/tiny-deepseek-v3/grpo.yaml", ["trainer.attention=materialized"])
+    load_recipe(ROOT / "recipes/tiny-deepseek-v3/grpo.yaml", ["trainer.attention=sdpa"])
+    from tim_megatron.recipe.notices import notices
+
+    real = load_recipe(
+        ROOT / "recipes/tiny-moe/grpo.yaml", ["model.path=/x", "model.tiny_warmup_steps=5"]
+    ).recipe
+    assert notices(real) == [
+        "model.tiny_warmup_steps = 5 with model.path = /x: these build the built-in tiny model and do nothing to a "
+        "checkpoint"
+    ]
+    assert notices(load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml").recipe) == []

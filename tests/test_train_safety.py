@@ -203,6 +203,92 @@ def test_run_json_status_changes_only_as_a_run_does(tmp_path):
     assert _meta(d)["status"] == "failed"
 
 
+@pytest.mark.parametrize("status", [["failed"], {"a": 1}, 7, "done"])
+def test_a_status_no_run_writes_is_refused_by_name_not_a_traceback(tmp_path, status):
+    """Issue 56: ``"status": ["failed"]`` in run.json ended a resume in ``TypeError: unhashable type``."""
+    from tim_megatron.run_dir import StatusTransitionError, attempt, update_meta
+
+    d = _run_folder(tmp_path, [])
+    update_meta(d, lambda m: m.update(status=status))
+    with (
+        pytest.raises(StatusTransitionError, match=r"run.json: its status is .*, which no run writes"),
+        attempt(d),
+    ):
+        pass
+
+
+@pytest.mark.parametrize(
+    "raised, named",
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device", "/dev/shm/torch_1_2"),
+            r"shared memory \(/dev/shm\) is full",
+        ),
+        (
+            RuntimeError("unable to write to file </torch_55_1_2>: No space left on device (28)"),
+            r"shared memory \(/dev/shm\) is full",
+        ),
+        (
+            OSError(errno.EROFS, "Read-only file system", "/dev/shm/x"),
+            r"shared memory \(/dev/shm\) refuses writes",
+        ),
+    ],
+)
+def test_a_full_or_read_only_shared_memory_is_not_called_a_full_disk(tmp_path, raised, named):
+    """Issue 56: a full /dev/shm (Docker's default is 64 MiB) was reported as "the disk holding RUN is full", and a
+    read-only /dev/shm was not named."""
+    from tim_megatron.run_dir import SharedMemoryError, attempt
+
+    d = _run_folder(tmp_path, [])
+    with pytest.raises(SharedMemoryError, match=named) as e, attempt(d):
+        raise raised
+    assert "--shm-size" in str(e.value) and "disk" not in str(e.value)
+    assert _meta(d)["status"] == "failed" and _meta(d)["reason"].startswith("shared memory (/dev/shm)")
+    full = tmp_path / "full"  # the run folder's own full disk is still its disk
+    d2 = _run_folder(full, []) if full.mkdir() is None else None
+    from tim_megatron.run_dir import DiskFullError
+
+    with pytest.raises(DiskFullError, match="the disk holding"), attempt(d2):
+        raise OSError(errno.ENOSPC, "No space left on device", str(d2 / "checkpoints" / "x"))
+
+
+def test_each_attempt_records_the_code_it_ran(tmp_path, monkeypatch):
+    """Issue 61, item 1: run.json names the commit, whether the tree was clean (and a hash of the diff when not),
+    the project's version and the libraries'; an earlier attempt keeps its own."""
+    from tim_megatron import code_record as cr
+    from tim_megatron.run_dir import attempt, read_meta
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(cr, "ROOT", repo)
+    d = _run_folder(tmp_path, [])
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    hashes = []
+    for restart, change in enumerate([None, "x = 2\n", "x = 3\n", "x = 3\n"]):
+        if change is not None:
+            (repo / "a.py").write_text(change)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        with attempt(d):
+            pass
+        code = read_meta(d)["code"]
+        assert code["commit"] == head and code["version"] and "torch" in code["libraries"], code
+        assert code["clean"] is (change is None)
+        hashes.append(code["diff_sha256"])
+    assert (
+        hashes[0] is None and hashes[1] != hashes[2] == hashes[3]
+    )  # the same uncommitted state, the same hash
+    earlier = read_meta(d)["earlier_attempts"]
+    assert [e["code"]["clean"] for e in earlier] == [True, False, False]
+    monkeypatch.setattr(cr, "ROOT", tmp_path / "no-repo")
+    assert cr.code_record()["commit"] is None and "not a git checkout" in cr.code_record()["why"]
+
+
 def test_run_json_status_is_written_from_run_dir_only():
     """Every status is set through tim_megatron/run_dir.py's functions; no other module writes one itself."""
     rx = re.compile(

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
+
+from tim_megatron.logging.untrusted import recorded, terminal
 
 app = typer.Typer(
     add_completion=False,
@@ -20,21 +20,28 @@ simulate_app = typer.Typer(no_args_is_help=True, help="Numerical simulations.")
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(simulate_app, name="simulate")
 
-console = Console(soft_wrap=True)  # never wrap: paths and ids in the output are copied and parsed
-err = Console(stderr=True)
+console = terminal()
+err = terminal(stderr=True)
 
 
 def _fail(msg: str, code: int = 2) -> None:
     import os
 
+    from tim_megatron.recipe.loader import MAX_ERROR_CHARS
+
     # Each rank of a launcher prints its own error: say which one (torchrun's own prefix is "[rankN]:").
     who = (
-        f"\\[rank{os.environ['RANK']}] "
+        f"[rank{os.environ['RANK']}] "
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
         else ""
     )
     # The message quotes user input (values, paths): "[/x]" in it is text, not rich markup.
-    err.print(f"{who}[bold red]error:[/] {escape(msg)}", highlight=False, markup=True, soft_wrap=True)
+    err.print(
+        f"{recorded(who)}[bold red]error:[/] {recorded(msg, MAX_ERROR_CHARS, lines=True)}",
+        highlight=False,
+        markup=True,
+        soft_wrap=True,
+    )
     raise typer.Exit(code)
 
 
@@ -60,15 +67,18 @@ def recipe_check(
     root: Path = typer.Argument(Path("recipes"), help="folder (or one file) to validate"),
 ) -> None:
     """Validate every recipe and sweep file under a folder, offline."""
+    from tim_megatron.recipe.loader import MAX_ERROR_CHARS
     from tim_megatron.recipe_check import check_dir
 
     results = check_dir(root) if root.is_dir() else check_dir_single(root)
     bad = [(p, e) for p, e in results if e]
     for p, e in results:
-        console.print(f"{'[green]ok[/]  ' if not e else '[red]FAIL[/]'} {escape(str(p))}", highlight=False)
+        console.print(f"{'[green]ok[/]  ' if not e else '[red]FAIL[/]'} {recorded(p)}", highlight=False)
         if e:
-            console.print("      " + e.replace("\n", "\n      "), highlight=False, markup=False)
-    console.print(f"{len(results) - len(bad)}/{len(results)} recipes valid", highlight=False)
+            console.print(
+                "      " + recorded(e, MAX_ERROR_CHARS, lines=True).replace("\n", "\n      "), highlight=False
+            )
+    console.print(f"{len(results) - len(bad):d}/{len(results):d} recipes valid", highlight=False)
     if not results:
         _fail(f"no recipes found under {root}")
     if bad:
@@ -98,7 +108,8 @@ def simulate_precision_cmd(
         _fail(f"--dtype {dtype}: allowed bfloat16, float16")
     r = simulate_precision(vocab=vocab, samples=samples, logit_std=logit_std, seed=seed, dtype=dtype)
     console.print(
-        f"ratio p_fp32/mu_{dtype} over {r.samples} sampled tokens (vocab {vocab}, logit std {logit_std}, seed {seed})",
+        f"ratio p_fp32/mu_{recorded(dtype)} over {r.samples:d} sampled tokens (vocab {vocab:d}, logit std "
+        f"{logit_std:g}, seed {seed:d})",
         highlight=False,
     )
     print("seed\tmean\tstd\tmax\tmin\tKL(mu||fp32)")
@@ -126,9 +137,20 @@ def train_cmd(
         "--trust-unverified",
         help="resume from a checkpoint written before checksums were recorded (only if you trust its source)",
     ),
+    debug: bool = typer.Option(
+        False,
+        "--debug",
+        help="print the traceback of a named error too (as TIM_DEBUG=1); it is always in logs/",
+    ),
 ) -> None:
     """Run GRPO/GSPO with vLLM rollouts and a megatron-core trainer."""
+    import os
+
+    from tim_megatron.error_log import DEBUG_ENV
     from tim_megatron.logging.library_log import quiet_torch_cpp_log
+
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # the ranks of --nproc N inherit it
     from tim_megatron.stop import EXIT_PREEMPTED, StopDuringStartup, StopRequest
 
     quiet_torch_cpp_log()  # before torch loads; its C++ warnings (a NUMA notice) are start-up noise
@@ -163,9 +185,8 @@ def train_cmd(
             rank = os.environ.get("RANK", "0")
             what = f" (rank {rank})" if rank != "0" else ": no run was started"
         err.print(
-            f"stopped by {e} during start-up, before the first step{what}",
+            f"stopped by {recorded(e)} during start-up, before the first step{recorded(what)}",
             highlight=False,
-            markup=False,
             soft_wrap=True,
         )
         raise typer.Exit(_rank_exit(EXIT_PREEMPTED)) from None
@@ -319,7 +340,7 @@ def _launch_ranks(nproc: int, rd: Path, *, stop, trust_unverified: bool) -> int:
     sig = signal.Signals(stop.signal).name if stop.signal else None
     code = run_folder.settle_launcher_exit(rd, torchrun_code, attempt_before=before, stopped_by=sig)
     status = run_folder.read_meta(rd).get("status")
-    console.print(f"ranks done: run.json status {status}, exit code {code}", highlight=False)
+    console.print(f"ranks done: run.json status {recorded(status)}, exit code {code:d}", highlight=False)
     return code
 
 
@@ -346,11 +367,33 @@ def _run_here(loaded, rd: Path, where: _Where, *, resumed: bool, stop, trust_unv
     except _user_errors() as e:
         _fail(f"{type(e).__name__}: {e}" + _align_hint(e, rd, world=where.world))
     except Exception as e:
+        from tim_megatron import error_log
         from tim_megatron.rollout.base import EngineStartError
 
-        if not (isinstance(e, EngineStartError) and e.kind == "fit"):
-            raise  # anything else keeps its traceback
-        _fail(f"the rollout engine does not fit in the memory it was given: {e}\n{ENGINE_FIT_FIX}")
+        if isinstance(e, EngineStartError) and e.kind == "fit":
+            _fail(f"the rollout engine does not fit in the memory it was given: {e}\n{ENGINE_FIT_FIX}")
+        if not error_log.is_named(e) or error_log.debug():
+            raise  # a bug or a library's error keeps its traceback (and TIM_DEBUG=1 shows every one)
+        _fail_named(e, rd, writer=where.writer)
+
+
+def _fail_named(e: Exception, rd: Path, *, writer: bool) -> None:
+    """A named error (:mod:`tim_megatron.error_log`) as its sentence and what to do; its traceback in the run's log."""
+    from tim_megatron import error_log
+    from tim_megatron.run_dir import attempt_id
+
+    log = error_log.write_traceback(rd, e, attempt=attempt_id())
+    where = (
+        f"its traceback is in {log}"
+        if log is not None
+        else "its traceback could not be written to the run folder"
+    )
+    record = "run.json records the failure; " if writer else ""
+    _fail(
+        f"{type(e).__name__}: {e}\n{record}{where} ({error_log.DEBUG_ENV}=1 or tim train --debug prints it here). "
+        f"Once the cause is fixed, continue from the last checkpoint: tim train --resume {rd}",
+        code=1,
+    )
 
 
 ENGINE_FIT_FIX = (
@@ -379,12 +422,12 @@ def _load_for_world(recipe: Path, overrides: list[str], world: int):
     """The recipe with ``parallel.dp`` following the number of processes, unless the recipe or the command line
     sets it (then :func:`_check_world` holds them to it)."""
     from tim_megatron.recipe import load_recipe
+    from tim_megatron.recipe.loader import layout_of
 
-    loaded = load_recipe(recipe, overrides)
-    p = loaded.recipe.parallel
-    if world != p.world_size and "parallel.dp" not in loaded.provenance and world % (p.tp * p.pp) == 0:
-        loaded = load_recipe(recipe, [*overrides, f"parallel.dp={world // (p.tp * p.pp)}"])
-    return loaded
+    p, _, given = layout_of(recipe, overrides)  # before the rules that read the world size
+    if p is not None and world != p.world_size and "parallel.dp" not in given and world % (p.tp * p.pp) == 0:
+        overrides = [*overrides, f"parallel.dp={world // (p.tp * p.pp)}"]
+    return load_recipe(recipe, overrides)
 
 
 def _check_world(p, world: int, *, nproc: int, under_launcher: bool) -> None:
@@ -458,7 +501,7 @@ def export_hf_cmd(
         WeightLoadError,
     ) as e:
         _fail(str(e))
-    console.print(f"exported {run_dir} -> {path}", highlight=False)
+    console.print(f"exported {recorded(run_dir)} -> {recorded(path)}", highlight=False)
 
 
 # ------------------------------------------------------------------------------------------------ Slurm
@@ -513,7 +556,8 @@ def submit_cmd(
     except (RenderError, SlurmError, RunDirError, RunFolderBusy) as e:
         _fail(str(e))
     console.print(
-        f"submitted job {sub.job_id}\n  run folder: {sub.run_dir}\n  log:        {sub.log}\n  wandb run:  {sub.wandb_name}",
+        f"submitted job {recorded(sub.job_id)}\n  run folder: {recorded(sub.run_dir)}\n  log:        "
+        f"{recorded(sub.log)}\n  wandb run:  {recorded(sub.wandb_name)}",
         highlight=False,
     )
 
@@ -537,9 +581,9 @@ def sweep_cmd(
         for text in subs:
             sys.stdout.write(text + "\n")
         return
-    console.print(f"sweep {sweep_id}: {len(subs)} job(s)", highlight=False)
+    console.print(f"sweep {recorded(sweep_id)}: {len(subs):d} job(s)", highlight=False)
     for s in subs:
-        console.print(f"  job {s.job_id}  {s.run_dir}", highlight=False)
+        console.print(f"  job {recorded(s.job_id)}  {recorded(s.run_dir)}", highlight=False)
 
 
 @app.command("jobs")
@@ -554,25 +598,28 @@ def jobs_cmd() -> None:
     if not rows:
         console.print("no tim-megatron jobs in the queue", highlight=False)
     for r in rows:
-        console.print(f"{r['job']:>8}  {r['state']:<10} {r['elapsed']:>10}  {r['name']}", highlight=False)
+        console.print(
+            f"{recorded(r['job']):>8}  {recorded(r['state']):<10} {recorded(r['elapsed']):>10}  {recorded(r['name'])}",
+            highlight=False,
+        )
 
 
 @app.command("logs")
 def logs_cmd(
     job: str = typer.Argument(..., help="Slurm job id"),
-    lines: int = typer.Option(40, help="lines from the end"),
+    lines: int = typer.Option(40, help="lines from the end (a whole number >= 1)"),
     root: Path = typer.Option(Path("runs"), "--root", help="where run folders live (run.output_dir)"),
 ) -> None:
-    """The end of a job's log (found through the run folders' run.json)."""
-    from tim_megatron.slurm.submit import find_run
+    """The end of a job's log (found through the run folders' run.json), control characters escaped."""
+    from tim_megatron.slurm.joblog import JobLogError, job_log_tail, write_text
 
-    run = find_run(job, root)
-    if run is None:
-        _fail(f"no run folder under {root} records job {job}")
-    log = run / "logs" / f"slurm-{job}.out"
-    if not log.exists():
-        _fail(f"{log} does not exist yet (is the job still pending?)")
-    sys.stdout.write("".join(log.read_text().splitlines(keepends=True)[-lines:]))
+    try:
+        text, notes = job_log_tail(job, lines=lines, root=root)
+    except JobLogError as e:
+        _fail(str(e))
+    write_text(text)
+    for note in notes:
+        err.print(f"note: {recorded(note)}", highlight=False)
 
 
 @app.command("cancel")
@@ -584,7 +631,7 @@ def cancel_cmd(job: str = typer.Argument(..., help="Slurm job id")) -> None:
         cancel(job)
     except SlurmError as e:
         _fail(str(e))
-    console.print(f"cancelled {job}", highlight=False)
+    console.print(f"cancelled {recorded(job)}", highlight=False)
 
 
 @app.command("align")
@@ -665,7 +712,7 @@ def align_cmd(
     except ValueError as e:
         _fail(str(e))
     if os.environ.get("RANK", "0") == "0":
-        console.print(f"wrote {where}/align.json, align.txt and align.png", highlight=False)
+        console.print(f"wrote {recorded(where)}/align.json, align.txt and align.png", highlight=False)
 
 
 def _without_nproc(args: list[str]) -> list[str]:
@@ -718,6 +765,10 @@ def plan_cmd(recipe: Path, overrides: list[str] = typer.Argument(None)) -> None:
     if loaded.recipe.cluster.gpus_per_node:
         print(format_rollout_options(loaded.recipe, plan))
     print(format_step(loaded.recipe, plan))
+    from tim_megatron.recipe.notices import notices
+
+    for n in notices(loaded.recipe):
+        console.print(f"[yellow]notice[/]: {recorded(n, 1000)}", highlight=False)
     if not plan.fits:  # the reasons are printed above; exit 1 like `tim doctor` does for a plan that fails
         raise typer.Exit(1)
 
@@ -783,11 +834,16 @@ def preflight_cmd(
     except (RecipeError, RenderError, SlurmError) as e:
         _fail(str(e))
     console.print(
-        f"submitted preflight job {sub.job_id}\n  run folder: {sub.run_dir}\n  log:        {sub.log}",
+        f"submitted preflight job {recorded(sub.job_id)}\n  run folder: {recorded(sub.run_dir)}\n  log:        "
+        f"{recorded(sub.log)}",
         highlight=False,
     )
     try:
-        report = watch(sub.run_dir, sub.job_id, say=lambda s: console.print(s, highlight=False))
+        report = watch(
+            sub.run_dir,
+            sub.job_id,
+            say=lambda s: console.print(recorded(s, 2000, lines=True), highlight=False),
+        )
     except KeyboardInterrupt:
         _fail(
             f"stopped waiting; job {sub.job_id} goes on (scancel {sub.job_id} stops it); its verdict will be in "
@@ -832,7 +888,7 @@ def new_recipe_cmd(
         dest, files = new_recipe(src, name, hf, recipes_root=recipes_root, min_nodes=min_nodes)
     except (RecipeError, UnsupportedModelError, FileNotFoundError) as e:
         _fail(str(e))
-    console.print(f"wrote {dest}: {', '.join(files)}", highlight=False)
+    console.print(f"wrote {recorded(dest)}: {recorded(', '.join(files), 2000)}", highlight=False)
     loaded = load_recipe(dest / "base.yaml")
     print(format_plan(loaded.recipe, estimate(loaded.recipe), loaded.name))
 
@@ -859,7 +915,7 @@ def dequantize_cmd(
         WeightLoadError,
     ) as e:
         _fail(str(e))
-    console.print(f"wrote {dst}: {n} tensors in bfloat16 (set model.path to it)", highlight=False)
+    console.print(f"wrote {recorded(dst)}: {n:d} tensors in bfloat16 (set model.path to it)", highlight=False)
 
 
 @app.command("report")
@@ -890,7 +946,7 @@ def report_cmd(
             sweep, found = resolve_sweep(sweep, root, found_notices)
         except ValueError as e:
             for n in found_notices:
-                console.print(f"[yellow]notice[/]: {escape(printable(n))}", highlight=False)
+                console.print(f"[yellow]notice[/]: {recorded(n, 2000)}", highlight=False)
             _fail(printable(str(e)))
         paths += found
     if not paths:
@@ -915,9 +971,9 @@ def report_cmd(
         _fail(printable(str(e)))
     print(table_text(res["rows"]))
     for n in res["notices"]:
-        console.print(f"[yellow]notice[/]: {escape(n)}", highlight=False)  # notices quote run folders
+        console.print(f"[yellow]notice[/]: {recorded(n, 2000)}", highlight=False)  # notices quote run folders
     console.print(
-        f"report: {res['out'] / 'index.html'}  (summary.csv beside it; {res['seconds']:.1f} s)",
+        f"report: {recorded(res['out'] / 'index.html')}  (summary.csv beside it; {res['seconds']:.1f} s)",
         highlight=False,
     )
 
@@ -942,7 +998,16 @@ def lab_cmd(
     write_archive: Path = typer.Option(
         None,
         "--write-archive",
-        help="after the report, write the grid's completed runs (the files the report reads) to this .tar.xz",
+        help="after the report, write the grid's completed runs (the files the report reads) to this .tar.xz "
+        "(checked before any run: an existing file needs --overwrite-archive)",
+    ),
+    overwrite_archive: bool = typer.Option(
+        False, "--overwrite-archive", help="with --write-archive: replace the file if it exists"
+    ),
+    allow_dirty: bool = typer.Option(
+        False,
+        "--allow-dirty",
+        help="run a pre-registered grid (docs/prereg/<grid>.md) from a tree with uncommitted changes",
     ),
     timeout_minutes: float = typer.Option(None, "--timeout-minutes", help="stop any one run after this long"),
     jobs: int = typer.Option(
@@ -980,10 +1045,12 @@ def lab_cmd(
             aggregate_only=aggregate_only,
             from_archive=from_archive,
             write_archive_to=write_archive,
+            overwrite_archive=overwrite_archive,
+            allow_dirty=allow_dirty,
             timeout_s=timeout_minutes * 60 if timeout_minutes else None,
             jobs=jobs,
             command=argv,
-            log=lambda m: console.print(m, highlight=False, markup=False),
+            log=lambda m: console.print(recorded(m, 4000, lines=True), highlight=False),
         )
         if docs is not None:
             from tim_megatron.lab.docs import include_tables
@@ -999,12 +1066,14 @@ def lab_cmd(
     for v in res["verdicts"]:
         ci = f"[{v.ci_low:.3g}, {v.ci_high:.3g}]" if v.n_seeds >= 2 else "(no CI)"
         console.print(
-            f"{v.claim}  {v.verdict:<15} effect {v.effect:.3g} {ci}  {v.detail}",
+            f"{recorded(v.claim)}  {recorded(v.verdict):<15} effect {v.effect:.3g} {recorded(ci)}  "
+            f"{recorded(v.detail, 2000)}",
             highlight=False,
-            markup=False,
         )
     wall = f" (runs: {res['wall_seconds']:.0f} s)" if res["wall_seconds"] else ""
-    console.print(f"report: {res['page']}  (verdicts.csv beside it){wall}", highlight=False, markup=False)
+    console.print(
+        f"report: {recorded(res['page'])}  (verdicts.csv beside it){recorded(wall)}", highlight=False
+    )
     bad = [r for r in res["records"] if r.status.startswith(("failed", "timeout", "busy"))]
     if bad:
         _fail(
@@ -1023,7 +1092,7 @@ def _launch_local(nproc: int, rd: Path, *, stop_signal, trust_unverified: bool =
     cmd = _torchrun(
         nproc, ["train", "--resume", str(rd), *(["--trust-unverified"] if trust_unverified else [])]
     )
-    console.print(f"launching {nproc} ranks: {' '.join(cmd)}", highlight=False)
+    console.print(f"launching {nproc:d} ranks: {recorded(' '.join(cmd), 2000)}", highlight=False)
     from tim_megatron.procs import run_launcher
 
     env = {**os.environ, LOCAL_RANKS_ENV: "1"}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tim_megatron.logging.untrusted import recorded
 from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import LoadedRecipe, Recipe
 from tim_megatron.rl import phases
@@ -321,12 +322,14 @@ def log_step(tracker, *, recipe, step: int, metrics: dict, events: list, is_rank
     tracker.log(step, metrics, events=events)
     if recipe.logging.console and tracker.console is not None:
         tracker.console.print(
-            tracker.summary_line(step, recipe.run.steps, metrics), highlight=False, soft_wrap=True
+            recorded(tracker.summary_line(step, recipe.run.steps, metrics), 2000),
+            highlight=False,
+            soft_wrap=True,
         )
         for e in events:
             tracker.console.print(
-                f"[bold yellow]early warning[/]: {e['kind']} of {e['metric']} at step {e['step']} "
-                f"({e['value']:.3g} vs baseline {e['baseline']:.3g})",
+                f"[bold yellow]early warning[/]: {recorded(e['kind'])} of {recorded(e['metric'])} at step "
+                f"{recorded(e['step'])} ({e['value']:.3g} vs baseline {e['baseline']:.3g})",
                 highlight=False,
             )
 
@@ -392,5 +395,5 @@ class RunFolder:
                 max_requeues=self.loaded.recipe.cluster.max_requeues,
             )
             if tracker.console is not None:
-                tracker.console.print(text, highlight=False)
+                tracker.console.print(recorded(text, 100_000, lines=True), highlight=False)
         tracker.close()

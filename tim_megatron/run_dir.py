@@ -40,6 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from tim_megatron import clock
+from tim_megatron.code_record import code_record
+from tim_megatron.logging.untrusted import shown
 from tim_megatron.recipe import LoadedRecipe, recipe_to_yaml
 from tim_megatron.recipe.loader import clip, load_recipe
 from tim_megatron.run_lock import LOCK_FILE
@@ -95,6 +98,10 @@ class StatusTransitionError(RunDirError):
 
 class DiskFullError(RunDirError):
     pass
+
+
+class SharedMemoryError(RunDirError):
+    """Shared memory (/dev/shm) full or refusing writes: not the run folder's disk, which a full one looks like."""
 
 
 class RunDirNotWritable(RunDirError):
@@ -330,6 +337,8 @@ def _record_earlier_attempt(meta: dict) -> None:
         return
     status = meta.get("status")
     entry = {"attempt": old, "status": status, "step": meta.get("step"), "start_step": meta.get("start_step")}
+    if isinstance(meta.get("code"), dict):
+        entry["code"] = meta["code"]
     if status == "running":
         entry["reason"] = NO_RECORD
     elif meta.get("reason"):
@@ -346,27 +355,41 @@ def resume_note(meta: dict, *, start_step: int) -> str | None:
     if start_step <= 1 or not isinstance(earlier, list) or not earlier or not isinstance(earlier[-1], dict):
         return None
     last = earlier[-1]
-    status, reason = last.get("status"), str(last.get("reason") or "")
+    status, reason = last.get("status"), last.get("reason")
+    reason = reason if isinstance(reason, str) else "" if reason is None else shown(reason, 200)
     if status == "running":  # its reason is NO_RECORD, written by _record_earlier_attempt
-        how = reason or NO_RECORD
+        how = clip(reason, 200) or NO_RECORD
     else:
-        how = {"preempted": "was preempted", "failed": "failed"}.get(status, f"ended {status}")
+        known = {"preempted": "was preempted", "failed": "failed"}
+        how = known[status] if isinstance(status, str) and status in known else f"ended {_field(status)}"
         first = next(iter(reason.strip().splitlines()), "")  # an error's first line
         if first:
             how += f" ({clip(first, 200)})"
     reached = last.get("step")
     again = ""
-    if isinstance(reached, int) and reached >= start_step:
+    if type(reached) is int and start_step <= reached < 10**12:
         again = f"step {start_step}" if reached == start_step else f"steps {start_step}..{reached}"
         again = f"; {again} {'runs' if reached == start_step else 'run'} again"
     return (
-        f"attempt {meta.get('attempt')} resumes from the checkpoint of step {start_step - 1}: attempt "
-        f"{last.get('attempt')} reached step {reached} and {how}{again}"
+        f"attempt {_field(meta.get('attempt'))} resumes from the checkpoint of step {start_step - 1}: attempt "
+        f"{_field(last.get('attempt'))} reached step {_field(reached)} and {how}{again}"
     )
 
 
+def _field(value: object, limit: int = 80) -> str:
+    """A short field of ``run.json`` in the resume note: a string clipped, anything else as ``repr`` shows it (a
+    megabyte-long id or step costs a line, not a screen). The console escapes what it prints
+    (:func:`tim_megatron.logging.untrusted.recorded`)."""
+    if isinstance(value, str):
+        return clip(value, limit)
+    if value is None or (type(value) is int and abs(value) < 10**12):
+        return str(value)
+    return shown(value, limit)
+
+
 def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S")
+    """A time for ``run.json``: UTC with its offset (:func:`tim_megatron.clock.stamp`)."""
+    return clock.stamp()
 
 
 def attempt_id() -> str:
@@ -416,6 +439,11 @@ ALLOWED_FROM: dict[str, frozenset] = {
 
 def _transition(meta: dict, status: str, d: Path) -> None:
     old = meta.get("status")
+    if old is not None and (not isinstance(old, str) or old not in STATUSES):
+        raise StatusTransitionError(
+            f"{d / META_FILE}: its status is {shown(old, 80)}, which no run writes (allowed: {', '.join(STATUSES)}); "
+            f'the record was changed by hand or damaged: set "status" to one of those ("failed" if unsure)'
+        )
     allowed = ALLOWED_FROM.get(status)
     if allowed is None:
         raise StatusTransitionError(f"{d / META_FILE}: status = {status!r}; allowed: {', '.join(STATUSES)}")
@@ -515,17 +543,66 @@ def _chain(err: BaseException):
         e = e.__cause__ or e.__context__
 
 
+SHARED_MEMORY = Path("/dev/shm")
+"""Where torch's shared-memory tensors live (the weights an engine process receives cross it)."""
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _in_shared_memory(e: BaseException) -> bool:
+    """``e`` names shared memory: a file under /dev/shm, or torch's shared-memory allocation (``</torch_...>``)."""
+    name = getattr(e, "filename", None)
+    if isinstance(name, str | bytes) and _inside(name, SHARED_MEMORY):
+        return True
+    text = str(e)
+    return str(SHARED_MEMORY) in text or "</torch_" in text or "shared memory" in text.lower()
+
+
+def shared_memory_fault(err: BaseException, d: Path) -> str | None:
+    """Why ``err`` is shared memory (/dev/shm) being full or refusing writes rather than the run folder's disk (None:
+    it is not). A full /dev/shm raises the same ENOSPC as a full disk (Docker's default is 64 MiB)."""
+    for e in _chain(err):
+        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
+        denied = isinstance(e, OSError) and e.errno in DENIED_ERRNOS
+        if not (full or denied):
+            continue
+        shm_free, run_free = _free_bytes(SHARED_MEMORY), _free_bytes(d)
+        if not _in_shared_memory(e) and not (
+            full and shm_free is not None and shm_free < FULL_DISK_BYTES <= (run_free or 0)
+        ):
+            continue
+        if denied:
+            return f"shared memory ({SHARED_MEMORY}) refuses writes ({e.strerror or e})"
+        size = _total_bytes(SHARED_MEMORY)
+        return (
+            f"shared memory ({SHARED_MEMORY}) is full ({shm_free} of {size} bytes free)"
+            if shm_free is not None
+            else f"shared memory ({SHARED_MEMORY}) is full"
+        )
+    return None
+
+
+def _total_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
+
+
 def _disk_full(err: BaseException, d: Path) -> str | None:
     """Why ``err`` looks like a full disk under ``d`` (None: it does not)."""
     for e in _chain(err):
         if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
             return "No space left on device"
-    try:
-        st = os.statvfs(d)
-    except OSError:
-        return None
-    free = st.f_bavail * st.f_frsize
-    return f"{free} bytes free" if free < FULL_DISK_BYTES else None
+    free = _free_bytes(d)
+    return f"{free} bytes free" if free is not None and free < FULL_DISK_BYTES else None
 
 
 def _inside(path, d: Path) -> bool:
@@ -575,7 +652,7 @@ def unsafe_entries(d: Path) -> list[str]:
         kind(d / name, ("a regular file", "a symbolic link"))
     logs = d / "logs"
     if logs.is_dir() and not logs.is_symlink():
-        for p in sorted(logs.glob("engine*.log")):
+        for p in sorted([*logs.glob("engine*.log"), logs / "errors.log"]):
             kind(p, ("a regular file",))
     ckpts = d / "checkpoints"
     if ckpts.is_dir() and not ckpts.is_symlink():
@@ -619,6 +696,9 @@ def attempt(d: Path, *, writer: bool = True):
     d = Path(d)
     if writer:
         _reserve(d)
+        code = (
+            code_record()
+        )  # the commit and versions this attempt runs (outside run.json's lock: git is slow)
 
         def start(meta):
             _transition(meta, "running", d)
@@ -630,6 +710,7 @@ def attempt(d: Path, *, writer: bool = True):
                 host=socket.gethostname(),
                 pid=os.getpid(),
                 requeue_attempt=None,
+                code=code,
             )
             meta.pop("reason", None)
 
@@ -658,11 +739,12 @@ def attempt(d: Path, *, writer: bool = True):
                 with contextlib.suppress(OSError):
                     mark_stopped(d, str(e))
             raise
-        full = _disk_full(e, d)
-        denied = None if full else _write_denied(e, d)
+        shm = shared_memory_fault(e, d)
+        full = None if shm else _disk_full(e, d)
+        denied = None if full or shm else _write_denied(e, d)
         unrecorded = None  # why run.json could not record the failure
         if writer:
-            why = f"disk full ({full})" if full else f"cannot write {denied}" if denied else None
+            why = shm or (f"disk full ({full})" if full else f"cannot write {denied}" if denied else None)
             if isinstance(e, RunDirNotWritable):  # its message names the folder already
                 why = None
             try:
@@ -680,6 +762,13 @@ def attempt(d: Path, *, writer: bool = True):
             record = (
                 f"run.json could not be written either ({unrecorded}): its status ({status}) is out of date. "
             )
+        if shm:
+            raise SharedMemoryError(
+                f"{shm}; the error was {_first_line(e)}\n{record}The weights an engine process receives "
+                "(rollout.engine_process = true) and torch's shared tensors cross it: give it room (a container's "
+                "--shm-size; Docker's default is 64 MiB) or set rollout.engine_process = false, then resume from the "
+                f"last checkpoint: tim train --resume {d}"
+            ) from e
         if full:
             raise DiskFullError(
                 f"the disk holding {d} is full ({full}); the error was {_first_line(e)}\n{record}"

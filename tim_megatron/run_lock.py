@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tim_megatron.clock import stamp
 from tim_megatron.safe_files import UnsafePathError
 from tim_megatron.safe_files import describe as describe_path
 
@@ -107,7 +108,7 @@ def _lock(path: Path) -> tuple[int | None, dict]:
     rec = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "started": stamp(),
         "command": " ".join(_argv())[:300],
     }
     os.ftruncate(fd, 0)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tim_megatron.logging.untrusted import recorded
 from tim_megatron.recipe import LoadedRecipe
 
 if TYPE_CHECKING:  # the parts' types; importing them starts megatron-core and vLLM
@@ -101,16 +102,36 @@ def _resume_from(run_dir: Path, *, trust_unverified: bool) -> Path | None:
     return ckpt
 
 
-def _restore(ckpt: Path, *, trainer, state, run_dir: Path) -> None:
-    """Load the checkpoint into the trainer and the loop state; the metrics after its step are dropped."""
+def _restore(ckpt: Path, *, trainer, state, run_dir: Path, recipe, prompts) -> None:
+    """Load the checkpoint into the trainer and the loop state, and check the batches it holds sampled ahead (each
+    row's prompt and reward are its step's); the metrics after its step are dropped."""
     import torch.distributed as dist
 
     from tim_megatron.logging.tracker import truncate_jsonl
-    from tim_megatron.trainer.checkpoint import load_checkpoint, load_rank_state
+    from tim_megatron.rl.offpolicy import StalenessError
+    from tim_megatron.rl.phases import stored_rows_disagree
+    from tim_megatron.trainer.checkpoint import load_checkpoint, load_rank_state, rank_state_file
 
     meta = load_checkpoint(trainer, ckpt)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    state.load_state_dict(meta["state"], step=meta["step"], rank_state=load_rank_state(ckpt, rank))
+    where = str(rank_state_file(ckpt, rank))
+    state.load_state_dict(
+        meta["state"],
+        step=meta["step"],
+        rank_state=load_rank_state(ckpt, rank),
+        where=where,
+        total_rows=recipe.data.prompts_per_step * recipe.rollout.n,
+        group_size=recipe.rollout.n,
+    )
+    for s, g in sorted(state.pending.batches.items()) if state.pending is not None else ():
+        wrong = stored_rows_disagree(
+            batch=g.batch, prompts=prompts, step=s, prompts_per_step=recipe.data.prompts_per_step
+        )
+        if wrong:
+            raise StalenessError(
+                f"{where}: step {s}'s pending batch is not what step {s} sampled: {wrong}; the file was changed "
+                "after it was written (resume from an earlier checkpoint)"
+            )
     if trainer.is_rank0:
         truncate_jsonl(run_dir / "metrics.jsonl", after_step=meta["step"])
 
@@ -154,12 +175,12 @@ def setup(
     trainer = MegatronTrainer(r, model_path=path)
     ckpt = _resume_from(run_dir, trust_unverified=trust_unverified) if resume else None
     checkpoint_writer_signals.shield()  # a job's SIGTERM must not kill megatron's writer helper
+    state = LoopState.create(r)
+    if ckpt is not None:  # before any engine starts: a checkpoint that cannot continue stops here
+        _restore(ckpt, trainer=trainer, state=state, run_dir=run_dir, recipe=r, prompts=prompts)
     rollout = build_rollout(r, trainer, model_path=path, tokenizer=prompts.tokenizer)
     _check_sync_fault(r, rollout)
     sync = WeightSync(r, expected=manifest(path), rank=trainer.rank)
-    state = LoopState.create(r)
-    if ckpt is not None:
-        _restore(ckpt, trainer=trainer, state=state, run_dir=run_dir)
     probe = probe_sequences(prompts=prompts, rollout=rollout, step=1)
     colocation = Colocation(
         rollout=rollout, trainer=trainer, sync=sync, offload=r.trainer.offload_during_rollout
@@ -180,7 +201,7 @@ def setup(
         if console is not None:
             _announce(console, loaded, run_dir, trainer=trainer, start=state.start_step, layout=layout)
             if ckpt is not None and (note := resume_note(meta, start_step=state.start_step)):
-                console.print(f"  {note}", highlight=False)
+                console.print(f"  {recorded(note, 1000)}", highlight=False)
     return Prepared(
         trainer=trainer,
         rollout=rollout,
@@ -210,14 +231,22 @@ def _announce(
     """The console's first lines: the steps ahead, the dtypes, the world, and one line per engine."""
     r = loaded.recipe
     console.print(
-        f"[bold]tim train[/] {loaded.name}: steps {start}..{r.run.steps} in {run_dir}"
-        f" (trainer {trainer.dtype}, rollout {r.rollout_dtype}, world {trainer.env.world_size})",
+        f"[bold]tim train[/] {recorded(loaded.name)}: steps {start:d}..{r.run.steps:d} in {recorded(run_dir)}"
+        f" (trainer {recorded(trainer.dtype)}, rollout {recorded(r.rollout_dtype)}, world "
+        f"{trainer.env.world_size:d})",
         highlight=False,
     )
     k = trainer.kernels
-    console.print(f"  trainer kernels: attention {k.attention}, experts {k.experts}", highlight=False)
+    console.print(
+        f"  trainer kernels: attention {recorded(k.attention)}, experts {recorded(k.experts)}",
+        highlight=False,
+    )
     for line in layout:
-        console.print(line, highlight=False)
+        console.print(recorded(line, 1000), highlight=False)
+    from tim_megatron.recipe.notices import notices
+
+    for n in notices(r):
+        console.print(f"  [yellow]notice[/]: {recorded(n, 1000)}", highlight=False)
 
 
 def fleet_description(rollout) -> list[str]:

@@ -75,18 +75,45 @@ class LoopState:
             "engine_restarts": self.restarts_run,
         }
 
-    def load_state_dict(self, state: dict, *, step: int, rank_state=None) -> None:
+    def load_state_dict(
+        self,
+        state: dict,
+        *,
+        step: int,
+        rank_state=None,
+        where: str = "the checkpoint",
+        total_rows: int | None = None,
+        group_size: int | None = None,
+    ) -> None:
         """Restore from a checkpoint written after ``step``: the next step run is ``step + 1``. ``rank_state``:
-        what :meth:`rank_state` returned for this rank then (None when the checkpoint holds none)."""
+        what :meth:`rank_state` returned for this rank then (None when the checkpoint holds none; ``where`` names
+        its file). ``total_rows`` and ``group_size``: the run's, which every pending batch must have."""
         self.schedule.load_state_dict(state["schedule"])
         self.warnings.load_state_dict(state["warnings"])
         self.start_step = step + 1
         # checkpoints written before engines could restart hold no count: none restarted then
         self.restarts_before = self.restarts_run = float(state.get("engine_restarts", 0.0))
-        if self.pending is not None:
-            if rank_state is None:
+        if self.pending is None:
+            recorded = rank_state[1].get("k") if rank_state and isinstance(rank_state[1], dict) else None
+            if recorded:  # an off-policy run resumed on-policy would drop the batches it sampled ahead
                 raise StalenessError(
-                    f"the checkpoint of step {step} holds no pending off-policy batches, but this run has "
-                    f"rollout.max_staleness = {self.pending.k}: resume with the recorded value"
+                    f"{where} holds the off-policy batches sampled ahead for the steps after {step} "
+                    f"(rollout.max_staleness = {recorded}); this run has rollout.max_staleness = 0, which would "
+                    "drop them: resume with the recorded value"
                 )
-            self.pending = Pending.from_state(*rank_state, k=self.pending.k)
+            return
+        if rank_state is None:
+            raise StalenessError(
+                f"the checkpoint of step {step} has no pending off-policy batches ({where} is missing), but this "
+                f"run has rollout.max_staleness = {self.pending.k}: it cannot continue exactly from this "
+                "checkpoint (the batches sampled ahead are lost); resume from an earlier checkpoint, or start a "
+                "new run"
+            )
+        self.pending = Pending.from_state(
+            *rank_state,
+            k=self.pending.k,
+            step=step,
+            total_rows=total_rows,
+            group_size=group_size,
+            where=where,
+        )

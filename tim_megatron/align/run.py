@@ -12,6 +12,7 @@ import torch
 from tim_megatron.align.capture import Capture, decoder_layers, engine_capture, hf_capture, trainer_capture
 from tim_megatron.align.compare import Alignment, compare
 from tim_megatron.align.floor import measure_floor, tolerance_of
+from tim_megatron.logging.untrusted import recorded
 from tim_megatron.modes import modes_of
 from tim_megatron.recipe import LoadedRecipe
 
@@ -299,7 +300,7 @@ def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=Non
         }
         write(result, out, sequences=len(seqs), meta=meta)
         if console is not None:
-            console.print(text(result, sequences=len(seqs)), highlight=False)
+            console.print(recorded(text(result, sequences=len(seqs)), 100_000, lines=True), highlight=False)
     engine.close()
     trainer.close()
     return result

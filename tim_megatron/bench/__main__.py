@@ -13,6 +13,7 @@ BENCHES = {
     "metrics": "tim_megatron.bench.metrics",
     "trainer": "tim_megatron.bench.trainer",
     "rollout": "tim_megatron.bench.rollout",
+    "process_sync": "tim_megatron.bench.process_sync",
     "step": "tim_megatron.bench.step",
     "fleet": "tim_megatron.bench.fleet",
     "exact": "tim_megatron.bench.exact",

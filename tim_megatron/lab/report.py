@@ -5,7 +5,9 @@
 * ``runs.csv``: per run, everything :mod:`.runstats` computed;
 * ``detectors.csv``: the early-warning evaluation (:mod:`.detectors`);
 * ``tables.md``: the verdict, arm and detector tables in Markdown, for ``docs/lab-results.md`` (so that no
-  number there is typed by hand).
+  number there is typed by hand), with the method (whether the rules were in place before the runs:
+  :mod:`.provenance`), the commits the runs came from (``run.json``'s ``code``; "not recorded" for older runs)
+  and the report's notices (runs of the grid it lacks, values left out of a run's metrics).
 
 Figures follow ``tim_megatron/report/plots.py``: one PNG per metric, labelled axes, text never read as mathtext.
 Every file is written only inside the output folder and replaces what is there by an atomic rename: a link planted
@@ -25,11 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
+from tim_megatron import clock
 from tim_megatron import metric_names as names
+from tim_megatron.lab.checkout import code_rows, code_text, run_code
 from tim_megatron.lab.claims import GROWTH_MIN, ClaimVerdict, LabData
 from tim_megatron.lab.deficits import D_MIN_EFFECT, policy_deficits
 from tim_megatron.lab.detectors import TUNE_GRID, Evaluation
-from tim_megatron.lab.provenance import created_time, rules_fixed_text
+from tim_megatron.lab.provenance import RunRules, rules_fixed_text
+from tim_megatron.lab.rows import checked_rows
+from tim_megatron.lab.runner import lab_spec
 from tim_megatron.lab.runstats import (
     HIGH_BUCKET,
     LOW_BUCKETS,
@@ -37,7 +43,6 @@ from tim_megatron.lab.runstats import (
     RunStats,
     pooled_bucket,
     run_meta,
-    run_rows,
     series,
 )
 from tim_megatron.lab.stats import mean_ci
@@ -82,7 +87,10 @@ def curve_panels(lab: LabData, out: Path) -> list[tuple[str, str]]:
     plt = _plt()
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     arms = [a for a in lab.plans if lab.runs.get(a)]
-    rows = {a: {s: run_rows(Path(r.path)) for s, r in lab.runs[a].items()} for a in arms}
+    rows = {
+        a: {s: checked_rows(Path(r.path), run=f"{a}/seed{s}")[0] for s, r in lab.runs[a].items()}
+        for a in arms
+    }
     made = []
     for key, title, ylabel, scale in CURVES:
         fig, ax = plt.subplots(figsize=(6.4, 3.8), constrained_layout=True)
@@ -252,11 +260,15 @@ def write_tables_md(
     detectors: list[Evaluation],
     method: str = "",
     deficits: list[dict] = (),
+    code: str = "",
+    notices: list[str] = (),
 ) -> None:
     det = [d.row() for d in detectors]
     parts = [
         f"# {title}: tables",
         method,
+        *([code] if code else []),
+        *[f"Notice: {n}" for n in notices],
         "## Verdicts",
         markdown_table([v.row() for v in verdicts], MD_VERDICT),
     ]
@@ -285,13 +297,19 @@ def write_report(
     command: str,
     wall_seconds: float | None,
     run_records: list | None = None,
+    notices: list[str] = (),
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(inside(out, "verdicts.csv"), [v.row() for v in verdicts])
     arms = arm_rows(lab)
     write_csv(inside(out, "arms.csv"), arms)
-    runs: list[RunStats] = [r for a in lab.runs.values() for r in a.values()]
-    write_csv(inside(out, "runs.csv"), [r.row() for r in sorted(runs, key=lambda r: (r.arm, r.seed))])
+    runs: list[RunStats] = sorted(
+        (r for a in lab.runs.values() for r in a.values()), key=lambda r: (r.arm, r.seed)
+    )
+    codes = {(r.arm, r.seed): run_code(run_meta(Path(r.path))) for r in runs}
+    write_csv(inside(out, "runs.csv"), [{**r.row(), **_code_cells(codes[r.arm, r.seed])} for r in runs])
+    commits = code_rows([(f"{r.arm}/seed{r.seed}", codes[r.arm, r.seed]) for r in runs])
+    rules = rules_text(lab)
     write_csv(inside(out, "detectors.csv"), [d.row() for d in detectors])
     deficits = [d.row() for d in policy_deficits(lab)]
     if deficits:
@@ -302,8 +320,10 @@ def write_report(
         verdicts=verdicts,
         arms=arms,
         detectors=detectors,
-        method=method_text(lab.grid, rules=rules_text(lab)),
+        method=method_text(lab.grid, rules=rules),
         deficits=deficits,
+        code=code_text(commits),
+        notices=list(notices),
     )
     figs = curve_panels(lab, out)
     e = html.escape
@@ -313,7 +333,7 @@ def write_report(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{e(g.name)}</title><style>{CSS}</style></head><body>",
         f"<h1>TIM lab: {e(g.name)}</h1>",
         f"<p>{e(g.description)}</p>",
-        f"<p class='muted'>Generated {time.strftime('%Y-%m-%d %H:%M')}. Base recipe {e(str(g.base))}; seeds "
+        f"<p class='muted'>Generated {clock.shown(time.time())}. Base recipe {e(str(g.base))}; seeds "
         f"{g.seeds}, data seed {g.data_seed} (the same prompts in the same order in every run); "
         f"{len(runs)} completed run(s)"
         + (f"; runs took {wall_seconds:.0f} s of wall time in this invocation" if wall_seconds else "")
@@ -326,8 +346,10 @@ def write_report(
             + f". Once the features exist: <code>{e(rerun_command(g, not_run))}</code> runs just these arms and "
             "rebuilds this report (completed runs are reused).</div>"
         )
+    for n in notices:
+        parts.append(f"<div class='notice'>{e(n)}</div>")
     parts.append("<h2>Verdicts</h2>")
-    parts.append(f"<p class='muted'>{e(method_text(g, rules=rules_text(lab)))}</p>")
+    parts.append(f"<p class='muted'>{e(method_text(g, rules=rules))}</p>")
     parts.append(
         _table(
             [
@@ -364,6 +386,12 @@ def write_report(
         + " False-alarm rate with its 95% Wilson interval.</p>"
     )
     parts.append(_table([d.row() for d in detectors]))
+    parts.append("<h2>Code the runs came from</h2>")
+    parts.append(
+        "<p class='muted'>From each run's run.json (its code record: the commit of the checkout it ran from and "
+        'whether that tree was clean); runs from before the record say "not recorded".</p>'
+    )
+    parts.append(_table(commits))
     parts.append("<h2>Curves by arm</h2><div class='grid'>")
     for f, cap in figs:
         parts.append(f"<figure><img src='{e(f)}' alt='{e(cap)}'><figcaption>{e(cap)}</figcaption></figure>")
@@ -390,15 +418,27 @@ def write_report(
     return page
 
 
+def _code_cells(codes) -> dict:
+    """runs.csv's columns on the code a run came from (its last attempt's record; empty when none)."""
+    last = codes[-1] if codes else None
+    return {
+        "code_commit": (last.commit or "") if last else "not recorded",
+        "code_clean": "" if last is None or last.clean is None else str(last.clean).lower(),
+    }
+
+
 def rules_text(lab) -> str:
-    """When the rule code was fixed against the first run's start (:mod:`tim_megatron.lab.provenance`)."""
-    starts = [
-        created_time(run_meta(Path(r.path)).get("created"))
-        for runs in lab.runs.values()
-        for r in runs.values()
-    ]
-    known = [s for s in starts if s is not None]
-    return rules_fixed_text(first_start=min(known) if known else None)
+    """Whether the rule files' content was in place before the runs (:mod:`tim_megatron.lab.provenance`), from what
+    each run recorded: ``lab.json``'s rule hashes, ``run.json``'s code and start."""
+    runs = []
+    for arm in lab.runs.values():
+        for r in arm.values():
+            d = Path(r.path)
+            meta = run_meta(d)
+            runs.append(
+                RunRules.of(f"{r.arm}/seed{r.seed}", lab=lab_spec(d), meta=meta, codes=run_code(meta))
+            )
+    return rules_fixed_text(runs=runs)
 
 
 def method_text(grid, *, rules: str) -> str:

@@ -1,7 +1,8 @@
 """Run a grid: every runnable (arm, seed) through the real ``tim train``, in ``jobs`` subprocesses at a time.
 
-Each run lives in ``<root>/<arm>/seed<k>/`` with ``lab.json`` (the base recipe, the exact override list and
-the sha256 of the resolved recipe). A run whose folder says completed with the same resolved recipe is reused
+Each run lives in ``<root>/<arm>/seed<k>/`` with ``lab.json`` (the base recipe, the exact override list, the
+sha256 of the resolved recipe, and, under ``rules``, the sha256 of each rule file as the run starts: what
+:mod:`tim_megatron.lab.provenance` judges the report's rules by). A run whose folder says completed with the same resolved recipe is reused
 (:func:`is_complete`), so running a grid again only runs what is missing or changed (an arm that needed a
 feature added since, an edit anywhere in the recipe's ``base:`` chain, a killed run). An incomplete or outdated
 folder is emptied and the run starts over (lab runs keep no intermediate checkpoints). wandb is off; the run's
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tim_megatron.lab.grid import ArmPlan, Grid, GridError
+from tim_megatron.lab.provenance import rule_hashes
 from tim_megatron.lab.runstats import run_meta
 from tim_megatron.procs import bound_to_parent
 from tim_megatron.recipe import RecipeError, load_recipe, recipe_to_yaml
@@ -150,6 +152,15 @@ def slot_env(cores: list[int]) -> dict[str, str]:
     }
 
 
+def lab_spec(d: Path) -> dict:
+    """The run folder's ``lab.json`` (read bounded, regular files only); empty if missing or unreadable."""
+    with contextlib.suppress(OSError, ValueError, RecursionError):
+        spec = json.loads(read_text(d / LAB_FILE, max_bytes=MAX_LAB_FILE_BYTES, what="lab spec"))
+        if isinstance(spec, dict):
+            return spec
+    return {}
+
+
 def is_complete(d: Path, spec: dict) -> bool:
     """A completed run of ``spec``'s resolved recipe: ``lab.json`` records its hash, or (a run from a lab that
     recorded none, or from before the schema gained a key) the recipe the run itself recorded, resolved under
@@ -157,10 +168,8 @@ def is_complete(d: Path, spec: dict) -> bool:
     meta = run_meta(d)  # bounded, regular files only: a lab root may hold folders from elsewhere
     if meta.get("status") != "completed" or not regular_file(d / "metrics.jsonl"):
         return False
-    with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
-        lab = json.loads(read_text(d / LAB_FILE, max_bytes=MAX_LAB_FILE_BYTES, what="lab spec"))
-        if lab.get("recipe_sha256") == spec["recipe_sha256"]:
-            return True
+    if lab_spec(d).get("recipe_sha256") == spec["recipe_sha256"]:
+        return True
     if not regular_file(d / RECIPE_FILE):  # a link would read another file; a FIFO would block
         return False
     try:
@@ -328,7 +337,8 @@ def _run_pending(pending, slots, timeout_s, claims, flight, log) -> list[RunReco
         slot = free.get()
         try:
             env = slot_env(slot) if slot is not None else {}
-            write_atomic(d / LAB_FILE, json.dumps(spec, indent=1), root=d, what="lab spec")
+            started = {**spec, "rules": rule_hashes()}  # the rules' content as the run starts
+            write_atomic(d / LAB_FILE, json.dumps(started, indent=1), root=d, what="lab spec")
             write_atomic(d / "slot.json", json.dumps({"jobs": len(slots), **env}), root=d, what="core slot")
             t0 = time.perf_counter()
             pinned = ["taskset", "--cpu-list", ",".join(map(str, slot)), *cmd] if slot is not None else cmd

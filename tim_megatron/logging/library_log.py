@@ -32,11 +32,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 
+from tim_megatron.logging.untrusted import open_regular, recorded
 from tim_megatron.safe_files import check_inside, open_append
 
 ENGINE_LOGGER = "vllm"
@@ -84,7 +86,9 @@ class EngineLogFile(logging.FileHandler):
         super().__init__(path, mode="a", encoding="utf-8")
         self.setFormatter(logging.Formatter(FILE_FORMAT))
         self.warnings = 0
-        """Records at WARNING (not ERROR or above) written since the run started."""
+        """Records at WARNING (not ERROR or above) this handler wrote since the run started."""
+        self.start = self.stream.tell()
+        """Where the file ended when the run started (what was written since counts)."""
 
     def _open(self):
         """The file, appended to; a link or special file there is refused, not followed."""
@@ -96,6 +100,22 @@ class EngineLogFile(logging.FileHandler):
         super().emit(record)
         if record.levelno == logging.WARNING:
             self.warnings += 1
+
+
+WARNING_RECORD = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING ", re.MULTILINE)
+"""A record at WARNING in the file (:data:`FILE_FORMAT`: the time, then the level)."""
+COUNTED_BYTES = 64 * 2**20
+"""The most of a run's log read to count its warnings."""
+
+
+def warnings_since(path: Path, start: int) -> int:
+    """WARNING records in ``path`` after byte ``start`` (at most :data:`COUNTED_BYTES` of it read)."""
+    try:
+        with open_regular(path) as f:
+            f.seek(start)
+            return len(WARNING_RECORD.findall(f.read(COUNTED_BYTES)))
+    except (OSError, ValueError):
+        return 0
 
 
 class ConsoleErrors(logging.Handler):
@@ -133,8 +153,9 @@ class LibraryLog:
 
     @property
     def warning_count(self) -> int:
-        """Warnings the file received during the run."""
-        return self.file.warnings
+        """Warnings the file received during the run: those this process wrote, or, when more processes append to
+        it (an engine in a process of its own), the WARNING records written to it since the run started."""
+        return max(self.file.warnings, warnings_since(Path(self.path), self.file.start))
 
     def show_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
         """``warnings.showwarning`` while the run lasts: library warnings to the file, the project's shown as
@@ -163,6 +184,16 @@ class LibraryLog:
         self.file.close()
 
 
+def engine_log_target() -> tuple[str, str] | None:
+    """(path, level) of the engine log this process routes vLLM's log to, or None: an engine in a process of its
+    own (:mod:`tim_megatron.rollout.process_engine`) routes its own output to the same file."""
+    engine = logging.getLogger(ENGINE_LOGGER)
+    for h in engine.handlers:
+        if isinstance(h, EngineLogFile):
+            return h.baseFilename, logging.getLevelName(engine.level)
+    return None
+
+
 def routes_engine_log() -> bool:
     """Whether this process is routing vLLM's log now (then vLLM must leave its logger's handlers alone)."""
     return any(isinstance(h, EngineLogFile) for h in logging.getLogger(ENGINE_LOGGER).handlers)
@@ -180,7 +211,7 @@ def routed(run_dir: Path, *, level: str, console=None, rank: int | None = None) 
     log = LibraryLog(log_file(run_dir, rank), level=level)
     say = console if rank == 0 else None
     if say is not None:
-        say.print(f"engine log: {log.path}", highlight=False, markup=False, soft_wrap=True)
+        say.print(f"engine log: {recorded(log.path)}", highlight=False, soft_wrap=True)
     try:
         yield log
     finally:
@@ -188,8 +219,7 @@ def routed(run_dir: Path, *, level: str, console=None, rank: int | None = None) 
         if say is not None and log.warning_count:
             n = log.warning_count
             say.print(
-                f"engine log: {n} warning{'s' * (n != 1)} in {log.path}",
+                f"engine log: {n:d} warning{'s' if n != 1 else ''} in {recorded(log.path)}",
                 highlight=False,
-                markup=False,
                 soft_wrap=True,
             )

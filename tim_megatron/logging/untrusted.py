@@ -4,6 +4,12 @@ Only regular files are opened, never through a link (a link to ``/dev/zero`` or 
 cannot block the open; :mod:`tim_megatron.safe_files` holds the rule), and reads are bounded by the bytes actually read, since ``st_size`` says 0 for a device. Text read
 from such a file is shown on a terminal only through :func:`printable` or :func:`shown`, so an escape
 sequence in a path or a name cannot reach the terminal.
+
+**One way to print what was recorded.** Everything a rich console prints that came from outside the code (run.json,
+a recipe, a log, an archive, a path or a value the user typed, an exception's message quoting any of them) goes
+through :func:`recorded`: control characters escaped, rich markup escaped (``[/data]`` is text, never a tag), and
+clipped at a length that says how much was left out. ``tests/test_console_text.py`` walks every console call of the
+package and fails on an interpolated value that reaches rich any other way.
 """
 
 from __future__ import annotations
@@ -11,6 +17,9 @@ from __future__ import annotations
 import reprlib
 from pathlib import Path
 from typing import BinaryIO
+
+RECORDED_LIMIT = 300
+"""Characters of one recorded value a console line shows (the rest is counted, not printed)."""
 
 
 class UnreadableFile(ValueError):
@@ -67,3 +76,36 @@ def shown(value: object, limit: int = 80) -> str:
     except ValueError:  # an int past Python's digit limit for str()
         text = f"<an integer of {value.bit_length()} bits>"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def terminal(**options):
+    """The project's rich console: no wrapping (paths and ids in the output are copied and parsed) and no emoji codes
+    (``:smile:`` in a recorded text stays text; markup has no escape for them). ``options`` go to ``Console``."""
+    from rich.console import Console
+
+    return Console(**{"soft_wrap": True, "emoji": False, **options})
+
+
+def recorded(value: object, limit: int = RECORDED_LIMIT, *, lines: bool = False) -> str:
+    """``value`` as console text: controls escaped (:func:`printable`; newlines and tabs kept when ``lines``),
+    clipped to ``limit`` characters with the count of the rest, and rich markup escaped, so the console prints it as
+    itself (but a trailing backslash, which rich's escape doubles so that it cannot escape a tag after it). Any
+    value: a non-string is shown by ``str`` (a huge integer by its size)."""
+    from rich.markup import escape
+
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = str(value)
+        except ValueError:  # an int past Python's digit limit for str()
+            text = f"<an integer of {value.bit_length()} bits>"  # type: ignore[attr-defined]
+    cut = len(text) - limit
+    text = text[:limit]
+    if lines:
+        text = "\n".join("\t".join(printable(p) for p in row.split("\t")) for row in text.split("\n"))
+    else:
+        text = printable(text)
+    if cut > 0:
+        text += f"... ({cut} more characters)"
+    return escape(text)

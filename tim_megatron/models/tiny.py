@@ -13,18 +13,22 @@ the number of possible answers, and GRPO has something to improve.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
 from tim_megatron.integrity import IntegrityWarning, sha256_file
+from tim_megatron.logging.untrusted import printable
 from tim_megatron.recipe.schema import ModelDims, TaskConfig
 
 EOS = "<|endoftext|>"
@@ -96,8 +100,7 @@ def ensure_tiny_checkpoint(
     root = Path(root) if root is not None else cache_root() / "tiny"
     target = root / _key(dims, seed, warmup_steps, task)
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:  # ranks and test workers at once: one builds, the rest wait
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _cache_lock(root) as holding:  # ranks and test workers at once: one builds, the rest wait
         if target.exists():
             problems = verify_tiny_checkpoint(target)
             if not problems:
@@ -111,7 +114,9 @@ def ensure_tiny_checkpoint(
             aside = root / f".corrupt-{target.name}-{os.getpid()}"
             os.replace(target, aside)
             shutil.rmtree(aside, ignore_errors=True)
-        return _build_atomically(root, target, dims=dims, seed=seed, warmup_steps=warmup_steps, task=task)
+        return _build_atomically(
+            root, target, holding=holding, dims=dims, seed=seed, warmup_steps=warmup_steps, task=task
+        )
 
 
 def _checksums(folder: Path) -> dict[str, str]:
@@ -142,10 +147,40 @@ def verify_tiny_checkpoint(folder: Path) -> list[str]:
     return problems
 
 
-def _build_atomically(root: Path, target: Path, **kw) -> Path:
+@contextlib.contextmanager
+def _cache_lock(root: Path):
+    """The cache's lock, held while a checkpoint is checked or built. A process that has to wait says so once, with
+    what the holder wrote into the lock (its pid and what it builds), instead of waiting in silence."""
+    path = root / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 300, 0).decode("utf-8", "replace").strip() or "another process"
+            print(f"tiny model: waiting for the cache lock {path} (held by {printable(holder)})", flush=True)
+            t0 = time.monotonic()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            print(f"tiny model: the cache lock came free after {time.monotonic() - t0:.0f} s", flush=True)
+
+        def holding(what: str) -> None:  # what a process waiting on the lock is told
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{what}".encode(), 0)
+
+        holding("")
+        yield holding
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _build_atomically(root: Path, target: Path, *, holding, **kw) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
+        holding(f", building {target.name} ({kw['warmup_steps']} warm-up steps)")
+        print(f"tiny model: building {target} ({kw['warmup_steps']} warm-up steps of the format)", flush=True)
+        t0 = time.monotonic()
         _build(tmp, **kw)
+        print(f"tiny model: built in {time.monotonic() - t0:.0f} s", flush=True)
         try:
             os.replace(tmp, target)  # atomic: a concurrent builder loses the race harmlessly
         except OSError:

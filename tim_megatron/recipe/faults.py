@@ -21,10 +21,14 @@ class FaultsConfig(Section):
 
 
 class FaultDrillConfig(Section):
-    kind: Literal["none", "kill", "hang", "raise"] = "none"
-    """The fault to plant: ``kill`` (SIGKILL of the engine's process once it has generated, before it answers),
-    ``hang`` (SIGSTOP: it stops answering; ``rollout.faults.timeout_s`` finds it), ``raise`` (the call raises).
-    Needs ``rollout.engine_process``."""
+    kind: Literal["none", "kill", "hang", "raise", "hang_in_reply", "hang_before_read", "stale"] = "none"
+    """The fault to plant: ``kill`` (SIGKILL of the engine's process once it has done the work, before it answers),
+    ``hang`` (SIGSTOP before the work: it stops answering; ``rollout.faults.timeout_s`` finds it), ``raise`` (the
+    call raises), ``hang_in_reply`` (SIGSTOP after writing half of its answer), ``hang_before_read`` (SIGSTOP
+    before it reads the request, which is made larger than the socket's buffer: the rank's write stops),
+    ``stale`` (a ``kill``, and its restart skips loading the weights its predecessor held: the witness must find
+    it; at step 2 the restarted engine holds the checkpoint's weights, one update behind). Needs
+    ``rollout.engine_process``."""
     phase: Literal["generate", "sync", "wake"] = "generate"
     """Where: the step's generation, the weight load of its sync, or the engine's wake-up before the sync."""
     step: int = Field(2, ge=1)

@@ -506,6 +506,24 @@ def resolve_dict(
     return data, prov, chain
 
 
+def layout_of(path: str | Path | None, overrides: list[str] | None = None):
+    """The ``parallel`` and ``cluster`` sections of a recipe before the whole recipe is validated, and the keys'
+    provenance: what ``parallel.dp`` following the process or node count needs to know *before* the rules that
+    depend on the world size run (a fault drill's rank, say). Sections that do not validate come back as None (the
+    whole recipe's validation then names the problem)."""
+    from tim_megatron.recipe.schema import ClusterConfig, ParallelismConfig
+
+    data, prov, _ = resolve_dict(path, overrides)
+
+    def section(model, key):
+        try:
+            return model.model_validate(data.get(key) or {})
+        except (ValidationError, TypeError):
+            return None
+
+    return section(ParallelismConfig, "parallel"), section(ClusterConfig, "cluster"), prov
+
+
 def validate_recipe(data: dict[str, Any], prov: dict[str, str] | None = None) -> Recipe:
     try:
         return Recipe.model_validate(data)

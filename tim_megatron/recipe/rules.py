@@ -22,6 +22,7 @@ def check_recipe(r) -> None:
     _check_task_and_schedule(r)
     _check_offpolicy_schedule(r)
     _check_engine_process(r)
+    _check_run_bounds(r)
 
 
 def _check_model_and_parallel(r) -> None:
@@ -257,8 +258,8 @@ def _check_diagnostics(r) -> None:
         if r.trainer.moe_dispatcher == "alltoall":
             raise RecipeValueError(
                 ["diagnostics.vexact", "trainer.moe_dispatcher"],
-                "vexact = exact runs the experts on row-invariant kernels over the allgather dispatcher; "
-                "set trainer.moe_dispatcher = allgather or auto",
+                "vexact = exact runs the experts on row-invariant kernels over the allgather dispatcher; got "
+                f"trainer.moe_dispatcher = {r.trainer.moe_dispatcher}: set it to allgather or auto",
             )
         if r.trainer.experts == "grouped":
             raise RecipeValueError(
@@ -406,8 +407,60 @@ def _check_engine_process(r) -> None:
             "process takes the rank down with it, so there is nothing to recover; allowed: engine_process = true, "
             "or kind = none",
         )
+    if d.kind == "stale" and (d.phase == "sync" or d.step < 2):
+        raise RecipeValueError(
+            ["rollout.fault_drill.kind", "rollout.fault_drill.phase", "rollout.fault_drill.step"],
+            f"rollout.fault_drill.kind = stale with phase = {d.phase}, step = {d.step}: a stale restart skips "
+            "loading weights an update put in the engine, so it needs one before it (step 2 or later) and a call "
+            "that is not itself the load (a failed load runs again); allowed: phase generate or wake, step >= 2",
+        )
     if d.kind != "none" and d.rank >= r.parallel.world_size:
         raise RecipeValueError(
             ["rollout.fault_drill.rank", "parallel"],
             f"rollout.fault_drill.rank = {d.rank}: the run has ranks 0 to {r.parallel.world_size - 1}",
+        )
+
+
+def _check_run_bounds(r) -> None:
+    """Values that can never take effect in this run, or that would size work without a bound the run sets."""
+    run, ro, d, m = r.run, r.rollout, r.rollout.fault_drill, r.model
+    if d.kind != "none" and d.step > run.steps:
+        raise RecipeValueError(
+            ["rollout.fault_drill.step", "run.steps"],
+            f"rollout.fault_drill.step = {d.step} with run.steps = {run.steps}: the drill would never fire; allowed: "
+            f"a step from 1 to {run.steps}",
+        )
+    if ro.max_staleness >= run.steps and ro.max_staleness:
+        raise RecipeValueError(
+            ["rollout.max_staleness", "run.steps"],
+            f"rollout.max_staleness = {ro.max_staleness} with run.steps = {run.steps}: step 1 would sample "
+            f"{ro.max_staleness + 1} batches, of which {ro.max_staleness + 1 - run.steps} would never be trained; "
+            f"allowed: 0 to {run.steps - 1}",
+        )
+    if not ro.engine_process and ro.faults != type(ro.faults)():
+        raise RecipeValueError(
+            ["rollout.faults", "rollout.engine_process"],
+            "rollout.faults is set with rollout.engine_process = false: its timeout and restart budgets apply to an "
+            "engine in a process of its own, and an engine in the rank's process is never restarted; allowed: "
+            "engine_process = true, or the rollout.faults defaults",
+        )
+    if r.rl.correction.target == "staleness" and not ro.max_staleness:
+        raise RecipeValueError(
+            ["rl.correction.target", "rollout.max_staleness"],
+            "rl.correction.target = staleness with rollout.max_staleness = 0: on-policy the sampling weights are "
+            "the current ones, so every staleness weight is 1 and the correction does nothing; allowed: target = "
+            "total or tim, or max_staleness >= 1",
+        )
+    if r.trainer.attention == "materialized" and getattr(m.dims, "kv_lora_rank", 0):
+        raise RecipeValueError(
+            ["trainer.attention", "model.dims.kv_lora_rank"],
+            f"trainer.attention = materialized with latent attention (model.dims.kv_lora_rank = "
+            f"{m.dims.kv_lora_rank}): latent attention has one core attention, torch's fused kernel (sdpa), which "
+            "would run anyway; allowed: auto or sdpa",
+        )
+    if run.val_samples and not run.val_every:
+        raise RecipeValueError(
+            ["run.val_samples", "run.val_every"],
+            f"run.val_samples = {run.val_samples} with run.val_every = 0: the policy is evaluated only at "
+            "validations, and there are none; allowed: run.val_every >= 1, or val_samples = 0",
         )

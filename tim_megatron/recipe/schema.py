@@ -35,8 +35,9 @@ class ModelConfig(Section):
     """Keep router weights fixed during RL (no gradient, no update)."""
     tiny_seed: int = Field(0, ge=0)
     """Seed of the built-in tiny model's weights (``path: tiny`` only)."""
-    tiny_warmup_steps: int = Field(300, ge=0)
-    """Supervised format warm-up steps baked into the tiny checkpoint, so rewards start above zero."""
+    tiny_warmup_steps: int = Field(300, ge=0, le=20_000)
+    """Supervised format warm-up steps baked into the tiny checkpoint, so rewards start above zero (``path: tiny``
+    only; built once and cached)."""
 
 
 # ------------------------------------------------------------------------------------------- parallel
@@ -683,7 +684,7 @@ class RunConfig(Section):
     """Folder holding ``<name>/<timestamp>/`` run folders."""
     val_every: int = Field(0, ge=0)
     """Validate every this many steps (0: off)."""
-    val_samples: int = Field(0, ge=0)
+    val_samples: int = Field(0, ge=0, le=256)
     """Sampled policy evaluation at each validation: this many samples per validation prompt, drawn with the
     rollout's sampling settings from the policy itself (no sampling injection), scored, and logged as
     ``val/policy_reward`` (0: off); the untrained policy too, before step 1's rollout (``val/policy_reward_start``

@@ -109,30 +109,172 @@ class Pending:
         return tensors, plain
 
     @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor], plain: dict, *, k: int) -> Pending:
-        """What :meth:`state` wrote; ``k`` must be the run's (a checkpoint does not change its lag)."""
+    def from_state(
+        cls,
+        tensors: dict[str, torch.Tensor],
+        plain: object,
+        *,
+        k: int,
+        step: int | None = None,
+        total_rows: int | None = None,
+        group_size: int | None = None,
+        where: str = "the checkpoint",
+    ) -> Pending:
+        """What :meth:`state` wrote; ``k`` must be the run's (a checkpoint does not change its lag).
+
+        Everything is checked before it is used (:class:`StalenessError` naming the file's part and what was
+        expected): the plain record's types; with ``step`` (the checkpoint's), that it holds exactly the batches of
+        steps ``step + 1 .. step + k``, each sampled with the weights its step was sampled with (its age follows
+        from the step); with ``total_rows`` and ``group_size`` (the recipe's), each batch's; every tensor present
+        with its dtype and the rows' shape, token ids and lengths in range, finite log-probs (at most 0) on
+        response tokens, rewards finite. ``where`` names the file in the messages."""
+        if not isinstance(plain, dict):
+            raise StalenessError(
+                f"{where}: its pending batches' record is not a mapping; the file is damaged"
+            )
         if plain.get("k") != k:
             raise StalenessError(
-                f"the checkpoint's pending batches were sampled with rollout.max_staleness = {plain.get('k')}; this "
-                f"run has {k}: resume with the recorded value"
+                f"the checkpoint's pending batches were sampled with rollout.max_staleness = "
+                f"{_short(plain.get('k'))}; this run has {k}: resume with the recorded value"
             )
+        entries = plain.get("batches")
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise StalenessError(f"{where}: its pending batches' list is damaged (not a list of records)")
         out = cls(k=k)
-        for e in plain["batches"]:
-            s = e["step"]
-            kw = {
-                f.name: tensors.get(f"{s}.batch.{f.name}")
-                for f in fields(StepBatch)
-                if f.name not in ("group_size", "total_rows")
-            }
-            batch = StepBatch(**kw, group_size=e["group_size"], total_rows=e["total_rows"])
-            out.add(
-                Generated(
-                    step=s,
-                    version=e["version"],
-                    batch=batch,
-                    behaviour=tensors[f"{s}.behaviour"],
-                    metrics=e["metrics"],
-                    probe=e["probe"],
+        for e in entries:
+            g = _batch_from_state(tensors, e, where=where)
+            if g.step in out.batches:
+                raise StalenessError(f"{where}: step {g.step}'s pending batch is recorded twice")
+            out.add(g)
+        if step is not None:
+            _check_versions(out, step=step, where=where)
+        for g in out.batches.values():
+            if total_rows is not None and g.batch.total_rows != total_rows:
+                raise StalenessError(
+                    f"{where}: step {g.step}'s pending batch says it is part of {g.batch.total_rows} rows; this "
+                    f"run's steps have {total_rows} (data.prompts_per_step x rollout.n)"
                 )
-            )
+            if group_size is not None and g.batch.group_size != group_size:
+                raise StalenessError(
+                    f"{where}: step {g.step}'s pending batch has groups of {g.batch.group_size}; this run samples "
+                    f"rollout.n = {group_size} per prompt"
+                )
         return out
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def sampled_version(s: int, *, k: int) -> int:
+    """The weights' version (updates applied) that sample step ``s``'s batch: step ``max(s - k, 1)`` samples it."""
+    return max(s - k, 1) - 1
+
+
+def _check_versions(p: Pending, *, step: int, where: str) -> None:
+    expected = list(range(step + 1, step + p.k + 1))
+    if sorted(p.batches) != expected:
+        raise StalenessError(
+            f"{where}: after step {step} the pending batches are those of steps {expected}; the file holds "
+            f"{sorted(p.batches)}"
+        )
+    for s, g in p.batches.items():
+        if g.version != sampled_version(s, k=p.k):
+            raise StalenessError(
+                f"{where}: step {s}'s pending batch says it was sampled with the weights of update {g.version}; "
+                f"with rollout.max_staleness = {p.k} it was sampled with those of update "
+                f"{sampled_version(s, k=p.k)}"
+            )
+
+
+_FLOATS = ("rollout_logprobs", "rewards")
+_INTS = ("input_ids", "lengths", "prompt_lens", "row", "engine", "finish")
+_BOOLS = ("response_mask", "truncated")
+_WIDE = ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs", "behaviour")
+"""The ``[n, L]`` tensors of a pending batch (the rest are ``[n]``, but ``routed_experts``)."""
+
+
+def _kind(t: torch.Tensor) -> str:
+    if t.dtype == torch.bool:
+        return "bool"
+    return "floating-point" if t.dtype.is_floating_point else "integer"
+
+
+def _batch_from_state(tensors: dict[str, torch.Tensor], e: dict, *, where: str) -> Generated:
+    """One pending batch from its record and tensors, checked (see :meth:`Pending.from_state`)."""
+    s = e.get("step")
+    if type(s) is not int:
+        raise StalenessError(f"{where}: a pending batch's step is {_short(s)}; a step is an integer")
+    for key in ("version", "group_size", "total_rows"):
+        if type(e.get(key)) is not int or e[key] < (0 if key == "version" else 1):
+            raise StalenessError(f"{where}: step {s}'s pending batch has {key} = {_short(e.get(key))}")
+    metrics, probe = e.get("metrics"), e.get("probe")
+    if not isinstance(metrics, dict) or not all(
+        isinstance(n, str) and type(v) in (int, float) for n, v in metrics.items()
+    ):
+        raise StalenessError(
+            f"{where}: step {s}'s pending batch's metrics are not a mapping of names to numbers"
+        )
+    if not isinstance(probe, list) or not all(
+        isinstance(q, list) and all(type(t) is int for t in q) for q in probe
+    ):
+        raise StalenessError(f"{where}: step {s}'s pending batch's probe is not a list of token-id lists")
+
+    def tensor(name: str, *, required: bool = True) -> torch.Tensor | None:
+        t = tensors.get(f"{s}.{name}")
+        if t is None and required:
+            raise StalenessError(f"{where}: step {s}'s pending batch has no tensor {name!r}")
+        return t
+
+    kw = {f.name: tensor(f"batch.{f.name}", required=False) for f in fields(StepBatch)}
+    kw.pop("group_size"), kw.pop("total_rows")
+    behaviour = tensor("behaviour")
+    for name in (*_FLOATS, *_INTS, *_BOOLS):
+        if kw.get(name) is None:
+            raise StalenessError(f"{where}: step {s}'s pending batch has no tensor 'batch.{name}'")
+    ids = kw["input_ids"]
+    if ids.dim() != 2:
+        raise StalenessError(f"{where}: step {s}'s pending batch's input_ids have shape {list(ids.shape)}")
+    n, width = ids.shape
+    for name, t in [*kw.items(), ("behaviour", behaviour)]:
+        if t is None or name == "routed_experts":
+            continue
+        shape = [n, width] if name in _WIDE else [n]
+        kind = "bool" if name in _BOOLS else "integer" if name in _INTS else "floating-point"
+        if list(t.shape) != shape or _kind(t) != kind:
+            raise StalenessError(
+                f"{where}: step {s}'s pending batch's {name} is {t.dtype} {list(t.shape)}; expected a {kind} "
+                f"tensor of shape {shape}"
+            )
+    if ((kw["lengths"] < 1) | (kw["lengths"] > width) | (kw["prompt_lens"] < 1)).any() or (
+        kw["prompt_lens"] > kw["lengths"]
+    ).any():
+        raise StalenessError(f"{where}: step {s}'s pending batch has lengths outside its rows")
+    if (ids < 0).any():
+        raise StalenessError(f"{where}: step {s}'s pending batch has negative token ids")
+    mask = kw["response_mask"]
+    for name in ("rollout_logprobs", "behaviour", "policy_logprobs"):
+        t = behaviour if name == "behaviour" else kw[name]
+        if t is None:
+            continue
+        on = t[mask]
+        if not bool(torch.isfinite(on).all()) or bool((on > 0).any()):
+            raise StalenessError(
+                f"{where}: step {s}'s pending batch has log-probs that are not finite or above 0 ({name})"
+            )
+    if not bool(torch.isfinite(kw["rewards"]).all()):
+        raise StalenessError(f"{where}: step {s}'s pending batch has rewards that are not finite")
+    if n % e["group_size"]:
+        raise StalenessError(
+            f"{where}: step {s}'s pending batch has {n} rows, not whole groups of {e['group_size']}"
+        )
+    routed = kw.get("routed_experts")
+    if routed is not None and (routed.dim() != 4 or list(routed.shape[1:3]) != [n, width]):
+        raise StalenessError(
+            f"{where}: step {s}'s pending batch's routed_experts have shape {list(routed.shape)}"
+        )
+    batch = StepBatch(**kw, group_size=e["group_size"], total_rows=e["total_rows"])
+    return Generated(
+        step=s, version=e["version"], batch=batch, behaviour=behaviour, metrics=metrics, probe=probe
+    )

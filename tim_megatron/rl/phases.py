@@ -148,7 +148,7 @@ def fault_metrics(rollout: RolloutEngine) -> dict[str, float]:
     highest = sorted(k for k in local if k in FaultTally.HIGHEST)
     values = _sum_over_engines(rollout, [local[k] for k in keys]) if keys else []
     values += _max_over_world([local[k] for k in highest]) if highest else []
-    return dict(zip(keys + highest, values, strict=True))
+    return FaultTally.reduced(dict(zip(keys + highest, values, strict=True)))
 
 
 def _generate(
@@ -192,6 +192,31 @@ def probe_sequences(*, prompts: PromptSource, rollout: RolloutEngine, step: int)
     block of step ``step``."""
     mine, _ = _engine_block(prompts.step_items(step, prompts.data.prompts_per_step), rollout)
     return prompts.encode(mine[:8])
+
+
+def stored_rows_disagree(
+    *, batch: StepBatch, prompts: PromptSource, step: int, prompts_per_step: int
+) -> str | None:
+    """Whether a batch read back from a checkpoint (a pending off-policy batch) is what step ``step`` sampled: each
+    row's prompt tokens are its prompt's, and its reward is what the reward function gives its response (as
+    :func:`rollouts` scored it). The first disagreement in words, or None."""
+    items = prompts.step_items(step, prompts_per_step)
+    encoded: dict[int, list[int]] = {}
+    for i in range(len(batch)):
+        g = int(batch.row[i]) // batch.group_size
+        if not 0 <= g < len(items):
+            return (
+                f"row {int(batch.row[i])} is outside step {step}'s {len(items)} prompts x {batch.group_size}"
+            )
+        if g not in encoded:
+            (encoded[g],) = prompts.encode([items[g]])
+        p, n = int(batch.prompt_lens[i]), int(batch.lengths[i])
+        if batch.input_ids[i, :p].tolist() != encoded[g]:
+            return f"row {int(batch.row[i])}'s prompt tokens are not those of step {step}'s prompt {g}"
+        want = score(items[g].reward, prompts.decode(batch.input_ids[i, p:n].tolist()), items[g].answer)
+        if float(batch.rewards[i]) != float(torch.tensor(want, dtype=batch.rewards.dtype)):
+            return f"row {int(batch.row[i])}'s reward is {float(batch.rewards[i]):g}; its response scores {want:g}"
+    return None
 
 
 def rollouts(

@@ -28,6 +28,18 @@ def _engine_lost(message: str, rank: int, phase: str, cause: str) -> EngineLost:
     return EngineLost(message, rank=rank, phase=phase, cause=cause)
 
 
+class WitnessMismatch(EngineLost):
+    """A restarted engine does not score its witness probe as its predecessor did after the same load: it does not
+    hold the weights its predecessor held (a stale or partial load)."""
+
+    def __reduce__(self):
+        return (_witness_mismatch, (str(self), self.rank, self.phase, self.cause))
+
+
+def _witness_mismatch(message: str, rank: int, phase: str, cause: str) -> WitnessMismatch:
+    return WitnessMismatch(message, rank=rank, phase=phase, cause=cause)
+
+
 @dataclass
 class FaultTally:
     """What recovery cost, this step and over the run (``faults/*`` metrics)."""
@@ -36,10 +48,16 @@ class FaultTally:
     seconds_lost: float = 0.0
     prompts_regenerated: int = 0
     run_restarts: int = 0
+    detect_seconds: float = 0.0
+    """The longest time from the start of a failed call to its failure being found (a hang: ``timeout_s``)."""
+    witness_checks: int = 0
+    """Restarted engines whose witness (the fixed probe scored right after a load) was compared with their
+    predecessor's for the same weights."""
     witness_max_abs_prob_diff: float = 0.0
-    """The largest probability difference between a restarted engine and its predecessor on the same probe."""
+    """The largest probability difference found by those comparisons (0.0 here when there were none: the neutral
+    value of the maximum over the ranks; :meth:`reduced` then drops the metric)."""
 
-    HIGHEST = frozenset({"faults/witness_max_abs_prob_diff"})
+    HIGHEST = frozenset({"faults/witness_max_abs_prob_diff", "faults/detect_seconds"})
     """The metrics that are the largest over the ranks (the others are sums)."""
 
     def metrics(self) -> dict[str, float]:
@@ -48,8 +66,18 @@ class FaultTally:
             "faults/seconds_lost": self.seconds_lost,
             "faults/prompts_regenerated": float(self.prompts_regenerated),
             "faults/restarts_run": float(self.run_restarts),
+            "faults/detect_seconds": self.detect_seconds,
+            "faults/witness_checks": float(self.witness_checks),
             "faults/witness_max_abs_prob_diff": self.witness_max_abs_prob_diff,
         }
+
+    @staticmethod
+    def reduced(metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics over the ranks as logged: ``faults/witness_max_abs_prob_diff`` only when some
+        witness was compared (``faults/witness_checks`` > 0); absent, not 0.0, when none was."""
+        if not metrics.get("faults/witness_checks"):
+            metrics.pop("faults/witness_max_abs_prob_diff", None)
+        return metrics
 
 
 def agree_on_engines(

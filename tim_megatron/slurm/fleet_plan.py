@@ -58,7 +58,7 @@ class FleetPlan:
 
 
 def _rollout_minutes(
-    recipe: Recipe, *, engines: int, kv_bytes_per_engine: float
+    recipe: Recipe, *, engines: int, kv_bytes_per_engine: float, sequences: int | None = None
 ) -> tuple[float, int, int, int]:
     from tim_megatron.slurm.plan import kv_cache_bytes_per_token, split_params
 
@@ -68,7 +68,7 @@ def _rollout_minutes(
     weights = sum(split_params(d)) * 2  # bf16/fp16 rollout weights
     kv_per_token = R * kv_cache_bytes_per_token(d, rollout_tp=R, dtype="bfloat16")  # over the engine's GPUs
     full = recipe.data.max_prompt_tokens + r.max_tokens
-    seqs = math.ceil(recipe.sequences_per_step / engines)
+    seqs = math.ceil((recipe.sequences_per_step if sequences is None else sequences) / engines)
     concurrent = max(1, int(kv_bytes_per_engine // (kv_per_token * full))) if kv_bytes_per_engine else seqs
     in_flight = min(concurrent, seqs)
     waves = math.ceil(seqs / in_flight)
@@ -107,6 +107,29 @@ def fleet_plan(recipe: Recipe, plan: Plan | None = None) -> FleetPlan:
         minutes_per_step=minutes,
         single_engine_minutes=single,
     )
+
+
+def validation_sequences(recipe: Recipe) -> int:
+    """Sequences one validation generates: one greedy answer per validation prompt, and ``run.val_samples`` sampled
+    ones per prompt for the policy's reward (0 without ``run.val_every``)."""
+    if not recipe.run.val_every:
+        return 0
+    return recipe.data.val_prompts * (1 + recipe.run.val_samples)
+
+
+def validation_minutes(recipe: Recipe, plan: Plan | None = None) -> float:
+    """Minutes of generation one validation costs the fleet (the decode model above, its sequences instead of the
+    step's); 0 without validation."""
+    from tim_megatron.slurm.plan import estimate
+
+    n = validation_sequences(recipe)
+    if not n:
+        return 0.0
+    R = recipe.rollout.tensor_parallel_size
+    layout = FleetLayout(world=recipe.parallel.world_size, ranks_per_engine=R)
+    kv_engine = (plan or estimate(recipe)).vllm_kv_cache * R
+    minutes, *_ = _rollout_minutes(recipe, engines=layout.engines, kv_bytes_per_engine=kv_engine, sequences=n)
+    return minutes
 
 
 def format_fleet(recipe: Recipe, fp: FleetPlan) -> str:

@@ -246,8 +246,19 @@ def values(
         "REQUEUE": "1" if c.requeue else "0",
         "ENVIRONMENT": _environment(recipe, python),
         "SRUN_CONTAINER": _container(recipe, folder),
+        "HOST_PYTHON": _host_python(recipe, python),
         "COMMAND": command,
     }
+
+
+def _host_python(recipe: Recipe, python: str | None) -> str:
+    """The python the batch script itself runs (on the first node, outside any container) to read ``run.json``:
+    the job's own where the script's ``PATH`` leads to it, the submitting one (``sys.executable``) for a container
+    job, whose python lives inside the image."""
+    c = recipe.cluster
+    if c.container_image and not c.venv:
+        return _shell("python", python or sys.executable)
+    return "python"
 
 
 def render(

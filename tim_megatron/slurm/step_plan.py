@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from tim_megatron.attention_kinds import attention_kind
 from tim_megatron.recipe.schema import GPU_PEAK_BF16_FLOPS, ModelDims, Recipe
-from tim_megatron.slurm.fleet_plan import fleet_plan
+from tim_megatron.slurm.fleet_plan import fleet_plan, validation_minutes, validation_sequences
 from tim_megatron.slurm.plan import GIB, Plan, estimate, largest_utilization, param_count
 
 
@@ -70,6 +70,9 @@ class StepPlan:
     tokens: int
     cluster_flops: float
     """GPUs x peak x MFU: the FLOP/s the update and the old-logprob pass run at."""
+    validation: float
+    """Generation of the validations, per step: one validation's (:func:`~tim_megatron.slurm.fleet_plan.
+    validation_minutes`) over ``run.val_every`` steps."""
     sync_bytes: float
     """Bytes every GPU receives in the weight sync."""
     offload_bytes: float
@@ -82,6 +85,7 @@ class StepPlan:
             ("update", self.update),
             ("weight sync", self.sync),
             ("offload out and back", self.offload),
+            ("validation, per step", self.validation),
         ]
 
     @property
@@ -114,6 +118,7 @@ def step_plan(recipe: Recipe, plan: Plan | None = None) -> StepPlan | None:
         update=r.rl.ppo_epochs * per_pass * fwd / cluster_flops,
         sync=sync_bytes / (c.assumed_sync_gb_per_s * 1e9),
         offload=2 * plan.offloaded_bytes / (c.assumed_host_gb_per_s * 1e9),
+        validation=validation_minutes(recipe, plan) * 60 / r.run.val_every if r.run.val_every else 0.0,
         forward_flops=fwd,
         tokens=step_tokens(recipe),
         cluster_flops=cluster_flops,
@@ -213,6 +218,10 @@ def format_step(recipe: Recipe, plan: Plan) -> str:
         "offload out and back": f"2 x {sp.offload_bytes / GIB:.1f} GiB per GPU at {c.assumed_host_gb_per_s:g} GB/s"
         if sp.offload_bytes
         else "nothing moves (trainer.offload_during_rollout: none)",
+        "validation, per step": f"{validation_sequences(r)} sequences (data.val_prompts x (1 greedy + "
+        f"run.val_samples {r.run.val_samples})) every {r.run.val_every} step(s), decode model above"
+        if r.run.val_every
+        else "none (run.val_every: 0)",
     }
     lines = [
         f"  step estimate (lower bound; tim_megatron/slurm/step_plan.py): {sp.tokens / 1e6:.1f}M tokens "

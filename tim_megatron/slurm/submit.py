@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tim_megatron.recipe import LoadedRecipe, RecipeError, load_recipe
+from tim_megatron.recipe.loader import layout_of
 from tim_megatron.recipe.sweep import load_sweep
 from tim_megatron.run_dir import (
     META_FILE,
@@ -58,14 +59,13 @@ def with_nodes(recipe_path: str | Path, overrides: list[str], nodes: int | None)
             f"--nodes = {nodes!r}: the number of Slurm nodes must be a whole number >= 1 (it sets cluster.nodes; "
             "parallel.dp grows with it unless set)"
         )
-    loaded = load_recipe(recipe_path, overrides)
-    if nodes is None or nodes == loaded.recipe.cluster.nodes:
-        return loaded
-    c, p = loaded.recipe.cluster, loaded.recipe.parallel
+    p, c, given = layout_of(recipe_path, overrides)  # before the rules that read the world size
+    if nodes is None or p is None or c is None or nodes == c.nodes:
+        return load_recipe(recipe_path, overrides)
     extra = [f"cluster.nodes={nodes}"]
     per_node = c.gpus_per_node or (p.world_size // c.nodes)
     derived = ""
-    if "parallel.dp" not in loaded.provenance or loaded.provenance["parallel.dp"] != "command line":
+    if "parallel.dp" not in given or given["parallel.dp"] != "command line":
         world = nodes * per_node
         if world % (p.tp * p.pp) == 0:
             extra.append(f"parallel.dp={world // (p.tp * p.pp)}")
@@ -185,12 +185,17 @@ def active_jobs() -> list[dict]:
 
 
 def find_run(job: str, root: str | Path = "runs") -> Path | None:
+    """The run folder under ``root`` whose run.json records job ``job``. A run.json that is a link, a FIFO, a
+    device, too large, not a JSON object or nested too deep is not read as one
+    (:func:`tim_megatron.slurm.run_record.read_record`)."""
+    from tim_megatron.slurm.run_record import RecordError, read_record
+
     for meta in Path(root).glob(f"*/*/{META_FILE}"):
         try:
-            data = json.loads(meta.read_text())
-        except (ValueError, OSError):  # a corrupt or unreadable run.json is not the one we look for
+            data = read_record(meta.parent)
+        except RecordError:  # a corrupt or unreadable run.json is not the one we look for
             continue
-        ids = data.get("job_ids") if isinstance(data, dict) else None
+        ids = data.get("job_ids")
         if isinstance(ids, list) and str(job) in ids:
             return meta.parent
     return None

@@ -267,16 +267,34 @@ def _save_rank_state(path: Path, tensors: dict[str, torch.Tensor], plain: dict) 
     save_file(tensors, str(path), metadata={"plain": json.dumps(plain)})
 
 
+def rank_state_file(folder: str | Path, rank: int) -> Path:
+    """Where a checkpoint keeps ``rank``'s loop state (the pending off-policy batches)."""
+    return _rank_state_file(Path(folder), rank)
+
+
 def load_rank_state(folder: str | Path, rank: int) -> tuple[dict[str, torch.Tensor], dict] | None:
-    """This rank's loop state saved with ``rank_state`` (tensors, plain data), or None when the checkpoint has none."""
-    from safetensors import safe_open
+    """This rank's loop state saved with ``rank_state`` (tensors, plain data), or None when the checkpoint has none.
+    :class:`CheckpointError` naming the file when it cannot be read as one (damaged: not safetensors, no record, a
+    record that is not JSON)."""
+    from safetensors import SafetensorError, safe_open
 
     path = _rank_state_file(Path(folder), rank)
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
-    with safe_open(str(path), framework="pt") as f:
-        plain = json.loads(f.metadata()["plain"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if "plain" not in meta:
+                raise CheckpointError(
+                    f"{path}: holds no loop-state record ('plain' metadata); the file is damaged"
+                )
+            plain = json.loads(meta["plain"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except (SafetensorError, OSError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(
+            f"{path}: cannot be read as this rank's loop state ({type(e).__name__}: {str(e)[:200]}); the file is "
+            "damaged: resume from an earlier checkpoint"
+        ) from None
     return tensors, plain
 
 
