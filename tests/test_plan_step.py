@@ -225,3 +225,27 @@ def test_the_step_counts_the_validations_it_runs():
     assert every_5.validation == pytest.approx(2 * many.validation)
     printed = _cli("plan", H100, "run.val_every=10", "run.val_samples=8").output
     assert "validation, per step" in printed and "every 10 step(s)" in printed
+
+
+def test_the_memory_plan_counts_the_optimizer_steps_transient_and_the_heads_buffers():
+    """Issue 57, item 7: the measured peaks of the 30B layer shape on an H200 were 1.09-1.12x the plan because torch's
+    foreach AdamW (what megatron-core falls back to without apex or transformer-engine) allocates 4 bytes per
+    parameter at the step. The plan counts it for the foreach kernel (none for the fused one, the GPU default),
+    after the backward's activations are gone; and the head's chunk at 8 bytes per logit plus one chunk's
+    head-weight gradient."""
+    from tim_megatron.slurm.plan import split_params
+
+    fused = estimate(_recipe(H100, "trainer.optimizer_kernel=auto"))
+    foreach = estimate(_recipe(H100, "trainer.optimizer_kernel=foreach"))
+    r = _recipe(H100)
+    p, d = r.parallel, r.model.dims
+    dense, experts = split_params(d)
+    dp, edp = p.world_size // p.tp, p.world_size // (p.ep * p.etp)
+    stepped = dense / p.tp / dp + experts / (p.ep * p.etp) / edp
+    assert fused.step_transient == 0.0 and foreach.step_transient == pytest.approx(4 * stepped)
+    assert foreach.trainer == pytest.approx(foreach.trainer_state + max(foreach.activations, 4 * stepped))
+    assert fused.trainer == pytest.approx(fused.trainer_state + fused.activations)
+    chunk = estimate(_recipe(H100, "trainer.logprob_chunk=2048")).activations - fused.activations
+    assert chunk == pytest.approx(1024 * r.trainer.micro_batch_size * d.vocab_size / p.tp * 8)
+    printed = _cli("plan", H100, "trainer.optimizer_kernel=foreach").output
+    assert "optimizer step transient" in printed

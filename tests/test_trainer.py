@@ -127,6 +127,50 @@ def test_nan_guard_skips_then_aborts(single):
     assert single["nan_params_unchanged"]
 
 
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16-head-setting", "fp32-head"])
+def test_the_head_as_one_autograd_function_gives_the_checkpointed_heads_logprobs_and_gradients(
+    single, two_ranks, fp32
+):
+    """Issue 57, item 3: the training forward's logprobs are the checkpointed chunk's bit for bit, and the gradients
+    agree within 1e-5 (relative to the largest), at one rank and at TP2, with and without the fp32 head."""
+    equivalence = [(lay, out) for (sc, lay), out in two_ranks.items() if sc == "equivalence"]
+    assert len(equivalence) == 3
+    for name, out in [("single", single), *equivalence]:
+        new, old = out["heads"][f"fused=True fp32={fp32}"], out["heads"][f"fused=False fp32={fp32}"]
+        assert new["function_calls"] == len(new["logprobs"]) >= 1 and old["function_calls"] == 0, name
+        assert len(new["logprobs"]) == len(old["logprobs"])
+        assert all(torch.equal(a, b) for a, b in zip(new["logprobs"], old["logprobs"], strict=True)), name
+        worst = max(grad_error(new["grads"][k], old["grads"][k]) for k in old["grads"])
+        assert worst < 1e-5, (name, worst)
+
+
+def test_a_checkpoint_resumes_bit_for_bit_across_the_fused_and_foreach_adam(tmp_path):
+    """Issue 57, item 1: torch's fused AdamW (the CUDA default without apex or transformer-engine) and its foreach
+    AdamW (the CPU default) keep the same state, so a checkpoint of either resumes under the other: the loaded
+    moments, steps and fp32 master weights are the saved ones bit for bit, and the next update equals the one the
+    saving trainer makes after switching its kernel in memory (bf16 model, fp32 masters; megatron's distributed
+    optimizer, as on CUDA, on one CPU rank)."""
+    env = {"TIM_CKPT_DIR": str(tmp_path / "ckpt"), "TIM_DISTRIBUTED_OPTIMIZER": "1"}
+    out = run_worker(
+        "adam_kernels",
+        tmp_path / "out",
+        overrides=("trainer.dtype=bfloat16", "rollout.dtype=bfloat16"),
+        env=env,
+    )["adam_kernels"]
+    assert set(out) == {"foreach->fused", "fused->foreach"}
+    for way, r in out.items():
+        assert r["tensors"] > 0 and r["state_bit_for_bit"], (way, r)
+        assert r["kernel_after_load"] == way.split("->")[1], (way, r)
+        assert r["next_update_bit_for_bit"], (way, r)
+
+
+def test_the_finite_check_finds_one_nan_or_inf_in_one_element_of_one_bucket(single):
+    """Issue 57: the check reads each gradient buffer once (min and max) with no float64 copy of it."""
+    found = single["finite_check"]
+    assert found.pop("clean") and found.pop("restored") and found.pop("buckets") >= 1
+    assert found == {f"{bad}@{where}": False for bad in ("nan", "inf", "-inf") for where in ("first", "last")}
+
+
 @pytest.mark.parametrize("layout", EQUIVALENCE_LAYOUTS, ids=["tp2", "ep2", "dp2"])
 def test_parallel_layouts_match_single_process(single, two_ranks, layout):
     par = two_ranks[("equivalence", layout)]

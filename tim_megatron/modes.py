@@ -109,7 +109,7 @@ def modes_of(recipe: Recipe) -> RunModes:
         capture=recipe.capture_routed_experts and d.is_moe,
     )
     kind = attention_kind(d)
-    patches = ["cpu_shims", "no_te_router_gemm", *kind.patches(tp=recipe.parallel.tp)]
+    patches = ["cpu_shims", "no_te_router_gemm", "sync_free_grad_norm", *kind.patches(tp=recipe.parallel.tp)]
     if routing.hooks:
         patches.append("router_replay")
     if exact:

@@ -71,6 +71,31 @@ def scenario_equivalence(tr: MegatronTrainer, out: dict) -> None:
     old = lp.logprobs.detach()
     tr.backward(local, plain_loss_fn(old, adv[rows], mask[rows], den))
     out["grads"] = {k: v.clone() for k, v in tr.export_hf(grads=True)}
+    # The head as one autograd function (the default) against the checkpointed chunk, with and without the fp32
+    # head: the same training logprobs, and the gradients (issue 57, item 3).
+    from tim_megatron.trainer import logprobs as head_module
+
+    calls, apply = [], head_module._HeadLogprobs.apply
+    head_module._HeadLogprobs.apply = lambda *a: (calls.append(1), apply(*a))[1]  # which path ran, counted
+    heads = {}
+    for fused in (True, False):
+        for fp32 in (False, True):
+            with tr.head_changed(fused=fused, fp32=fp32):
+                seen = []
+
+                def loss_fn(lp_, r, s, seen=seen):
+                    seen.append(lp_.detach().clone())
+                    return plain_loss_fn(old, adv[rows], mask[rows], den)(lp_, r, s)
+
+                before = len(calls)
+                tr.backward(local, loss_fn)
+                heads[f"fused={fused} fp32={fp32}"] = {
+                    "function_calls": len(calls) - before,
+                    "logprobs": seen,
+                    "grads": {k: v.clone() for k, v in tr.export_hf(grads=True)},
+                }
+    out["heads"] = heads
+    head_module._HeadLogprobs.apply = apply
 
 
 WIDTHS = range(2, 10)
@@ -161,6 +186,19 @@ def scenario_single(tr: MegatronTrainer, out: dict) -> None:
     after = dict(tr.export_hf())
     out["nan_skipped"] = skipped
     out["nan_params_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    # The finite check on real gradient buffers: one NaN, one inf, planted in one element of one bucket.
+    tr.backward(batch, fn)
+    buffers = [b for b in [*tr.model.buffers, *tr.model.expert_parallel_buffers] if b.grad_data is not None]
+    found = {"clean": tr._grads_finite(), "buckets": len(buffers)}
+    for bad in ("nan", "inf", "-inf"):
+        for where, buf in (("first", buffers[0]), ("last", buffers[-1])):
+            i = buf.grad_data.numel() // 2 if where == "first" else buf.grad_data.numel() - 1
+            keep = buf.grad_data.view(-1)[i].clone()
+            buf.grad_data.view(-1)[i] = float(bad)
+            found[f"{bad}@{where}"] = tr._grads_finite()
+            buf.grad_data.view(-1)[i] = keep
+    found["restored"] = tr._grads_finite()
+    out["finite_check"] = found
 
 
 def scenario_resume(tr: MegatronTrainer, out: dict) -> None:
@@ -199,6 +237,64 @@ def scenario_resume(tr: MegatronTrainer, out: dict) -> None:
     # The weights too: this loss is the same at every step (old logprobs are the current ones, ratio 1), so
     # only the weights show whether the optimizer state came back whole.
     out["weights"] = {k: v.float().clone() for k, v in tr.export_hf()}
+
+
+def _adam_state(tr: MegatronTrainer) -> dict[str, torch.Tensor]:
+    """Every tensor of the torch Adams' state (moments, steps) and their fp32 master parameters, by position."""
+    from patches.megatron.torch_adam_kernel import torch_adams
+
+    found = {}
+    for i, o in enumerate(torch_adams(tr.optimizer)):
+        for j, g in enumerate(o.param_groups):
+            for k, p in enumerate(g["params"]):
+                found[f"{i}.{j}.{k}.param"] = p.detach().cpu().clone()
+                for name, v in o.state.get(p, {}).items():
+                    found[f"{i}.{j}.{k}.{name}"] = torch.as_tensor(v).detach().cpu().clone()
+    return found
+
+
+def _one_update(tr: MegatronTrainer, step: int) -> None:
+    batch, mask, adv = fixed_batch(seed=step)
+    lp, _ = tr.logprobs(batch)
+    loss, _, _ = tr.backward(batch, plain_loss_fn(lp.logprobs, adv, mask, float(mask.sum())))
+    tr.step(lr=1e-3, loss=loss)
+
+
+def scenario_adam_kernels(tr: MegatronTrainer, out: dict) -> None:
+    """A checkpoint saved under one torch Adam kernel resumes under the other (issue 57, item 1): after the load the
+    state is the saved one bit for bit, and the next update equals the one the saving trainer makes after
+    switching to that kernel in memory."""
+    from patches.megatron.torch_adam_kernel import kernel_of, set_kernel
+    from tim_megatron.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    ckdir = Path(os.environ["TIM_CKPT_DIR"])
+    results = {}
+    _one_update(tr, 1)
+    for step, (saved, resumed) in enumerate([("foreach", "fused"), ("fused", "foreach")], start=2):
+        set_kernel(tr.optimizer, saved)
+        tr.optimizer_kernel = saved
+        _one_update(tr, step)  # an update under the saving kernel, then its checkpoint
+        path = save_checkpoint(tr, ckdir / saved, step=step, state={}, keep=1)
+        state = _adam_state(tr)
+        set_kernel(tr.optimizer, resumed)  # in memory: the same state, the other kernel
+        _one_update(tr, step + 10)
+        direct = {k: v.float().clone() for k, v in tr.export_hf()}
+        tr.optimizer_kernel = resumed
+        load_checkpoint(tr, path)
+        loaded = _adam_state(tr)
+        same_state = state.keys() == loaded.keys() and all(
+            state[k].dtype == loaded[k].dtype and torch.equal(state[k], loaded[k]) for k in state
+        )
+        kernel = kernel_of(tr.optimizer)
+        _one_update(tr, step + 10)
+        after = {k: v.float().clone() for k, v in tr.export_hf()}
+        results[f"{saved}->{resumed}"] = {
+            "state_bit_for_bit": same_state,
+            "tensors": len(state),
+            "kernel_after_load": kernel,
+            "next_update_bit_for_bit": all(torch.equal(direct[k], after[k]) for k in direct),
+        }
+    out["adam_kernels"] = results
 
 
 def scenario_fp16(tr: MegatronTrainer, out: dict) -> None:
@@ -309,6 +405,7 @@ SCENARIOS = {
         scenario_single,
         scenario_resume,
         scenario_fp16,
+        scenario_adam_kernels,
         scenario_fp32_head,
         scenario_replay,
         scenario_widths,

@@ -182,6 +182,11 @@ class TrainerConfig(Section):
     """Core attention of the non-latent families. ``sdpa``: torch's fused attention (flash attention on CUDA in
     bfloat16); ``materialized``: megatron-core's local ``DotProductAttention`` (the scores as a tensor); ``auto``:
     sdpa on CUDA, materialized on CPU and in exact mode. Latent attention (MLA) always runs on sdpa."""
+    optimizer_kernel: Literal["auto", "fused", "foreach"] = "auto"
+    """The Adam kernel where neither apex nor transformer-engine provides one (megatron-core then uses torch's
+    AdamW). ``fused``: torch's fused AdamW (one kernel per tensor group, no temporaries of the parameters' size);
+    ``foreach``: torch's default multi-tensor AdamW (a temporary of 4 bytes per parameter at the step); ``auto``:
+    fused on CUDA, foreach on CPU. A checkpoint saved under either resumes under the other."""
     initial_loss_scale: float = Field(2.0**16, gt=0)
     """Starting dynamic loss scale in fp16 mode."""
     min_loss_scale: float = Field(1.0, gt=0)

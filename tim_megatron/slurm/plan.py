@@ -13,7 +13,13 @@ The estimate, per GPU (bytes; all numbers are upper-bound style, documented so t
   ``5 x heads x s^2 x b / tp`` for materialized attention scores on CPU, or on GPU without transformer-engine
   (its fused attention keeps none);
   with ``trainer.recompute: full`` only each layer's input is kept (``2 x s x b x h / tp`` per layer) plus one
-  layer's full set during its recomputation; plus one logits chunk (``logprob_chunk x b x vocab / tp x 4``);
+  layer's full set during its recomputation; plus the LM head's one chunk (``logprob_chunk x b x vocab / tp``
+  logits, 8 bytes each: the float32 logits, the 16-bit GEMM output they come from and, in the backward, their
+  16-bit gradient) and one chunk's head-weight gradient (``vocab / tp x h`` in the trainer dtype, added into the
+  fp32 gradient buffer);
+* the optimizer step's transient, when it runs after the backward's activations are gone (so the update's peak is
+  the larger of the two): torch's foreach AdamW (``trainer.optimizer_kernel: foreach``, and ``auto`` on CPU)
+  allocates 4 bytes per parameter the rank steps; the fused kernel (``auto`` on GPUs) none;
 * vLLM: the weights in the rollout dtype (whole model / rollout.tensor_parallel_size) and the KV cache it
   reserves: vLLM takes ``gpu_memory_utilization`` x GPU memory and fills what its weights leave with KV cache.
   The plan asks for room for at least one GRPO group there (``rollout.n`` sequences of ``rollout.max_model_len``
@@ -148,6 +154,9 @@ class Plan:
     """``trainer.offload_during_rollout`` the plan assumes."""
     offloaded: tuple[str, ...] = ()
     """The parts it moves to host memory while vLLM generates (``params``, ``grads``, ``optimizer``)."""
+    step_transient: float = 0.0
+    """What the optimizer step allocates beyond its state (foreach AdamW: 4 bytes per parameter it steps), alive
+    after the backward's activations are freed."""
 
     @property
     def trainer_state(self) -> float:
@@ -183,11 +192,13 @@ class Plan:
 
     @property
     def update_phase(self) -> float:
-        return self.trainer_state + self.activations + (0.0 if self.sleep else self.vllm_resident)
+        return self.trainer + (0.0 if self.sleep else self.vllm_resident)
 
     @property
     def trainer(self) -> float:
-        return self.trainer_state + self.activations
+        """The update's peak: the state, and the larger of the backward's activations and the optimizer step's
+        transient (the step runs once the activations are freed)."""
+        return self.trainer_state + max(self.activations, self.step_transient)
 
     @property
     def total(self) -> float:
@@ -226,7 +237,9 @@ class Plan:
                 f"= {self.rollout_phase / g:.1f} GiB > {self.budget / g:.1f} GiB ({HEADROOM:.0%} of {self.gpu_gib} GiB)"
             )
         if self.update_phase > self.budget:
-            what = "trainer state + activations" + ("" if self.sleep else " + vLLM (not asleep)")
+            what = "trainer state + max(activations, optimizer step transient)" + (
+                "" if self.sleep else " + vLLM (not asleep)"
+            )
             out.append(f"update: {what} = {self.update_phase / g:.1f} GiB > {self.budget / g:.1f} GiB")
         return out
 
@@ -236,6 +249,7 @@ class Plan:
             ("gradients (fp32)", self.grads),
             ("optimizer (fp32 master + Adam)", self.optimizer),
             ("activations (one micro-batch)", self.activations),
+            ("optimizer step transient", self.step_transient),
             ("vLLM weights", self.vllm_weights),
             ("vLLM KV cache", self.vllm_kv_cache),
         ]
@@ -287,7 +301,7 @@ def estimate(
         act = d.num_layers * 2 * s * b * h / tp + layer
     else:
         act = d.num_layers * layer
-    act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 4
+    act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 8 + d.vocab_size / tp * h * pbytes
     if grouped_experts is None:
         exact = modes_of(recipe).exact
         on_kernel = recipe.trainer_dtype == "bfloat16" or recipe.trainer.experts == "grouped"
@@ -296,12 +310,27 @@ def estimate(
         )
     if grouped_experts and d.is_moe:  # the larger of its two stacks (fc1: gate and up), alive during one GEMM
         act += d.num_experts / ep * 2 * d.moe_intermediate_size / etp * h * pbytes
+    kernel = recipe.trainer.optimizer_kernel
+    if kernel == "auto":  # the trainer's rule (megatron_trainer._adam_kernel): fused on GPUs, foreach on CPU
+        kernel = "fused" if c.gpus_per_node else "foreach"
+    stepped = dense_local / (dp if dist_opt else 1) + expert_local / (edp if dist_opt else 1)
+    transient = 4 * stepped if kernel == "foreach" else 0.0
     placement = [] if relayout else layout_problems(recipe)
     offload = offload or recipe.trainer.offload_during_rollout
     moved = LEVELS[offload]
     if not c.gpus_per_node:
         return Plan(
-            params, grads, optimizer, act, 0.0, 0.0, 0, layout=placement, offload=offload, offloaded=moved
+            params,
+            grads,
+            optimizer,
+            act,
+            0.0,
+            0.0,
+            0,
+            layout=placement,
+            offload=offload,
+            offloaded=moved,
+            step_transient=transient,
         )
     gpu = GPU_MEMORY_GIB[c.gpu_type]
     if backend_for(recipe).own_copy:  # vLLM: its weights, then its KV cache, inside its share of the GPU
@@ -332,6 +361,7 @@ def estimate(
         layout=placement,
         offload=offload,
         offloaded=moved,
+        step_transient=transient,
     )
 
 

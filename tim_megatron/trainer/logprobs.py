@@ -2,9 +2,13 @@
 
 The LM head runs here, one chunk of positions at a time, on the final hidden states: logits for a
 chunk are ``[chunk, batch, vocab / tp]``, turned into logprobs by megatron-core's vocab-parallel
-cross-entropy (never gathering the vocabulary), and freed before the next chunk. With gradients, each
-chunk is checkpointed, so its logits are recomputed in the backward pass instead of being kept: peak
-extra memory is one chunk's logits whether or not we train.
+cross-entropy (never gathering the vocabulary), and freed before the next chunk. With gradients the head and the
+logprob are one autograd function (:class:`_HeadLogprobs`): its forward keeps, per position, only the log-sum-exp
+beside the hidden states and the weight it was given; its backward recomputes each chunk's logits with one GEMM,
+turns them into the softmax with that log-sum-exp (no second cross-entropy), and adds the head's weight gradient
+into megatron's fp32 ``main_grad`` directly. Peak extra memory is one chunk's logits whether or not we train.
+Exact mode keeps the checkpointed chunk (its forward is recomputed whole), whose row-invariant kernels the
+autograd function does not take.
 
 Temperature: logits are divided by ``temperature`` before the softmax, the convention vLLM uses for
 sampled-token logprobs when ``logprobs_mode`` is "processed_logprobs".
@@ -27,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 @dataclass(frozen=True)
 class HeadSpec:
     temperature: float = 1.0
+    """Logits are divided by it before the softmax."""
     chunk: int = 1024
     """Sequence positions per chunk."""
     fp32: bool = False
@@ -35,6 +40,9 @@ class HeadSpec:
     in the model dtype on both sides (identical after every sync); the optimizer keeps their fp32 masters."""
     kernels: object | None = None
     """Exact mode's row-invariant kernels (:mod:`tim_megatron.exact.kernels`) for the head GEMM; None: stock."""
+    fused: bool = True
+    """With gradients: the head and logprob as one autograd function (:class:`_HeadLogprobs`). False: each chunk
+    under activation checkpointing (its GEMM and cross-entropy run again in the backward; what exact mode uses)."""
 
 
 def _tp():
@@ -93,6 +101,69 @@ def _all_reduce(t: torch.Tensor, op, group, size: int) -> torch.Tensor:
     if size > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def _local_targets(targets: torch.Tensor, vocab: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``targets`` as indices into this rank's vocabulary slice (0 where another rank holds the token) and the mask
+    of those this rank holds."""
+    start = rank * vocab
+    mine = (targets >= start) & (targets < start + vocab)
+    return torch.where(mine, targets - start, 0), mine
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """Logprobs of ``targets`` ``[s, b]`` under ``softmax(head(hidden) / T)``, chunked over positions (see the
+    module docstring). Forward: the same logits and cross-entropy as the no-gradient pass, so a training forward
+    gives the old-logprob pass's values bit for bit; it keeps one float32 log-sum-exp per position."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, spec: HeadSpec, group, size: int, rank: int):
+        lps, lses = [], []
+        for start in range(0, targets.shape[0], spec.chunk):
+            t = targets[start : start + spec.chunk]
+            logits = _logits(hidden[start : start + spec.chunk], weight, spec)
+            local, mine = _local_targets(t, logits.shape[-1], rank)
+            picked = torch.where(mine, logits.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+            picked = _all_reduce(picked, dist.ReduceOp.SUM, group, size)  # the target's logit, from its rank
+            lp = -cross_entropy(logits, t, spec)  # consumes ``logits``
+            lps.append(lp)
+            lses.append(picked - lp)  # log-sum-exp = target logit - logprob
+        ctx.save_for_backward(hidden, weight, targets, torch.cat(lses))
+        ctx.spec, ctx.rank = spec, rank
+        return torch.cat(lps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        spec, rank = ctx.spec, ctx.rank
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        main = getattr(weight, "main_grad", None) if ctx.needs_input_grad[1] else None
+        acc = None
+        if ctx.needs_input_grad[1] and main is None:
+            acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        w = weight.float() if spec.fp32 else weight
+        for start in range(0, targets.shape[0], spec.chunk):
+            stop = start + spec.chunk
+            h = hidden[start:stop]
+            x = h.float() if spec.fp32 else h.to(w.dtype)
+            g = grad[start:stop].float()
+            # d logprob / d z = onehot(target) - softmax(z), z = logits / T; the softmax from the kept log-sum-exp
+            dz = _logits(h, weight, spec).sub_(lse[start:stop].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+            local, mine = _local_targets(targets[start:stop], dz.shape[-1], rank)
+            dz.scatter_add_(-1, local.unsqueeze(-1), torch.where(mine, g, 0.0).unsqueeze(-1))
+            if spec.temperature != 1.0:
+                dz.div_(spec.temperature)
+            dz = dz.to(w.dtype)
+            if grad_h is not None:
+                grad_h[start:stop] = torch.matmul(dz, w).to(hidden.dtype)
+            if ctx.needs_input_grad[1]:
+                part = torch.matmul(dz.flatten(0, 1).t(), x.flatten(0, 1))  # [V / tp, hidden]
+                (main if main is not None else acc).add_(part)
+        # Under megatron's DDP the gradient is in main_grad already (its hook would have added it there; with
+        # overlap_grad_reduce off, which the trainer always builds, nothing else waits for it), so none goes back
+        # through autograd: a tied embedding's own gradient still arrives through its hook.
+        grad_w = acc.to(weight.dtype) if acc is not None else None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 @torch.no_grad()
@@ -163,6 +234,10 @@ def token_logprobs(
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if grad and sampler is not None:
         raise ValueError("token_logprobs: sampling runs without gradients")
+    if grad and spec.fused and spec.kernels is None:
+        lp = _HeadLogprobs.apply(hidden, weight, targets, spec, group, size, _rank)
+        x = lp.t()  # [b, s]: x[:, t] predicts token t + 1
+        return TokenLogprobs(logprobs=torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1))
     lps, ents = [], []
     for start in range(0, s, spec.chunk):
         h = hidden[start : start + spec.chunk]

@@ -31,7 +31,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from patches.megatron import cpu_shims, distopt_checkpoint, invariant_kernels, router_replay
+from patches.megatron import (
+    cpu_shims,
+    distopt_checkpoint,
+    invariant_kernels,
+    router_replay,
+    torch_adam_kernel,
+)
 from tim_megatron.algo.stats import Stats
 from tim_megatron.modes import RunModes, modes_of
 from tim_megatron.recipe.schema import Recipe
@@ -130,6 +136,9 @@ class MegatronTrainer:
         self.model = self._wrap(gpt)
         self.head = self._head(gpt)
         self.loaded_params, self.load_seconds = self._load_weights()
+        self.optimizer_kernel = _adam_kernel(recipe.trainer.optimizer_kernel)
+        """The Adam kernel this trainer steps with where megatron falls back to torch's AdamW
+        (``trainer.optimizer_kernel``; ``auto``: fused on CUDA, foreach on CPU); a checkpoint load keeps it."""
         self.optimizer = self._optimizer()
         self.host = HostOffload(device=self._device())
         """Where the state goes while the rollout engine generates (``trainer.offload_during_rollout``)."""
@@ -250,7 +259,9 @@ class MegatronTrainer:
             hysteresis=1,
         )
         with cpu_shims.cuda_placement_to_cpu():
-            return get_megatron_optimizer(cfg, [self.model])
+            optimizer = get_megatron_optimizer(cfg, [self.model])
+        torch_adam_kernel.set_kernel(optimizer, self.optimizer_kernel)
+        return optimizer
 
     # ----------------------------------------------------------------------------------------- layout
 
@@ -609,9 +620,8 @@ class MegatronTrainer:
         return bool(ok.item() > 0)
 
     def _grads_finite(self) -> bool:
-        """Every gradient finite: their float64 sum is (an inf or a NaN anywhere makes it inf or NaN; float64
-        cannot overflow on fp32 gradients). One pass over megatron's contiguous gradient buffers and one host
-        sync, instead of a check and a sync per parameter."""
+        """Every gradient finite (:func:`all_finite`), over megatron's contiguous gradient buffers: one read of
+        each, no copy, one host sync."""
         buffers = list(getattr(self.model, "buffers", [])) + list(
             getattr(self.model, "expert_parallel_buffers", [])
         )
@@ -620,11 +630,7 @@ class MegatronTrainer:
             for p in unwrap(self.model).parameters():
                 g = getattr(p, "main_grad", None)
                 grads.append(p.grad if g is None else g)
-        total = torch.zeros((), dtype=torch.float64, device=self._device())
-        for g in grads:
-            if g is not None:
-                total += g.sum(dtype=torch.float64)
-        return math.isfinite(float(total))
+        return all_finite([g for g in grads if g is not None])
 
     # ------------------------------------------------------------------------------------------ export
 
@@ -679,6 +685,9 @@ class MegatronTrainer:
             with cpu_shims.cuda_placement_to_cpu(), torch.no_grad():
                 self.optimizer.load_state_dict(loaded["optimizer"])
             distopt_checkpoint.restore_steps(self.optimizer, loaded["optimizer"])
+            torch_adam_kernel.set_kernel(
+                self.optimizer, self.optimizer_kernel
+            )  # the load took the saved flags
 
     def state_meta(self) -> dict:
         """What a checkpoint records of the trainer beside its tensors: the updates applied, the model's dims."""
@@ -713,6 +722,25 @@ class MegatronTrainer:
             h.revert()
         self._handles.clear()
         teardown_parallel(keep_default_group=keep_default_group)
+
+
+def _adam_kernel(setting: str) -> str:
+    """``trainer.optimizer_kernel`` resolved: ``auto`` is fused on CUDA and foreach on CPU (where every CPU figure
+    of this project was measured with it)."""
+    if setting == "auto":
+        return "fused" if torch.cuda.is_available() else "foreach"
+    return setting
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """No inf or NaN in any of ``tensors``: each tensor's min and max in one reduction (``aminmax`` reads it once,
+    allocates nothing its size and propagates NaN; an inf is the min or the max), then one host sync for all of
+    them. (A sum would read once too, but a float32 sum of finite values can overflow, and a float64 sum first copies
+    the buffer to float64: 8 bytes per gradient.)"""
+    ends = [torch.stack(torch.aminmax(t.detach())) for t in tensors if t.numel()]
+    if not ends:
+        return True
+    return bool(torch.isfinite(torch.cat(ends)).all())
 
 
 def _swap(tensors: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:

@@ -16,12 +16,14 @@ from patches.megatron import (
     mla_without_te,
     no_te_router_gemm,
     router_replay,
+    sync_free_grad_norm,
 )
 from tim_megatron.modes import RunModes
 
 BEFORE_INIT = {
     "cpu_shims": cpu_shims,
     "no_te_router_gemm": no_te_router_gemm,
+    "sync_free_grad_norm": sync_free_grad_norm,
     "mla_without_te": mla_without_te,
 }
 """Process-wide replacements, applied before the parallel groups exist, when the environment needs them."""
@@ -50,7 +52,9 @@ def before_init(modes: RunModes) -> list:
     handles = []
     for name in modes.patches:
         if name == "no_te_router_gemm":
-            import megatron.core.transformer.moe.moe_utils  # noqa: F401  (binds te_general_gemm when it can)
+            import megatron.core.transformer.moe.moe_utils
+        if name == "sync_free_grad_norm":
+            import megatron.core.optimizer  # noqa: F401  (binds its fallbacks, or apex's / transformer-engine's)
         patch = BEFORE_INIT.get(name)
         if patch is not None and patch.needed():
             handles.append(patch.apply())
