@@ -2,7 +2,8 @@
 expert GEMM against a loop over experts, and which of them a run gets (``trainer.attention``, ``trainer.experts``).
 
 The whole-model checks (every family at 1 rank, TP2 and EP2, HF parity, three trained steps with verified syncs)
-are in tests/test_families.py; resuming across the two expert paths in tests/test_trainer.py."""
+are in tests/test_families.py; resuming across the two expert paths in tests/test_trainer.py; the stacked experts'
+checkpoint layout in tests/test_stacked_experts.py."""
 
 from __future__ import annotations
 
@@ -82,14 +83,25 @@ def test_sdpa_attention_equals_megatrons_materialized_attention(one_rank, heads,
 
 
 @pytest.mark.parametrize("experts", [4, 1])
-def test_the_grouped_experts_module_equals_sequential_mlp(one_rank, experts):
-    """megatron-core's SequentialMLP and the grouped experts on the same weights, as the trainer builds them: the
-    same output and the same gradients (tokens, every expert weight) in float32, with an expert that gets no token,
-    with one local expert, and with no token for any of them (the branch that skips the grouped GEMM)."""
+def test_the_stacked_experts_equal_sequential_mlp(one_rank, experts):
+    """megatron-core's SequentialMLP and the grouped path's stacked experts on the same weights, as the trainer builds
+    them: the same output and the same gradients (tokens, every expert's weights, read as the per-expert views the
+    weight mapping reads) in float32, with an expert that gets no token, with one local expert, and with no token
+    for any of them (the branch that skips the grouped GEMM); and the backward gives each stacked weight one
+    gradient (one AccumulateGrad), where the loop gives one per expert and linear layer."""
     from tim_megatron.bench.experts import expert_modules
+    from tim_megatron.trainer.experts import per_expert_parameters
 
-    loop, grouped = expert_modules(experts=experts, hidden=32, width=16, dtype=torch.float32)
-    assert [n for n, _ in loop.named_parameters()] == [n for n, _ in grouped.named_parameters()]
+    loop, stacked = expert_modules(experts=experts, hidden=32, width=16, dtype=torch.float32)
+    assert [n for n, _ in stacked.named_parameters()] == ["weight1", "weight2"]
+    assert stacked.weight1.shape == (experts, 2 * 16, 32) and stacked.weight2.shape == (experts, 32, 16)
+    assert sorted(n for n, _ in per_expert_parameters(stacked)) == sorted(
+        n for n, _ in loop.named_parameters()
+    )
+    accumulated = {"loop": [], "stacked": []}
+    for name, module in (("loop", loop), ("stacked", stacked)):
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: accumulated[name].append(p.shape))
     g = torch.Generator().manual_seed(3)
     for counts in ([3, 0, 5, 2][:experts] if experts > 1 else [6], [0] * experts):
         counts = torch.tensor(counts)
@@ -98,24 +110,25 @@ def test_the_grouped_experts_module_equals_sequential_mlp(one_rank, experts):
         probs = torch.rand(rows, generator=g)
         grad = torch.randn(rows, 32, generator=g)
         got = {}
-        for name, module in (("loop", loop), ("grouped", grouped)):
+        for name, module in (("loop", loop), ("stacked", stacked)):
             module.zero_grad(set_to_none=True)
+            accumulated[name].clear()
             xi = x.clone().requires_grad_()
             out, bias = module(xi, counts, probs)
             assert bias is None and out.shape == (rows, 32)
             out.backward(grad)
-            weights = {
-                n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                for n, p in module.named_parameters()
-            }
-            got[name] = (out.detach(), xi.grad, weights)
-        (out_l, gx_l, gw_l), (out_g, gx_g, gw_g) = got["loop"], got["grouped"]
-        assert (out_g - out_l).abs().max() <= 1e-6 if rows else out_g.shape == out_l.shape
+            params = module.named_parameters() if name == "loop" else per_expert_parameters(module)
+            weights = {n: p.grad if name == "loop" else p.main_grad for n, p in params}
+            got[name] = (out.detach(), xi.grad, {n: w.clone() for n, w in weights.items() if w is not None})
+        assert len(accumulated["stacked"]) == 2 and len(accumulated["loop"]) == 2 * experts
+        (out_l, gx_l, gw_l), (out_s, gx_s, gw_s) = got["loop"], got["stacked"]
+        assert (out_s - out_l).abs().max() <= 1e-6 if rows else out_s.shape == out_l.shape
         if rows:
-            assert (gx_g - gx_l).abs().max() <= 1e-6
-        for n in gw_l:
-            assert (gw_g[n] - gw_l[n]).abs().max() <= 1e-5, n
-        assert sum(float(w.abs().sum()) for w in gw_g.values()) > 0 or not rows
+            assert (gx_s - gx_l).abs().max() <= 1e-6
+        assert set(gw_s) == set(gw_l) == {n for n, _ in loop.named_parameters()}  # every expert has one
+        for n, w in gw_s.items():
+            assert (w - gw_l[n]).abs().max() <= 1e-5, n
+        assert sum(float(w.abs().sum()) for w in gw_s.values()) > 0 or not rows
 
 
 def test_the_fused_attention_refuses_what_it_does_not_compute():
@@ -141,37 +154,37 @@ def test_the_fused_attention_refuses_what_it_does_not_compute():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_grouped_gemm_equals_a_loop_over_experts_and_keeps_no_stacked_weights(dtype):
-    """The grouped experts' GEMM (tokens grouped by expert through their expert's ``[out, in]`` weight) against one
-    GEMM per expert: the same outputs and gradients (within 1e-5 of the output's scale), experts with no token
-    included (their gradient is zero); and what autograd keeps for the backward is the input and the weights
-    themselves, never a stacked ``[experts, out, in]`` copy of them (at Qwen3-30B-A3B's shape that copy is
-    1.2 GB per layer in bf16)."""
+def test_the_grouped_gemm_equals_a_loop_over_experts_and_copies_no_weight(dtype):
+    """The grouped experts' GEMM (tokens grouped by expert through their expert's ``[out, in]`` slice of the stacked
+    weight) against one GEMM per expert: the same outputs and gradients (within 1e-5 of the output's scale), experts
+    with no token included (their gradient is zero); what autograd keeps for the backward is the input and the
+    stacked weight itself (its own storage, no stacked copy: at Qwen3-30B-A3B's shape a copy is 1.2 GB per layer in
+    bf16), and the weight's gradient comes in the weight's own contiguous ``[experts, out, in]`` layout."""
     from tim_megatron.trainer.experts import grouped_linear
 
     g = torch.Generator().manual_seed(2)
     counts = torch.tensor([3, 0, 5, 1, 0, 7])
     rows = int(counts.sum())
-    weights = [torch.randn(40, 24, generator=g).to(dtype).requires_grad_() for _ in counts]
+    weight = torch.randn(len(counts), 40, 24, generator=g).to(dtype).requires_grad_()
     x = torch.randn(rows, 24, generator=g).to(dtype).requires_grad_()
     grad_out = torch.randn(rows, 40, generator=g).to(dtype)
-    saved: list[tuple[int, ...]] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        y = grouped_linear(x, weights, counts)
-    assert not [s for s in saved if len(s) == 3], saved
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = grouped_linear(x, weight, counts)
+    big = [t for t in saved if t.dim() == 3]
+    assert len(big) == 1 and big[0].data_ptr() == weight.data_ptr() and big[0].shape == weight.shape
     y.backward(grad_out)
-    gx, gw = x.grad.clone(), [w.grad.clone() for w in weights]
+    gx, gw = x.grad.clone(), weight.grad.clone()
+    assert weight.grad.shape == weight.shape and weight.grad.is_contiguous()
     x.grad = None
-    for w in weights:
-        w.grad = None
-    loop = torch.cat([t @ weights[e].t() for e, t in enumerate(torch.split(x, counts.tolist()))])
+    weight.grad = None
+    loop = torch.cat([t @ weight[e].t() for e, t in enumerate(torch.split(x, counts.tolist()))])
     loop.backward(grad_out)
 
     def close(a, b):
         return float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
 
-    assert close(y, loop) and close(gx, x.grad)
-    assert all(close(a, w.grad) for a, w in zip(gw, weights, strict=True))
+    assert close(y, loop) and close(gx, x.grad) and close(gw, weight.grad)
     assert not gw[1].any() and not gw[4].any() and gw[0].any()
 
 

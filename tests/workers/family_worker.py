@@ -256,7 +256,10 @@ def scenario_single(recipe_path: str, out: dict) -> None:
 
 
 KERNELS = {
-    "grouped": ["trainer.experts=grouped", "trainer.attention=materialized"],
+    "grouped": [
+        "trainer.experts=grouped",
+        "trainer.attention=auto",
+    ],  # auto on CPU: materialized (latent: sdpa)
     "sdpa": ["trainer.experts=loop", "trainer.attention=sdpa"],
 }
 """The layer kernels compared with the loop over experts and the materialized attention (the CPU default)."""

@@ -398,6 +398,144 @@ def scenario_replay(tr: MegatronTrainer, out: dict) -> None:
     del lp_replay, replayed
 
 
+def _megatron_allgather_dispatchers(tr: MegatronTrainer) -> None:
+    """Put megatron-core's own all-gather dispatcher back in every MoE layer (same process groups)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from patches.megatron.indexed_dispatcher import moe_layers
+
+    for layer in moe_layers(tr.model):
+        old = layer.token_dispatcher
+        pgs = ProcessGroupCollection(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
+        layer.token_dispatcher = MoEAllGatherTokenDispatcher(
+            layer.num_local_experts, layer.local_expert_indices, config=layer.config, pg_collection=pgs
+        )
+
+
+def scenario_dispatchers(tr: MegatronTrainer, out: dict) -> None:
+    """Issue 57, item 5: the trainer built with ``trainer.moe_dispatcher = indexed``, then the same model with
+    megatron-core's all-gather dispatcher put back: each one's logprobs and gradients of a fixed batch, and what
+    the first MoE layer's experts were handed (rows, tokens per expert, probabilities) on every rank."""
+    from patches.megatron.indexed_dispatcher import moe_layers
+
+    batch, mask, adv = fixed_batch()
+    rows = tr.rank_rows(N)
+    local = batch.select(rows)
+    den = float(local_denominator(mask=mask, mode="token-mean"))
+    first = moe_layers(tr.model)[0]
+    out["dispatcher"] = {}
+    for name in ("indexed", "allgather"):
+        if name == "allgather":
+            _megatron_allgather_dispatchers(tr)
+        seen: list = []
+        hook = first.experts.register_forward_pre_hook(
+            lambda mod, args, seen=seen: seen.append(tuple(a.detach().clone() for a in args))
+        )
+        lp, _ = tr.logprobs(local)
+        tr.backward(local, plain_loss_fn(lp.logprobs.detach(), adv[rows], mask[rows], den))
+        hook.remove()
+        every = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.all_gather_object(every, seen[0])
+        else:
+            every = [seen[0]]
+        out["dispatcher"][name] = {
+            "class": type(first.token_dispatcher).__name__,
+            "logprobs": gather_rows(lp.logprobs, tr),
+            "grads": {k: v.clone() for k, v in tr.export_hf(grads=True)},
+            "experts_input": every,  # per rank: (rows, tokens per expert, probabilities) of the first forward
+        }
+
+
+def scenario_expert_shards(tr: MegatronTrainer, out: dict) -> None:
+    """The grouped path's stacked experts against megatron-core's SequentialMLP on the same weights, in every MoE
+    layer on this layout's ranks (issue 57, item 4): the sharded checkpoint entries each saves (keys, offsets,
+    shapes, replica ids, numbers), and a distributed checkpoint of either module loaded into a fresh other, which
+    must give it the saver's weights. Mismatches per rank, gathered."""
+    import tempfile
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from patches.megatron.cpu_shims import cuda_placement_to_cpu
+    from tim_megatron.trainer.experts import per_expert_parameters, stacked_experts_class
+    from tim_megatron.trainer.model import unwrap
+
+    gpt = unwrap(tr.model)
+    layers = gpt.decoder.layers
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    cls = stacked_experts_class()
+    found, compared, mismatch = 0, 0, []
+
+    def flat(sd):
+        apply_factories(sd)
+        return {(v.key, tuple(v.global_offset)): v for v in nested_values(sd)}
+
+    def fresh(kind, like):
+        if kind == "stacked":
+            return cls(like.num_local_experts, like.config, pg_collection=pgs)
+        spec = get_gpt_layer_local_spec(num_experts=like.config.num_moe_experts, moe_grouped_gemm=False)
+        sub = spec.submodules.mlp.submodules.experts.submodules
+        return SequentialMLP(like.num_local_experts, like.config, sub, pg_collection=pgs)
+
+    box = [tempfile.mkdtemp(prefix="expert-shards-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    for i, layer in enumerate(layers):
+        stacked = getattr(layer.mlp, "experts", None)
+        if not isinstance(stacked, cls):
+            continue
+        found += 1
+        loop = fresh("loop", stacked)
+        mine = dict(per_expert_parameters(stacked))
+        with torch.no_grad():
+            for n, p in loop.named_parameters():
+                p.copy_(mine[n])
+        prefix, offsets = f"decoder.layers.{i}.mlp.experts.", ((0, i, len(layers)),)
+        want, got = (
+            flat(loop.sharded_state_dict(prefix, offsets)),
+            flat(stacked.sharded_state_dict(prefix, offsets)),
+        )
+        if set(want) != set(got):
+            mismatch.append(f"layer {i}: keys {sorted(set(want) ^ set(got))[:4]}")
+        for at in set(want) & set(got):
+            compared += 1
+            a, b = want[at], got[at]
+            for f in ("global_shape", "local_shape", "axis_fragmentations", "replica_id", "prepend_axis_num"):
+                if getattr(a, f, None) != getattr(b, f, None):
+                    mismatch.append(f"layer {i} {at}: {f} {getattr(a, f, None)} != {getattr(b, f, None)}")
+            if isinstance(a.data, torch.Tensor) and not torch.equal(a.data, b.data):
+                mismatch.append(f"layer {i} {at}: numbers differ")
+        for saver, kind in ((loop, "stacked"), (stacked, "loop")):  # each saved, loaded into a fresh other
+            folder = Path(box[0]) / f"layer{i}-{kind}"
+            if dist.get_rank() == 0:
+                folder.mkdir()
+            dist.barrier()
+            one = ((0, 0, 1),)  # the saved checkpoint holds this one layer
+            with cuda_placement_to_cpu():
+                dist_checkpointing.save(saver.sharded_state_dict(prefix, one), str(folder))
+                loader = fresh(kind, stacked)
+                loaded = dist_checkpointing.load(loader.sharded_state_dict(prefix, one), str(folder))
+            loader.load_state_dict({k.removeprefix(prefix): v for k, v in loaded.items()})
+            back = dict(per_expert_parameters(loader))
+            if back.keys() != mine.keys() or not all(torch.equal(back[n], mine[n]) for n in mine):
+                mismatch.append(
+                    f"layer {i}: a {kind} module loaded from the other's checkpoint has other weights"
+                )
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"layers": found, "compared": compared, "mismatch": mismatch})
+    out["expert_shards"] = everyone
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(box[0], ignore_errors=True)
+
+
 SCENARIOS = {
     f.__name__.removeprefix("scenario_"): f
     for f in [
@@ -409,6 +547,8 @@ SCENARIOS = {
         scenario_fp32_head,
         scenario_replay,
         scenario_widths,
+        scenario_dispatchers,
+        scenario_expert_shards,
     ]
 }
 

@@ -18,6 +18,7 @@ BENCHES = {
     "fleet": "tim_megatron.bench.fleet",
     "exact": "tim_megatron.bench.exact",
     "experts": "tim_megatron.bench.experts",
+    "dispatch": "tim_megatron.bench.dispatch",
     "step_paths": "tim_megatron.bench.step_paths",
     "offpolicy": "tim_megatron.bench.offpolicy",
 }

@@ -6,7 +6,8 @@ not (the CPU shims never apply there):
 * per-token logprobs of Megatron (fp32 and bf16) against HF transformers in fp32, on the tiny MoE and on a
   ~1B-parameter Qwen3-MoE-shaped model with random weights (:func:`models.qwen3_moe_1b_dims`);
 * our train step as a ratio to a bare megatron-core step, and its peak memory against ``tim plan``;
-* one MoE layer of Qwen3-30B-A3B's shape: its forward + backward seconds and MFU (:mod:`.moe_layer`);
+* one MoE layer of Qwen3-30B-A3B's shape: its forward + backward seconds and MFU, its profile (phases, kernel classes,
+  host syncs, memory, each speed lever off alone) and the torch-only reference layer beside it (:mod:`.moe_layer`);
 * the checkpoint round trip;
 * vLLM on CUDA when it is installed: logprob parity, sleep/wake, native routed-expert capture.
 

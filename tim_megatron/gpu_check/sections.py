@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +169,25 @@ def parity(bench: Bench, model: Model, *, section: str, n: int, length: int) -> 
 # ---------------------------------------------------------------------------------------- train step
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What :func:`train_step` measured with, for more measurements on the same trainer (its ``also``)."""
+
+    trainer: object
+    batch: object
+    """The trainer's batch (a ``SeqBatch``)."""
+    loss_fn: Callable
+    """The RL loss of the batch, as the loop hands it to ``trainer.train_step``."""
+    bare: Callable[[], None]
+    """One bare megatron-core step on the same tokens (:func:`~tim_megatron.bench.bare.bare_megatron_step`)."""
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+    def ours(self, loss_fn: Callable | None = None) -> None:
+        """One of our train steps (with ``loss_fn`` in place of the batch's own)."""
+        self.trainer.train_step(self.batch, loss_fn or self.loss_fn, lr=1e-6)
+
+
 def _loss_fn(recipe, old: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor):
     """The RL loop's own loss (the recipe's objective, :func:`tim_megatron.rl.objective.make_loss_fn`) over
     host tensors, as the loop hands it to the trainer; the rollout logprobs are the old ones."""
@@ -198,9 +218,11 @@ def train_step(
     length: int,
     repeat: int,
     overrides: tuple[str, ...] = (),
+    also: Callable[[StepParts], list[Outcome]] | None = None,
 ) -> list[Outcome]:
     """Our train step vs a bare megatron-core step (same model, batch, process), and on CUDA its peak
-    memory against ``tim plan``'s estimate for the same recipe (``overrides``: recipe settings, last)."""
+    memory against ``tim plan``'s estimate for the same recipe (``overrides``: recipe settings, last). ``also``: more
+    measurements on the same trainer and batch (the ``moe layer`` profile), before the trainer is closed."""
     from tim_megatron.bench.bare import bare_megatron_step
     from tim_megatron.slurm.plan import GIB, estimate
 
@@ -289,6 +311,8 @@ def train_step(
             got = [p[key] for p in parts[-repeat:] if key in p]
             if got:  # host-side clocks around each phase (the phases end in a host sync of their own)
                 out.append(finding(section, f"  ours: {what} (median)", statistics.median(got), "s", "info"))
+        if also is not None:
+            out += also(StepParts(trainer=tr, batch=batch, loss_fn=loss_fn, bare=bare, ids=ids, mask=mask))
     finally:
         tr.close()  # its memory goes when this frame does; run_sections then frees the cache
     return out

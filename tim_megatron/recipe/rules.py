@@ -255,7 +255,7 @@ def _check_diagnostics(r) -> None:
                 f"parallel.ep x parallel.expert_tp = {p.ep * etp}; allowed tp <= 2 and ep x expert_tp <= 2 (use more "
                 "data-parallel ranks instead)",
             )
-        if r.trainer.moe_dispatcher == "alltoall":
+        if r.trainer.moe_dispatcher in ("alltoall", "indexed"):
             raise RecipeValueError(
                 ["diagnostics.vexact", "trainer.moe_dispatcher"],
                 "vexact = exact runs the experts on row-invariant kernels over the allgather dispatcher; got "

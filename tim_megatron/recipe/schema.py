@@ -171,8 +171,12 @@ class TrainerConfig(Section):
     the weight sync and returns when the rollout is done. ``none`` keeps everything resident."""
     deterministic: bool = True
     """Ask torch for deterministic kernels (bitwise-repeatable runs on CPU)."""
-    moe_dispatcher: Literal["auto", "allgather", "alltoall"] = "auto"
-    """MoE token dispatcher. ``auto``: alltoall on CUDA, allgather on CPU (alltoall needs CUDA streams)."""
+    moe_dispatcher: Literal["auto", "allgather", "alltoall", "indexed"] = "auto"
+    """MoE token dispatcher. ``indexed``: megatron-core's all-to-all dispatcher with the permute and the combine as
+    index gathers and fixed-order sums (deterministic without atomics), the tokens per expert kept on the device: no
+    host read in the forward at one rank per expert group; ``allgather`` / ``alltoall``: megatron-core's own
+    (alltoall needs CUDA streams); ``auto``: indexed on CUDA, allgather on CPU (the project's CPU figures were
+    measured with it). Exact mode always runs allgather."""
     experts: Literal["auto", "loop", "grouped"] = "auto"
     """Routed experts' GEMMs. ``grouped``: two grouped GEMMs over all of a rank's experts (``torch._grouped_mm``,
     with or without transformer-engine's layers); ``loop``: one expert after another (megatron-core's
@@ -187,6 +191,11 @@ class TrainerConfig(Section):
     AdamW). ``fused``: torch's fused AdamW (one kernel per tensor group, no temporaries of the parameters' size);
     ``foreach``: torch's default multi-tensor AdamW (a temporary of 4 bytes per parameter at the step); ``auto``:
     fused on CUDA, foreach on CPU. A checkpoint saved under either resumes under the other."""
+    compile: Literal["auto", "off"] = "auto"
+    """``torch.compile`` (Inductor, dynamic shapes) of the layers' small pure functions: the RMSNorms, the rotary
+    embedding and the experts' SwiGLU times the routing probabilities (:mod:`tim_megatron.trainer.compile`).
+    ``auto``: on CUDA, never in exact mode and not on CPU; ``off``: they run eagerly everywhere. Compiling costs
+    seconds at the first steps of a run (``make gpu-check``'s ``moe layer`` section reports them)."""
     initial_loss_scale: float = Field(2.0**16, gt=0)
     """Starting dynamic loss scale in fp16 mode."""
     min_loss_scale: float = Field(1.0, gt=0)

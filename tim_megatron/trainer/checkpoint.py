@@ -43,6 +43,7 @@ from patches.megatron.cpu_shims import cuda_placement_to_cpu
 from tim_megatron.integrity import IntegrityWarning, sha256_file
 from tim_megatron.safe_files import describe, read_text, regular_file, write_atomic
 from tim_megatron.trainer.checkpoint_scan import scan_checkpoint, special_entries
+from tim_megatron.trainer.experts import bucket_resume_problem
 
 LATEST = "latest"
 CHECKSUMS = "checksums.json"
@@ -482,6 +483,13 @@ def load_checkpoint(trainer: TrainerState, path: str | Path) -> dict:
             f"checkpoint {path} holds a model of other dimensions ({diff}, recorded -> this run). "
             f"A run cannot change its model's shape: restore the recorded model.dims, or start a new run folder."
         )
+    # checkpoints written before the expert layout was recorded all held per-expert expert weights
+    buckets = bucket_resume_problem(
+        saved=meta.get("optimizer_buckets", "per-expert"),
+        current=trainer.state_meta().get("optimizer_buckets"),
+    )
+    if buckets:
+        raise CheckpointError(f"checkpoint {path}: {buckets}.")
     refuse_unsafe(path)
     wanted = trainer.checkpoint_state(loading=True)
     with cuda_placement_to_cpu():

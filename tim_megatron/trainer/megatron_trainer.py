@@ -43,7 +43,8 @@ from tim_megatron.modes import RunModes, modes_of
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer import patching
 from tim_megatron.trainer.attention import LayerKernels, resolve_attention
-from tim_megatron.trainer.experts import resolve_experts
+from tim_megatron.trainer.compile import apply as compile_layers
+from tim_megatron.trainer.experts import resolve_experts, weights_layout
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
 from tim_megatron.trainer.logprobs import ChunkSampler, HeadSpec, TokenLogprobs, head_weight, token_logprobs
 from tim_megatron.trainer.model import DTYPES, BuildOptions, build_model, final_hidden_states, unwrap
@@ -190,6 +191,11 @@ class MegatronTrainer:
             ),
         )
         patching.on_model(self.modes, gpt, device=self._device())
+        self.compiled = compile_layers(
+            gpt, setting=r.trainer.compile, exact=self.exact, on_gpu=torch.cuda.is_available()
+        )
+        """``trainer.compile``'s compiled functions on this model (:mod:`tim_megatron.trainer.compile`)."""
+        self._handles.append(self.compiled)
         return gpt
 
     def _load_weights(self) -> tuple[int, float]:
@@ -690,8 +696,15 @@ class MegatronTrainer:
             )  # the load took the saved flags
 
     def state_meta(self) -> dict:
-        """What a checkpoint records of the trainer beside its tensors: the updates applied, the model's dims."""
-        return {"updates": self.updates, "model_dims": self.recipe.model.dims.model_dump(mode="json")}
+        """What a checkpoint records of the trainer beside its tensors: the updates applied, the model's dims, and
+        the expert weights' layout when megatron's distributed optimizer saves its state by gradient bucket
+        (:func:`~tim_megatron.trainer.experts.bucket_resume_problem`)."""
+        buckets = self._use_distributed_optimizer() and self.recipe.checkpoint.save_optimizer
+        return {
+            "updates": self.updates,
+            "model_dims": self.recipe.model.dims.model_dump(mode="json"),
+            "optimizer_buckets": weights_layout(self.kernels.experts) if buckets else None,
+        }
 
     def restore_meta(self, meta: dict) -> None:
         """The counters of :meth:`state_meta`, from a checkpoint's ``state.json``."""

@@ -2,7 +2,7 @@
 
 The architecture (TransformerConfig features, one layer spec per layer) comes from the family
 (:mod:`tim_megatron.trainer.families`); this module adds what the run decides: dtype, parallel layout, the MoE
-dispatcher, routing replay and recomputation.
+dispatcher (:mod:`tim_megatron.trainer.dispatch`), routing replay and recomputation.
 
 The LM head is not run inside the model: :func:`final_hidden_states` stops after the final norm, and
 :mod:`tim_megatron.trainer.logprobs` applies the head chunk by chunk, so full-vocabulary logits never
@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from patches.megatron import indexed_dispatcher
 from patches.megatron.modules import unwrap
 from tim_megatron.attention_kinds import attention_kind
 from tim_megatron.recipe.schema import ModelConfig, ModelDims, ParallelismConfig
 from tim_megatron.trainer.attention import LayerKernels, uses_explicit_mask
+from tim_megatron.trainer.dispatch import resolve_dispatcher
 from tim_megatron.trainer.norm import SequenceParallelRMSNorm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,7 +32,8 @@ class BuildOptions:
     dtype: str = "float32"
     """Parameter/compute dtype."""
     dispatcher: str = "auto"
-    """MoE token dispatcher (auto: alltoall on CUDA, allgather on CPU)."""
+    """MoE token dispatcher (:func:`~tim_megatron.trainer.dispatch.resolve_dispatcher`; auto: indexed on CUDA,
+    allgather on CPU)."""
     routing_replay: bool = False
     """Create megatron-core's RouterReplay hooks in every router."""
     use_te: bool | None = None
@@ -76,11 +79,7 @@ def transformer_config(
 
     on_gpu = torch.cuda.is_available()
     dtype = DTYPES[opts.dtype]
-    dispatcher = opts.dispatcher if opts.dispatcher != "auto" else ("alltoall" if on_gpu else "allgather")
-    if dispatcher == "alltoall" and not on_gpu:
-        raise ValueError(
-            "trainer.moe_dispatcher = alltoall needs CUDA streams; use allgather (or auto) on CPU"
-        )
+    dispatcher = resolve_dispatcher(opts.dispatcher, on_gpu=on_gpu)
     arch = get_family(dims.resolved_family).transformer_config(dims)
     run = {}
     if dims.is_moe:
@@ -88,9 +87,10 @@ def transformer_config(
             moe_router_load_balancing_type="aux_loss" if model_cfg.load_balancing == "aux_loss" else "none",
             moe_aux_loss_coeff=model_cfg.aux_loss_coeff if model_cfg.load_balancing == "aux_loss" else 0.0,
             moe_router_dtype=model_cfg.router_dtype,
-            moe_token_dispatcher_type=dispatcher,
+            # indexed: built as allgather, then each layer's dispatcher is replaced (build_model)
+            moe_token_dispatcher_type="allgather" if dispatcher == "indexed" else dispatcher,
             # megatron-core's own grouped experts stay off with or without transformer-engine: the grouped path
-            # (tim_megatron/trainer/experts.py) is SequentialMLP's parameters run as grouped GEMMs
+            # (tim_megatron/trainer/experts.py) is stacked expert weights run as grouped GEMMs
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
             moe_enable_routing_replay=opts.routing_replay,
@@ -179,6 +179,8 @@ def build_model(dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismCo
         rotary_percent=dims.partial_rotary_factor,
         parallel_output=True,
     )
+    if dims.is_moe and resolve_dispatcher(opts.dispatcher, on_gpu=torch.cuda.is_available()) == "indexed":
+        indexed_dispatcher.install(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if model_cfg.freeze_router:

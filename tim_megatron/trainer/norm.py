@@ -16,7 +16,19 @@ from __future__ import annotations
 import torch
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis: statistics in float32, the normalized value cast back to ``x``'s dtype, then
+    scaled by ``weight`` (a pure function: :mod:`tim_megatron.trainer.compile` compiles it)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class SequenceParallelRMSNorm(torch.nn.Module):
+    norm_fn = staticmethod(rms_norm)
+    """What :meth:`forward` runs: :func:`rms_norm`, or its compiled form set on the instance
+    (:mod:`tim_megatron.trainer.compile`)."""
+
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__()
         device = "cpu" if config.use_cpu_initialization else None
@@ -25,10 +37,7 @@ class SequenceParallelRMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.norm_fn(x, self.weight, self.eps)
 
 
 class _SumOverTensorParallel(torch.autograd.Function):

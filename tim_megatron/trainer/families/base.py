@@ -403,8 +403,9 @@ def layer_specs(dims: ModelDims, use_te: bool, *, kernels=None) -> list:
     grouped = kernels.experts == "grouped"
 
     def one(num_experts: int | None):
-        # megatron-core's own grouped experts (moe_grouped_gemm=True) name their weights otherwise
-        # (TEGroupedMLP: linear_fc1.weight{e}); the grouped path here keeps SequentialMLP's names
+        # megatron-core's own grouped experts (moe_grouped_gemm=True) need transformer-engine or grouped_gemm;
+        # the grouped path here (tim_megatron/trainer/experts.py) replaces SequentialMLP with stacked weights
+        # that the weight tables read as SequentialMLP's per-expert ones
         if use_te:
             spec = get_gpt_layer_with_transformer_engine_spec(
                 num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk

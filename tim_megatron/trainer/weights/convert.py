@@ -6,6 +6,9 @@
 * :func:`export_hf`: yields ``(hf_name, tensor)`` in HF checkpoint names and shapes (per-expert tensors),
   gathering slices over TP/ETP and experts over EP, one parameter at a time so peak extra memory is one
   full parameter. Every rank takes part in the collectives and receives every tensor.
+
+Both read and write the grouped path's stacked expert weights through per-expert views (one expert's slice of the
+stack, no copy) under the loop's parameter names, so the tables and everything here see one layout.
 """
 
 from __future__ import annotations
@@ -244,10 +247,13 @@ def _local_to_global_expert(idx: dict[str, int], dims: ModelDims, lay: Layout) -
 # ------------------------------------------------------------------------------------------------ load
 
 
-def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
+def _named_params(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters, the grouped path's stacked expert weights as per-expert views under the loop's names
+    (:func:`~tim_megatron.trainer.experts.per_expert_parameters`): the weight tables name experts one by one."""
+    from tim_megatron.trainer.experts import per_expert_parameters
     from tim_megatron.trainer.model import unwrap
 
-    yield from unwrap(model).named_parameters()
+    yield from per_expert_parameters(unwrap(model))
 
 
 def _named_tensors(model, table: tuple[Rule, ...]) -> Iterator[tuple[str, torch.Tensor, Rule | None, dict]]:
