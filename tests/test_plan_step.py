@@ -181,27 +181,51 @@ def test_the_plan_counts_the_rollout_backend_it_has():
     assert plan.trainer_state == vllm.trainer_state and plan.rollout_phase < vllm.rollout_phase
 
 
-def test_the_overlapped_step_hides_the_shorter_of_generation_and_update():
-    """The overlapped off-policy schedule: generation beside the trainer's pass and the update, then the new batch's
-    pass at its sampling weights and the sync; nothing offloaded. `tim plan` prints it under the step total."""
+def test_the_off_policy_steps_are_printed_only_where_the_recipe_can_run_them():
+    """The off-policy lines under the step total (issue 58, item 6). Before: the overlapped step (638 s) was set
+    beside the on-policy one (994 s) instead of the sequential off-policy one (1,100 s), left out the weight
+    snapshot, and was printed for a recipe whose schedule is refused and which does not fit. Now: the sequential
+    off-policy step is the on-policy one with two trainer passes; the overlapped one adds the snapshot's copies and
+    the validations and is printed next to it only where the rules accept the schedule and the memory fits (else
+    the rule's sentence, or what does not fit)."""
     sp = step_plan(_recipe(H100, "trainer.offload_during_rollout=none"))
     fwd = sp.forward_flops / sp.cluster_flops
-    assert sp.overlapped == pytest.approx(max(sp.rollout, fwd + sp.update) + fwd + sp.sync, rel=1e-12)
-    assert sp.overlapped < sp.total  # the rollout and the update no longer add
-    # bypass skips the on-policy old-logprob pass, not the off-policy one at the sampling weights
+    assert sp.sequential_offpolicy == pytest.approx(sp.total + fwd, rel=1e-12)
+    assert sp.snapshot == pytest.approx(3 * estimate(_recipe(H100)).params / 3.35e12)
+    assert sp.overlapped == pytest.approx(
+        max(sp.rollout, fwd + sp.update) + fwd + sp.sync + sp.snapshot + sp.validation, rel=1e-12
+    )
     bypass = step_plan(_recipe(H100, "trainer.offload_during_rollout=none", "rl.correction.bypass=true"))
-    assert bypass.overlapped == pytest.approx(sp.overlapped, rel=1e-12)
+    assert bypass.sequential_offpolicy == pytest.approx(sp.sequential_offpolicy, rel=1e-12)  # pi_s and pi_t
     out = _cli("plan", H100, "trainer.offload_during_rollout=none").output
-    assert f"{'off-policy, overlapped':<30} {sp.overlapped:7.1f} s" in out
-    assert "(this recipe's schedule)" not in out
-    one = [
-        "rollout.tensor_parallel_size=1",  # the overlapped schedule runs engines of one rank
-        "rollout.max_staleness=1",
-        "rollout.schedule=overlapped",
-        "rollout.sleep_between_steps=false",
-    ]
+    assert f"{'off-policy, sequential':<30} {sp.sequential_offpolicy:7.1f} s" in out
+    assert "off-policy, overlapped" in out and "not run   rollout.schedule = overlapped with" in out
+    assert "tensor_parallel_size = 4" in out  # the H100 recipe's engines span 4 GPUs: the rule's own sentence
+    big = _cli("plan", H100, "rollout.tensor_parallel_size=1").output
+    assert "no fit   nothing offloaded and the engine awake need" in big  # its memory, not a time
+    small = ROOT / "recipes" / "olmoe-1b-7b" / "base.yaml"
+    one = ["rollout.tensor_parallel_size=1", "rollout.max_staleness=1", "rollout.schedule=overlapped"]
+    fits = _cli(
+        "plan", small, *one, "trainer.offload_during_rollout=none", "rollout.sleep_between_steps=false"
+    )
+    osp = step_plan(
+        _recipe(small, *one, "trainer.offload_during_rollout=none", "rollout.sleep_between_steps=false")
+    )
+    assert f"{'off-policy, overlapped':<30} {osp.overlapped:7.1f} s" in fits.output
+    assert f"against {osp.sequential_offpolicy:.1f} s in sequence (this recipe's schedule)" in fits.output
+
+
+def test_an_engine_with_no_kv_cache_is_not_said_to_run_a_wave():
+    """Issue 58: with a 0 GiB KV cache the fleet claimed 64 sequences at once in one wave."""
+    from tim_megatron.slurm.fleet_plan import fleet_plan
+
+    r = _recipe(H100, "rollout.tensor_parallel_size=1", "rollout.gpu_memory_utilization=0.5")
+    fp = fleet_plan(r)
+    assert (fp.concurrent_sequences, fp.waves) == (0, 0) and math.isnan(fp.minutes_per_step)
+    out = _cli("plan", H100, "rollout.tensor_parallel_size=1", "rollout.gpu_memory_utilization=0.5").output
     assert (
-        "(this recipe's schedule)" in _cli("plan", H100, "trainer.offload_during_rollout=none", *one).output
+        "0 sequences at full length at once, 0 wave(s)" in out
+        and "the KV cache holds not one sequence" in out
     )
 
 

@@ -69,7 +69,12 @@ def _rollout_minutes(
     kv_per_token = R * kv_cache_bytes_per_token(d, rollout_tp=R, dtype="bfloat16")  # over the engine's GPUs
     full = recipe.data.max_prompt_tokens + r.max_tokens
     seqs = math.ceil((recipe.sequences_per_step if sequences is None else sequences) / engines)
-    concurrent = max(1, int(kv_bytes_per_engine // (kv_per_token * full))) if kv_bytes_per_engine else seqs
+    if kv_bytes_per_engine:
+        concurrent = int(kv_bytes_per_engine // (kv_per_token * full))
+    else:  # a GPU engine with no KV cache generates nothing; a CPU engine's cache is rollout.cpu_kvcache_gib
+        concurrent = 0 if recipe.cluster.gpus_per_node else seqs
+    if concurrent < 1:  # not one sequence at full length fits: no wave can run
+        return float("nan"), seqs, 0, 0
     in_flight = min(concurrent, seqs)
     waves = math.ceil(seqs / in_flight)
     if bw is None:
@@ -143,7 +148,12 @@ def format_fleet(recipe: Recipe, fp: FleetPlan) -> str:
         f"    weight sync: {fp.sync_gib_per_engine:.2f} GiB into each engine per step, "
         f"{fp.sync_gib_per_engine * fp.engines:.2f} GiB over the fleet (in place, by reference)",
     ]
-    if math.isnan(fp.minutes_per_step):
+    if not fp.concurrent_sequences:
+        lines.append(
+            "    rollout time: none; the KV cache holds not one sequence at full length (raise "
+            "rollout.gpu_memory_utilization or rollout.tensor_parallel_size, or lower rollout.max_model_len)"
+        )
+    elif math.isnan(fp.minutes_per_step):
         lines.append("    rollout time: no decode estimate (no GPU type with a known HBM bandwidth)")
     else:
         lines.append(

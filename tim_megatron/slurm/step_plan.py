@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 from tim_megatron.attention_kinds import attention_kind
 from tim_megatron.recipe.schema import GPU_PEAK_BF16_FLOPS, ModelDims, Recipe
-from tim_megatron.slurm.fleet_plan import fleet_plan, validation_minutes, validation_sequences
+from tim_megatron.slurm.fleet_plan import (
+    HBM_BYTES_PER_S,
+    fleet_plan,
+    validation_minutes,
+    validation_sequences,
+)
 from tim_megatron.slurm.plan import GIB, Plan, estimate, largest_utilization, param_count
 
 
@@ -73,6 +78,9 @@ class StepPlan:
     validation: float
     """Generation of the validations, per step: one validation's (:func:`~tim_megatron.slurm.fleet_plan.
     validation_minutes`) over ``run.val_every`` steps."""
+    snapshot: float
+    """The overlapped schedule's copies of the trainer's weights (taken once a step, copied in and back for the
+    pi_s pass: three copies of a GPU's parameters at its HBM bandwidth; NaN without a known bandwidth)."""
     sync_bytes: float
     """Bytes every GPU receives in the weight sync."""
     offload_bytes: float
@@ -93,13 +101,24 @@ class StepPlan:
         return sum(v for _, v in self.parts())
 
     @property
+    def sequential_offpolicy(self) -> float:
+        """The step off-policy in sequence (``rollout.max_staleness`` > 0, ``schedule: sequential``): the on-policy
+        step's parts with two trainer passes, pi_s on the batch just sampled and pi_t on the one trained (bypass
+        or not)."""
+        forward = self.forward_flops / self.cluster_flops
+        return self.rollout + 2 * forward + self.update + self.sync + self.offload + self.validation
+
+    @property
     def overlapped(self) -> float:
         """The step on the overlapped off-policy schedule (``rollout.schedule: overlapped``): generation runs beside
         the trainer's pass at the current weights and the update, then the new batch's pass at its sampling
-        weights and the sync follow; nothing is offloaded. A lower bound that assumes the engine and the trainer
-        do not slow each other down (true of engines on GPUs of their own, not of engines sharing the trainer's)."""
+        weights, the sync and the weight snapshot's copies follow; nothing is offloaded. A lower bound that assumes
+        the engine and the trainer do not slow each other down (true of engines on GPUs of their own, not of
+        engines sharing the trainer's)."""
         forward = self.forward_flops / self.cluster_flops  # pi_s is always scored, bypass or not
-        return max(self.rollout, forward + self.update) + forward + self.sync
+        return (
+            max(self.rollout, forward + self.update) + forward + self.sync + self.snapshot + self.validation
+        )
 
 
 def step_plan(recipe: Recipe, plan: Plan | None = None) -> StepPlan | None:
@@ -119,6 +138,7 @@ def step_plan(recipe: Recipe, plan: Plan | None = None) -> StepPlan | None:
         sync=sync_bytes / (c.assumed_sync_gb_per_s * 1e9),
         offload=2 * plan.offloaded_bytes / (c.assumed_host_gb_per_s * 1e9),
         validation=validation_minutes(recipe, plan) * 60 / r.run.val_every if r.run.val_every else 0.0,
+        snapshot=3 * plan.params / HBM_BYTES_PER_S.get(c.gpu_type, float("nan")),
         forward_flops=fwd,
         tokens=step_tokens(recipe),
         cluster_flops=cluster_flops,
@@ -234,15 +254,68 @@ def format_step(recipe: Recipe, plan: Plan) -> str:
     total = sp.total
     minutes = "" if math.isnan(total) else f" ({total / 60:.1f} min)"
     lines.append(f"    {'step total':<30} {_s(total)}{minutes}")
-    over = sp.overlapped
-    mine = " (this recipe's schedule)" if r.rollout.schedule == "overlapped" else ""
-    lines.append(
-        f"    {'off-policy, overlapped':<30} {_s(over)}   max(rollout, pass + update) + pass + sync, nothing "
-        f"offloaded, no contention assumed{mine}"
-    )
+    lines += offpolicy_lines(recipe, sp, plan)
     if c.reference_step_seconds is not None:
         ratio = "" if math.isnan(total) else f"; the estimate is {total / c.reference_step_seconds:.2f} of it"
         lines.append(
             f"    {'published':<30} {c.reference_step_seconds:7.1f} s   {c.reference_step_source}{ratio}"
         )
     return "\n".join(lines)
+
+
+def _variant(recipe: Recipe, *, rollout: dict, trainer: dict | None = None) -> tuple[Recipe | None, str]:
+    """``recipe`` with these ``rollout`` (and ``trainer``) settings, or (None, the rule's sentence refusing them)."""
+    from pydantic import ValidationError
+
+    data = recipe.model_dump(mode="json")
+    data["rollout"].update(rollout)
+    data["trainer"].update(trainer or {})
+    try:
+        return Recipe.model_validate(data), ""
+    except ValidationError as e:
+        first = e.errors()[0]
+        return None, str(first.get("ctx", {}).get("error") or first["msg"]).removeprefix("Value error, ")
+
+
+def offpolicy_lines(recipe: Recipe, sp: StepPlan, plan: Plan) -> list[str]:
+    """The off-policy steps ``tim plan`` prints under the step total, each only where the recipe can run it: in
+    sequence (``rollout.max_staleness`` 1 if the recipe has 0) and overlapped (and no offload, the engine awake, as
+    that schedule needs); a variant the rules refuse or that does not fit in memory says so instead of a time."""
+    r = recipe.rollout
+    k = max(r.max_staleness, 1)
+    out = []
+    mine = " (this recipe's schedule)"
+    seq, why = _variant(recipe, rollout={"max_staleness": k, "schedule": "sequential"})
+    if seq is None:
+        out.append(f"    {'off-policy, sequential':<30} {'not run':>9}   {why}")
+    else:
+        tag = mine if r.max_staleness and r.schedule == "sequential" else ""
+        out.append(
+            f"    {'off-policy, sequential':<30} {_s(sp.sequential_offpolicy)}   the step with two trainer passes "
+            f"(pi_s and pi_t){tag}"
+        )
+    over, why = _variant(
+        recipe,
+        rollout={"max_staleness": k, "schedule": "overlapped", "sleep_between_steps": False},
+        trainer={"offload_during_rollout": "none"},
+    )
+    if over is None:
+        out.append(f"    {'off-policy, overlapped':<30} {'not run':>9}   {why}")
+        return out
+    from tim_megatron.slurm.plan import GIB, estimate
+
+    needs = estimate(over)
+    if not needs.fits:
+        out.append(
+            f"    {'off-policy, overlapped':<30} {'no fit':>9}   nothing offloaded and the engine awake need "
+            f"{needs.total / GIB:.1f} GiB per GPU of {needs.budget / GIB:.1f}: {needs.problems()[0]}"
+        )
+        return out
+    osp = step_plan(over, needs)
+    tag = mine if r.schedule == "overlapped" else ""
+    out.append(
+        f"    {'off-policy, overlapped':<30} {_s(osp.overlapped)}   max(rollout, pass + update) + pass + sync + "
+        f"weight snapshot ({_s(osp.snapshot).strip()}), nothing offloaded, no contention assumed; against "
+        f"{_s(osp.sequential_offpolicy).strip()} in sequence{tag}"
+    )
+    return out
