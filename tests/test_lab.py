@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -1172,3 +1173,17 @@ def test_the_seed_count_for_80_percent_power_follows_the_paired_t_test():
     assert paired_power(n=10, effect=1.0, sd=1.0, alpha=0.025) == pytest.approx(0.80, abs=0.015)
     # D's sizing (docs/prereg/D.md): SD 0.1, a 0.1 deficit, Holm's first step over two arms
     assert [seeds_for_power(effect=0.1, sd=sd, alpha=0.0125) for sd in (0.05, 0.1, 0.15)] == [6, 13, 24]
+
+
+def test_the_detectable_deficit_is_where_the_power_reaches_80_percent():
+    """Issue 61, item 3: D's pre-registration promised, should the paired SD exceed the 0.1 it was sized for, to say
+    which deficit D could detect; tim_megatron/lab/sensitivity.py computes it (the D block shows 0.12 and 0.15)."""
+    from tim_megatron.lab.sensitivity import detectable
+    from tim_megatron.lab.stats import paired_power
+
+    for n, sd in ((13, 0.124), (13, 0.154), (6, 0.1)):
+        d = detectable(n=n, sd=sd, alpha=0.0125)
+        assert paired_power(n=n, effect=d, sd=sd, alpha=0.0125) >= 0.8
+        assert paired_power(n=n, effect=0.97 * d, sd=sd, alpha=0.0125) < 0.8
+    assert detectable(n=13, sd=0.154, alpha=0.0125) > detectable(n=13, sd=0.124, alpha=0.0125)
+    assert math.isnan(detectable(n=1, sd=0.1, alpha=0.0125))

@@ -45,6 +45,7 @@ from tim_megatron.lab.runstats import (
     run_meta,
     series,
 )
+from tim_megatron.lab.sensitivity import sensitivity_rows
 from tim_megatron.lab.stats import mean_ci
 from tim_megatron.report.build import CSS, fmt_cell
 from tim_megatron.report.plots import _label, _plt, slug
@@ -260,6 +261,7 @@ def write_tables_md(
     detectors: list[Evaluation],
     method: str = "",
     deficits: list[dict] = (),
+    sensitivity: list[dict] = (),
     code: str = "",
     notices: list[str] = (),
 ) -> None:
@@ -277,6 +279,12 @@ def write_tables_md(
             f"## Policy reward deficit per injected arm (exact minus arm, paired by seed; Holm across arms; "
             f"smallest effect {D_MIN_EFFECT})",
             markdown_table(list(deficits), tuple(deficits[0])),
+        ]
+    if sensitivity:
+        parts += [
+            "## What the deficit tests could detect (at the observed paired SD; one-sided paired t at Holm's "
+            "strictest level; 80% power; tim_megatron/lab/sensitivity.py)",
+            markdown_table(list(sensitivity), tuple(sensitivity[0])),
         ]
     parts += [
         "## Arms (mean over seeds, 95% CI in brackets)",
@@ -314,6 +322,7 @@ def write_report(
     deficits = [d.row() for d in policy_deficits(lab)]
     if deficits:
         write_csv(inside(out, "deficits.csv"), deficits)
+    sensitivity = sensitivity_rows(lab) if deficits else []
     write_tables_md(
         inside(out, "tables.md"),
         title=lab.grid.name,
@@ -322,6 +331,7 @@ def write_report(
         detectors=detectors,
         method=method_text(lab.grid, rules=rules),
         deficits=deficits,
+        sensitivity=sensitivity,
         code=code_text(commits),
         notices=list(notices),
     )
