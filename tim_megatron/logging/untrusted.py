@@ -54,6 +54,13 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
     return raw
 
 
+def clip(text: str, limit: int) -> str:
+    """``text`` cut at ``limit`` characters, saying how many were left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def printable(text: str) -> str:
     """``text`` with every character a terminal could act on (controls, ESC, C1, bidi marks) escaped.
 

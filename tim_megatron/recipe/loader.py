@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from tim_megatron.logging.untrusted import clip
 from tim_megatron.recipe.schema import NAME_PATTERN, Recipe, RecipeValueError
 
 OVERRIDE_SOURCE = "command line"
@@ -42,12 +43,6 @@ MAX_VALUE_CHARS = 200
 """Longest rendering of one bad value inside an error message."""
 MAX_ERROR_LINES = 20
 """Most validation problems listed in one error; the rest are counted."""
-
-
-def clip(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 class RecipeError(ValueError):

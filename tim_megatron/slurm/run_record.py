@@ -1,10 +1,8 @@
 """A run folder's ``run.json`` read back for the job script and for ``tim logs``, whatever it holds.
 
-``run.json`` may have been edited or copied in by anyone. It is read only when it is a regular file (a link, a
-FIFO or a device such as ``/dev/zero`` is refused by name; :mod:`tim_megatron.safe_files` holds the rule), whole
-only up to :data:`MAX_RECORD_BYTES`, and a record too deep for the JSON parser (``RecursionError``) is an
-unreadable record like any other. Only its top-level keys are consulted, and what is printed of it is quoted,
-escaped and clipped to one line.
+``run.json`` is read by the run folder's one reader (:func:`tim_megatron.run_dir.meta.read_record`: regular files
+only, bounded, a record too deep to parse is unreadable like any other). Only its top-level keys are consulted, and
+what is printed of it is quoted, escaped and clipped to one line.
 
 The job script (``launch/tim.sbatch``) calls this module after the run's processes end, as
 ``python -m tim_megatron.slurm.run_record COMMAND`` (it imports nothing heavy: it runs in the seconds after a
@@ -20,47 +18,20 @@ SIGTERM):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from tim_megatron.logging.untrusted import UnreadableFile, printable, read_bounded, shown
+from tim_megatron.logging.untrusted import shown
+from tim_megatron.run_dir.meta import MAX_META_BYTES, META_FILE, RecordError, read_record
 
-RECORD_FILE = "run.json"
-"""A run folder's record (``tim_megatron.run_dir.META_FILE``; not imported from there, which loads the recipe
-schema)."""
-MAX_RECORD_BYTES = 16 * 2**20
-"""Largest ``run.json`` read (``tim_megatron.run_dir.MAX_META_BYTES``; the project writes a few kB)."""
+RECORD_FILE = META_FILE
+MAX_RECORD_BYTES = MAX_META_BYTES
 STATUS_KEYS = {"status": 40, "reason": 600, "requeue": 300}
 """The run.json keys a status line names, with how many characters of each it shows at most."""
 MAX_STATUS_CHARS = 1200
 """Longest status line (:func:`status_summary`)."""
 TOOL_COMMANDS = ("requeue-check", "completed", "status-line")
 """The commands ``python -m tim_megatron.slurm.run_record`` runs (the job script calls each)."""
-
-
-class RecordError(ValueError):
-    """A ``run.json`` that is not read (a link, special file, too large, not UTF-8, not a JSON object, too
-    deep); the message names the file and why, escaped."""
-
-
-def read_record(run_dir: str | Path) -> dict:
-    """``RUN_DIR/run.json`` as a dict; :class:`RecordError` unless it is a regular file (not a link) of at most
-    :data:`MAX_RECORD_BYTES` holding a UTF-8 JSON object the parser can nest into."""
-    path = Path(run_dir) / RECORD_FILE
-    try:
-        data = json.loads(read_bounded(path, MAX_RECORD_BYTES).decode("utf-8"))
-    except UnreadableFile as e:
-        raise RecordError(printable(str(e))) from None
-    except UnicodeDecodeError as e:
-        raise RecordError(printable(f"{path}: not UTF-8 (byte {e.start})")) from None
-    except RecursionError:
-        raise RecordError(printable(f"{path}: nested too deep to parse")) from None
-    except ValueError as e:  # JSONDecodeError; an integer past Python's digit limit
-        raise RecordError(printable(f"{path}: not JSON ({e})")[:300]) from None
-    if not isinstance(data, dict):
-        raise RecordError(printable(f"{path}: holds {type(data).__name__}, not a JSON object"))
-    return data
 
 
 def requeue_marked(run_dir: str | Path, attempt: str) -> bool:

@@ -8,7 +8,6 @@ the same run.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -24,9 +23,9 @@ from tim_megatron.run_dir import (
     RECIPE_FILE,
     RunDirError,
     adopt_recipe,
+    mark_submitted,
     new_run_dir,
     read_meta,
-    set_status,
 )
 from tim_megatron.slurm.render import RenderError, render
 
@@ -140,8 +139,7 @@ def dry_run(loaded: LoadedRecipe, *, output_dir: str | Path | None = None) -> st
 
 
 def _record_job(run_dir: Path, job: str) -> None:
-    meta = json.loads((run_dir / META_FILE).read_text())
-    set_status(run_dir, "submitted", job_ids=[*meta.get("job_ids", []), job])
+    mark_submitted(run_dir, job)
 
 
 def submit_sweep(
