@@ -119,7 +119,7 @@ def test_an_engine_processs_own_log_goes_to_the_ranks_engine_log_not_the_console
         logs = {p.name: p.read_text() for p in (run / "logs").glob("engine*.log")}
         assert set(logs) == {"engine.log", "engine.rank1.log"}, sorted(logs)
         started = [n for n, text in logs.items() if "vllm" in text and " WARNING " in text]
-        assert started == sorted(logs), {n: len(t) for n, t in logs.items()}
+        assert sorted(started) == sorted(logs), {n: len(t) for n, t in logs.items()}
         n = len(re.findall(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING ", logs["engine.log"], re.M))
         assert f"engine log: {n} warning" in console, (n, console[-2000:])
     assert "fault: rank 1's restarted rollout engine loaded the weights its predecessor held" in console

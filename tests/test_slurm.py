@@ -486,7 +486,9 @@ def test_two_node_job(two_nodes, tmp_path):
     ), log[-3000:]
     meta = json.loads((run / "run.json").read_text())
     assert meta["status"] == "completed" and meta["attempt"] == f"{job}.1", meta
-    assert meta["earlier_attempts"][-1] | {"reason": None} == {
+    earlier = meta["earlier_attempts"][-1]
+    assert earlier["code"] == meta["code"]  # both attempts ran the same checkout
+    assert {k: v for k, v in earlier.items() if k != "code"} | {"reason": None} == {
         "attempt": f"{job}.0", "status": "running", "step": lost_at, "start_step": 1, "reason": None
     }  # fmt: skip
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
