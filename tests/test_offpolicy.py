@@ -25,6 +25,19 @@ from tim_megatron.rl.offpolicy import Generated, Pending, StalenessError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["logging.wandb.mode=disabled", "run.val_every=0", "diagnostics.dumps.every=0"]
+OFF = ["rl.correction.mode=tis"]
+"""An off-policy run weights its ratio by the behaviour policy (decoupled PPO around pi_t, TIS on pi_t / mu_s)."""
+PARTIAL = [
+    "rollout.max_staleness=2",
+    "rollout.partial.tokens_per_step=12",
+    "data.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_tokens=48",
+    "rollout.max_model_len=64",
+]
+"""Partial rollouts on the countdown task: 12 tokens a step of answers up to 48 long, 16 rows a step."""
+EXACT = ["diagnostics.vexact=exact", "trainer.dtype=float32", "rollout.dtype=float32"]
+R3_DUMPS = ["remedies.router_replay=r3", "diagnostics.dumps.every=1", "diagnostics.dumps.routed_experts=true"]
 
 
 def _logprobs(seed: int, shape=(6, 9)) -> torch.Tensor:
@@ -232,7 +245,7 @@ def test_a_resume_that_would_drop_or_lacks_the_pending_batches_says_which():
     ):
         on_policy.load_state_dict(state, step=2, rank_state=p.state(), where="ckpt/rank0")
     off = LoopState.create(
-        load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", ["rollout.max_staleness=2"]).recipe
+        load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", ["rollout.max_staleness=2", *OFF]).recipe
     )
     with pytest.raises(StalenessError, match=r"\(ckpt/rank0 is missing\).*cannot continue exactly") as e:
         off.load_state_dict(state, step=2, rank_state=None, where="ckpt/rank0")
@@ -262,7 +275,13 @@ def test_the_recipe_refuses_what_cannot_split_or_aim():
         load_recipe(tiny, ["rollout.max_staleness=2", "rl.correction.bypass=true"])
     with pytest.raises(RecipeError, match=r"rl.correction.target = tim with rl.correction.mode = none"):
         load_recipe(tiny, ["rl.correction.target=tim"])
-    assert load_recipe(tiny, ["rl.correction.mode=tis", "rl.correction.target=staleness"]).recipe
+    aimed = [
+        "rollout.max_staleness=1",
+        "rl.correction.mode=tis",
+        "rl.proximal=sampled",
+        "rl.correction.target=tim",
+    ]
+    assert load_recipe(tiny, aimed).recipe
 
 
 @pytest.mark.parametrize(
@@ -282,7 +301,7 @@ def test_the_recipe_refuses_an_overlap_it_cannot_run(overrides, refused):
     tiny = ROOT / "recipes/tiny-moe/grpo.yaml"
     with pytest.raises(RecipeError, match=refused):
         load_recipe(tiny, ["rollout.schedule=overlapped", *overrides])
-    assert load_recipe(tiny, ["rollout.schedule=overlapped", "rollout.max_staleness=1"]).recipe
+    assert load_recipe(tiny, ["rollout.schedule=overlapped", "rollout.max_staleness=1", *OFF]).recipe
 
 
 # ------------------------------------------------------------------------------------------ real runs
@@ -298,9 +317,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                 {
                     "name": "exact_k2",
                     "recipe": "recipes/tiny-moe/vexact.yaml",
-                    "overrides": [*QUIET, *ckpt, "run.steps=4", "rollout.max_staleness=2"],
+                    "overrides": [*QUIET, *OFF, *ckpt, "run.steps=4", "rollout.max_staleness=2"],
                     "output_dir": str(tmp / "exact_k2"),
-                }
+                },
+                {  # partial rollouts in exact mode: the trainer samples every part at its own weights
+                    "name": "partial_exact",
+                    "recipe": "recipes/tiny-moe/countdown.yaml",
+                    "overrides": [*QUIET, *OFF, *PARTIAL, *EXACT, "run.steps=3", "diagnostics.dumps.every=1"],
+                    "output_dir": str(tmp / "partial_exact"),
+                },
             ],
             tmp / "w1",
         )
@@ -310,7 +335,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             {
                 "name": name,
                 "recipe": "recipes/tiny-moe/grpo.yaml",
-                "overrides": [*QUIET, f"run.steps={steps}", f"rollout.max_staleness={k}"],
+                "overrides": [
+                    *QUIET,
+                    *(OFF if k else []),
+                    f"run.steps={steps}",
+                    f"rollout.max_staleness={k}",
+                ],
                 "output_dir": str(tmp / name),
             }
             for name, k, steps in (("vllm_k0", 0, 2), ("vllm_k2", 2, 4))
@@ -321,6 +351,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                 "recipe": "recipes/tiny-moe/grpo.yaml",
                 "overrides": [
                     *QUIET,
+                    *OFF,
                     *ckpt,
                     "run.steps=4",
                     "rollout.max_staleness=2",
@@ -329,26 +360,66 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                 "output_dir": str(tmp / "vllm_k2_overlapped"),
             },
             *(
-                {  # PPO's ratio against pi_s, and against pi_t, in one minibatch (one update a step)
-                    "name": f"vllm_k2_{proximal}",
+                {  # PPO's ratio against pi_s, and against pi_t, in one minibatch (one update a step), under R2
+                    "name": f"r2_{proximal}",
                     "recipe": "recipes/tiny-moe/grpo.yaml",
                     "overrides": [
                         *QUIET,
                         "run.steps=2",
-                        "rollout.max_staleness=2",
+                        "rollout.max_staleness=1",
                         "rl.minibatches=1",
+                        "optim.lr=3e-3",  # one update that moves the bf16 router enough to change some routes
+                        "remedies.router_replay=r2",
+                        "rl.correction.mode=tis",
                         f"rl.proximal={proximal}",
+                        f"rl.correction.target={target}",
                     ],
-                    "output_dir": str(tmp / f"vllm_k2_{proximal}"),
+                    "output_dir": str(tmp / f"r2_{proximal}"),
                 }
-                for proximal in ("sampled", "current")
+                for proximal, target in (("sampled", "tim"), ("current", "total"))
             ),
+            {  # a non-finite abort at k > 0 (Why item 6 of issue 58): every update's loss is +-inf
+                "name": "abort_k1",
+                "recipe": "recipes/tiny-moe/grpo.yaml",
+                "overrides": [
+                    *QUIET,
+                    *OFF,
+                    "run.steps=4",
+                    "rollout.max_staleness=1",
+                    "rl.minibatches=2",
+                    "trainer.nan_guard_max=5",
+                    "diagnostics.objective_injection.type=unbiased",
+                    "diagnostics.objective_injection.sigma=.inf",
+                ],
+                "output_dir": str(tmp / "abort_k1"),
+            },
+            *(
+                {  # partial rollouts with R3, in sequence and overlapped (checkpointed for the resume)
+                    "name": name,
+                    "recipe": "recipes/tiny-moe/countdown.yaml",
+                    "overrides": [*QUIET, *OFF, *PARTIAL, *ckpt, *R3_DUMPS, "run.steps=3", *extra],
+                    "output_dir": str(tmp / name),
+                }
+                for name, extra in (
+                    ("partial", []),
+                    ("partial_overlapped", ["rollout.schedule=overlapped"]),
+                )
+            ),
+            {
+                "name": "partial_resumed",
+                "resume_of": "partial_overlapped",
+                "from_step": 2,
+                "output_dir": str(tmp / "partial_resumed"),
+            },
         ],
         tmp / "w2",
     )
     out = {}
     for name, res in {**exact, **vllm}.items():
-        assert res["error"] is None and res["exit"] == 0, res["error"]
+        if name == "abort_k1":
+            assert "NonFiniteAbort" in (res["error"] or ""), res["error"]
+        else:
+            assert res["error"] is None and res["exit"] == 0, res["error"]
         out[name] = Path(res["run_dir"])
     return out
 
@@ -450,9 +521,9 @@ def test_a_resume_in_the_middle_of_an_overlapped_run_continues_exactly(runs, tmp
 def test_a_proximal_policy_at_the_sampling_weights_moves_ppos_ratio_by_the_staleness(runs):
     """rl.proximal = sampled takes PPO's ratio against pi_s. Step 1 trains a batch sampled at its own weights
     (pi_s is pi_t): everything equals the default run's. Step 2 trains the same batch at the same weights in both
-    runs (B_2, sampled by theta_0, trained by theta_1, in one update): only PPO's denominator differs, so the
-    ratio, about 1 against pi_t, spreads by the staleness part against pi_s."""
-    sampled, current = metrics(runs["vllm_k2_sampled"]), metrics(runs["vllm_k2_current"])
+    runs (B_2, sampled by theta_0, trained by theta_1, in one update): PPO's denominator differs, so the ratio,
+    exactly 1 against pi_t, spreads by the staleness part against pi_s."""
+    sampled, current = metrics(runs["r2_sampled"]), metrics(runs["r2_current"])
     assert _strip(sampled[:1]) == _strip(current[:1])
     a, b = sampled[1], current[1]
     for key in ("mismatch/staleness/log_ratio_std", "mismatch/tim/log_ratio_std", "offpolicy/age"):
@@ -461,6 +532,139 @@ def test_a_proximal_policy_at_the_sampling_weights_moves_ppos_ratio_by_the_stale
     assert a["actor/ratio_std"] > 10 * b["actor/ratio_std"]
     # exp(x) spreads as x does for small x: the ratio's spread is the staleness part's
     assert a["actor/ratio_std"] == pytest.approx(a["mismatch/staleness/log_ratio_std"], rel=0.25)
+
+
+def test_r2_with_a_sampled_proximal_replays_the_routes_pi_s_was_computed_with(runs):
+    """Issue 58, Why item 4: R2 with rl.proximal = sampled replayed pi_t's routes in the update, while PPO's
+    denominator pi_s had been computed under the routes the trainer chose at the sampling weights. It now replays
+    those. One update a step, so the update's forward runs at theta_t: replaying pi_t's routes gives pi_t itself
+    (``mismatch/current_vs_rollout`` equals ``old_vs_rollout`` bit for bit, the R2 + current run), while replaying
+    the sampling pass's routes, about 5% of which the update since changed (``routing/trainer_sampled_vs_current``),
+    gives other logprobs."""
+    sampled, current = metrics(runs["r2_sampled"])[1], metrics(runs["r2_current"])[1]
+    for r in (sampled, current):
+        assert r["offpolicy/age"] == 1 and r["remedy/replayed_tokens"] > 0
+        assert 0 < r["routing/trainer_sampled_vs_current/exact_match"] <= 1
+    mean = "log_ratio_mean"
+    assert current[f"mismatch/current_vs_rollout/{mean}"] == current[f"mismatch/old_vs_rollout/{mean}"]
+    # Replaying the sampling pass's routes gives other logprobs exactly where the update changed some routes (at
+    # a tenfold learning rate it does, in the runs seen here; equal routes must give pi_t's bits).
+    moved = sampled["routing/trainer_sampled_vs_current/exact_match"] < 1
+    assert (sampled[f"mismatch/current_vs_rollout/{mean}"] != sampled[f"mismatch/old_vs_rollout/{mean}"]) == moved
+    # the pending batch kept the sampling pass's routes: a resume replays them too
+    assert (
+        sampled["routing/trainer_sampled_vs_current/exact_match"]
+        == current["routing/trainer_sampled_vs_current/exact_match"]
+    )
+
+
+def test_an_abort_at_k_checkpoints_the_batch_the_step_took_to_train(runs):
+    """Issue 58, Why item 6 (confirmed): a non-finite abort at step t > 1 with k > 0 checkpointed step t - 1 after
+    the step had taken B_t and added B_{t+k}, so the last good checkpoint held the batches of the wrong steps and
+    could not be resumed (refused: "after step 2 the pending batches are those of steps [3]; the file holds [4]").
+    It now holds the loop's state as the aborted step found it: B_t, waiting."""
+    from tim_megatron.run_state import LoopState
+    from tim_megatron.trainer.checkpoint import latest_good_checkpoint, load_rank_state
+
+    d = runs["abort_k1"]
+    meta = json.loads((d / "run.json").read_text())
+    assert meta["status"] == "failed" and meta["reason"].startswith("NonFiniteAbort") and meta["step"] == 3
+    ck = latest_good_checkpoint(d / "checkpoints")
+    assert ck.name == "step_00000002"
+    recipe = load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml", [*OFF, "rollout.max_staleness=1"]).recipe
+    state = LoopState.create(recipe)
+    state.load_state_dict(
+        json.loads((ck / "state.json").read_text())["state"],
+        step=2,
+        rank_state=load_rank_state(ck, 0),
+        total_rows=recipe.data.prompts_per_step * recipe.rollout.n,
+        group_size=recipe.rollout.n,
+    )
+    (g,) = state.pending.batches.values()
+    assert (g.step, g.version, state.start_step) == (3, 1, 3)  # B_3, sampled at step 2: trained next at age 1
+
+
+# -------------------------------------------------------------------------------------- partial rollouts
+
+
+def _dumps(d: Path):
+    import pandas as pd
+
+    return pd.concat([pd.read_parquet(f) for f in sorted((d / "dumps").glob("step_*.parquet"))])
+
+
+def test_partial_rollouts_carry_every_tokens_version_and_split_its_ratio(runs):
+    """Countdown answers of up to 48 tokens, 12 tokens a step, k = 2: a sequence is begun two steps before it is
+    trained and finished at its step. Every token carries the version that sampled it, no token is older than k,
+    at least 20% of the trained sequences hold tokens of two or more versions, and per token staleness + TIM is
+    the total; tokens sampled at the training step's own weights have no staleness at all."""
+    rows, t = metrics(runs["partial"]), _dumps(runs["partial"])
+    assert [r["offpolicy/age"] for r in rows] == [0, 1, 2]  # the oldest token of each trained batch
+    age = t["step"] - 1 - t["version"]
+    assert age.between(0, 2).all()
+    versions = t.groupby(["step", "seq"])["version"].nunique()
+    assert len(versions) == 3 * 16 and (versions >= 2).mean() >= 0.2, versions.value_counts()
+    for step, r in zip(range(1, 4), rows, strict=True):
+        multi = (versions.loc[step] >= 2).mean()
+        assert r["offpolicy/multi_version_frac"] == pytest.approx(multi)
+        assert r["offpolicy/tokens_age_0_frac"] == pytest.approx((age[t["step"] == step] == 0).mean())
+    assert ((t.log_ratio_staleness + t.log_ratio_tim - t.log_ratio_total).abs() <= 1e-12).all()
+    assert (t.log_ratio_staleness[age == 0] == 0).all() and (t.log_ratio_staleness[age > 0] != 0).any()
+    assert all(r["mismatch/staleness/tokens"] == r["mismatch/total/tokens"] > 0 for r in rows)
+
+
+def test_partial_rollouts_in_exact_mode_have_zero_tim_for_every_token_of_every_version(runs):
+    """The trainer samples every part of a sequence at the weights of its step, and scores it at once with the
+    same weights and shapes: each token's pi_s is its sampled logprob bit for bit, whatever its version."""
+    rows, t = metrics(runs["partial_exact"]), _dumps(runs["partial_exact"])
+    assert (t.groupby(["step", "seq"])["version"].nunique() >= 2).any()
+    assert (t.log_ratio_tim == 0).all() and (t.log_ratio_staleness[t.step - 1 - t.version > 0] != 0).any()
+    assert all(r["mismatch/tim/log_ratio_abs_max"] == 0.0 and r["exact/mismatched_tokens"] == 0 for r in rows)
+    assert all(r["exact/checked_tokens"] > 0 for r in rows)
+
+
+def test_partial_rollouts_replay_each_tokens_routes_from_the_call_that_sampled_it(runs):
+    """R3 with partial rollouts: the trainer replays, at position p, the experts of the engine call that sampled
+    token p + 1. The samples of a prompt begin in one call, so the routes of their prompt's last position (which
+    produced their first token) agree within the group, even after some were continued under newer weights
+    (which route that position anew). The engine agrees with the trainer at each token's sampling weights, and
+    the trainer at the sampling weights less with the trainer now."""
+    rows, t = metrics(runs["partial"]), _dumps(runs["partial"])
+    first = t[t.position == t.groupby(["step", "seq"]).position.transform("min")]
+    routes = first.groupby(["step", "prompt"]).routed_experts.apply(lambda s: len({tuple(x) for x in s}))
+    assert (routes == 1).all()
+    for r in rows:
+        assert r["remedy/replayed_tokens"] > 0 and r["routing/rollout_vs_trainer/exact_match"] > 0.9
+    assert all(r["routing/trainer_sampled_vs_current/exact_match"] < 1 for r in rows[1:])
+    assert "routing/trainer_sampled_vs_current/exact_match" not in rows[0]  # trained at its sampling weights
+
+
+def test_partial_rollouts_overlapped_equal_the_sequential_schedule(runs):
+    """The later batches' parts generated beside the update, scored from the copy of their sampling weights:
+    every metric but wall-clock time, and every dumped token, equals the sequential run's."""
+    over, seq = metrics(runs["partial_overlapped"]), metrics(runs["partial"])
+    assert all("time/ahead" in r for r in over)
+    assert _strip(over) == _strip(seq)
+    a, b = _dumps(runs["partial_overlapped"]), _dumps(runs["partial"])
+    assert a.reset_index(drop=True).equals(b.reset_index(drop=True))
+
+
+def test_a_resume_in_the_middle_of_a_partial_run_continues_exactly(runs):
+    """The step-2 checkpoint holds the batches of steps 3 and 4 in flight (their sequences, versions, pi_s and
+    routes): resumed from it, step 3 equals the uninterrupted run's, and so does the checkpoint it ends with."""
+    resumed, base = metrics(runs["partial_resumed"]), metrics(runs["partial_overlapped"])
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    once = {k for k in base[0] if k.startswith(("remedy/", "kernels/")) or k == "rollout/engines"}
+    keep = [[{k: v for k, v in r.items() if k not in once} for r in rows] for rows in (resumed, base)]
+    assert _strip(keep[0]) == _strip(keep[1])
+    from tim_megatron.trainer.checkpoint import load_rank_state
+
+    (a, pa), (b, pb) = (
+        load_rank_state(runs[n] / "checkpoints" / "step_00000003", 0)
+        for n in ("partial_resumed", "partial_overlapped")
+    )
+    assert pa == pb and [x["step"] for x in pa["batches"]] == [4, 5]  # B_4 and B_5 in flight, as they were
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_report_draws_the_split_by_age(runs, tmp_path):

@@ -204,7 +204,12 @@ def test_the_off_policy_steps_are_printed_only_where_the_recipe_can_run_them():
     big = _cli("plan", H100, "rollout.tensor_parallel_size=1").output
     assert "no fit   nothing offloaded and the engine awake need" in big  # its memory, not a time
     small = ROOT / "recipes" / "olmoe-1b-7b" / "base.yaml"
-    one = ["rollout.tensor_parallel_size=1", "rollout.max_staleness=1", "rollout.schedule=overlapped"]
+    one = [
+        "rollout.tensor_parallel_size=1",
+        "rollout.max_staleness=1",
+        "rollout.schedule=overlapped",
+        "rl.correction.mode=tis",
+    ]
     fits = _cli(
         "plan", small, *one, "trainer.offload_during_rollout=none", "rollout.sleep_between_steps=false"
     )

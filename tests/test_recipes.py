@@ -519,3 +519,43 @@ def test_latent_attention_and_real_checkpoints_refuse_settings_they_ignore(tmp_p
         "checkpoint"
     ]
     assert notices(load_recipe(ROOT / "recipes/tiny-moe/grpo.yaml").recipe) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        (
+            [],
+            r"rl.correction.mode = none with rollout.max_staleness = 2: .*set rl.correction.mode = tis, mis or icepop",
+        ),
+        (
+            ["rl.correction.mode=tis", "rl.correction.target=tim"],
+            r"rl.proximal = current with rl.correction.target = tim",
+        ),
+        (["rl.correction.mode=mis", "rl.correction.target=staleness"], r"proximal current is target total"),
+        (
+            ["rl.correction.mode=tis", "rl.proximal=sampled"],
+            r"rl.proximal = sampled with rl.correction.target = total",
+        ),
+        (
+            ["rl.correction.mode=icepop", "rl.proximal=sampled", "rl.correction.target=staleness"],
+            r"proximal sampled is target tim",
+        ),
+    ],
+)
+def test_an_off_policy_loss_that_is_not_corrected_by_its_own_proximal_policy_is_refused(overrides, refused):
+    """Issue 58, item 3: rollout.max_staleness 2 with rl.correction.mode none trained plain PPO around pi_t with no
+    pi / mu weight, and all six (rl.proximal, rl.correction.target) pairs loaded, though only (current, total) and
+    (sampled, tim) weight the ratio without bias. Each biased combination is refused by name with what to set; the
+    two unbiased pairs load, and rl.correction.allow_biased lets a study of the bias run."""
+    tiny = ROOT / "recipes/tiny-moe/grpo.yaml"
+    lag = ["rollout.max_staleness=2", "run.steps=4"]
+    with pytest.raises(RecipeError, match=refused):
+        load_recipe(tiny, [*lag, *overrides])
+    load_recipe(tiny, [*lag, *overrides, "rl.correction.allow_biased=true"])
+    load_recipe(tiny, [*lag, "rl.correction.mode=mis"])  # AReaL's decoupled PPO: current, total, mis
+    load_recipe(tiny, [*lag, "rl.correction.mode=tis", "rl.proximal=sampled", "rl.correction.target=tim"])
+    if (
+        "rl.correction.target=staleness" not in overrides
+    ):  # on-policy refused elsewhere: every weight would be 1
+        load_recipe(tiny, overrides)  # on-policy every other pair is the same loss

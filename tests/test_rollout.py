@@ -43,6 +43,12 @@ def test_captured_routed_experts_equal_hf_router_topk(fp32):
     assert fp32["routing_agreement_with_hf"] == 1.0
 
 
+def test_a_continued_sequence_keeps_the_routes_of_the_engine_call_that_sampled_each_token(fp32):
+    """Partial rollouts (R3 across versions): continued under weights that route layer 0 elsewhere, a sequence keeps
+    for each position the experts of the call that sampled the next token, as HF's router chooses them."""
+    assert fp32["partial_continued_rows"] > 0 and fp32["partial_routes_agreement"] == 1.0
+
+
 def test_sync_after_a_step_is_verified_and_exact(fp32):
     assert fp32["stale_detected"]  # before the sync the engine is stale, and the check says so
     rep = fp32["sync_report"]

@@ -429,7 +429,7 @@ def test_two_node_job(two_nodes, tmp_path):
     over = (
         f"run.steps=20 {FAST} checkpoint.every=10 run.output_dir={tmp_path} cluster.nodes=2 parallel.dp=2 "
         f"cluster.cpus_per_task=1 cluster.env.GLOO_SOCKET_IFNAME={two_nodes.IFACE} "
-        "rollout.max_staleness=1 rollout.schedule=overlapped "
+        "rollout.max_staleness=1 rollout.schedule=overlapped rl.correction.mode=tis "
         "rollout.engine_process=true rollout.fault_drill.kind=kill rollout.fault_drill.rank=1"
     )
     job, run = submitted(make("submit", two_nodes, RECIPE="recipes/tiny-moe/grpo.yaml", OVERRIDES=over))

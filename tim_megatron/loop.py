@@ -23,6 +23,7 @@ from tim_megatron.rl import phases
 from tim_megatron.rl.batch import broadcast_object, cat_padded
 from tim_megatron.rl.colocation import Colocation
 from tim_megatron.rl.overlap import start_ahead
+from tim_megatron.rl.partial import partial_samples
 from tim_megatron.rollout.faults import EngineLost
 from tim_megatron.run_dir import RunDirNotWritable, record_step
 from tim_megatron.safe_files import write_atomic
@@ -73,8 +74,12 @@ def run_steps(
     parts.stop.steps_begin()  # from here a SIGTERM ends the step and checkpoints
     t_start = time.perf_counter()
     step = state.start_step - 1
+    before = None
     try:
         for step in range(state.start_step, r.run.steps + 1):
+            before = (
+                state.checkpoint_view()
+            )  # what an abort in this step checkpoints (the batches it takes too)
             metrics, events = one_step(parts, recipe=r, run_dir=run_dir, step=step, observer=observer)
             if step == state.start_step:
                 metrics.update(parts.first_step_info)
@@ -96,8 +101,9 @@ def run_steps(
         from tim_megatron.trainer.megatron_trainer import NonFiniteAbort
 
         if isinstance(e, NonFiniteAbort) or (isinstance(e, EngineLost) and e.before_update):
-            # its updates were skipped, or the step had not updated yet: the weights are the last good ones
-            kept = save(parts, run_dir=run_dir, recipe=r, step=step - 1, overwrite=False)
+            # its updates were skipped, or the step had not updated yet: the weights are the last good ones, and
+            # the loop's state is as the step found it (the batch it took to train is still waiting in it)
+            kept = save(parts, run_dir=run_dir, recipe=r, step=step - 1, overwrite=False, view=before)
             e.args = (f"{e}; last good state checkpointed: {kept}",)
         if trainer.is_rank0:
             with contextlib.suppress(OSError):  # an unwritable run.json: the caller's attempt() says so
@@ -144,7 +150,8 @@ def one_step(
                 )
                 metrics.update(old.sync)
         else:  # off-policy: sample ahead, train the batch sampled rollout.max_staleness steps ago
-            batch, metrics, probe, old, ahead = offpolicy_samples(
+            samples = partial_samples if r.rollout.partial.enabled else offpolicy_samples
+            batch, metrics, probe, old, ahead = samples(
                 parts, recipe=r, step=step, timer=t, observer=observer
             )
             if ahead is not None:
@@ -235,7 +242,12 @@ def offpolicy_samples(parts: Prepared, *, recipe: Recipe, step: int, timer, obse
                 pending.add(scored)
             g = pending.take(step)
             old = phases.current_logprobs(
-                trainer=tr, batch=g.batch, behaviour=g.behaviour, sampled=g.old_pass, age=g.age(step)
+                trainer=tr,
+                batch=g.batch,
+                behaviour=g.behaviour,
+                sampled=g.old_pass,
+                age=g.age(step),
+                sampled_routing=g.routing,
             )
         on_error.pop_all()  # it went well: the step joins the generation after the update
     return g.batch, {**g.metrics, **moved}, g.probe, old, ahead
@@ -264,6 +276,9 @@ def dump_tokens(*, recipe, trainer, run_dir: Path, step: int, batch, old, adv) -
         "adv": adv,
         "rewards": batch.rewards,
         "routed": batch.routed_experts if d.routed_experts else None,
+        "version": batch.token_version
+        if batch.token_version is not None
+        else torch.where(batch.response_mask, step - 1 - old.age, -1),
     }
     rows = _gather_rows(trainer, local)
     if trainer.is_rank0:
@@ -286,6 +301,7 @@ def dump_tokens(*, recipe, trainer, run_dir: Path, step: int, batch, old, adv) -
             max_tokens=d.max_tokens,
             seed=recipe.run.seed,
             sampled_lp=rows["sampled"],
+            version=rows["version"],
         )
 
 
@@ -339,20 +355,22 @@ def should_checkpoint(recipe, step: int) -> bool:
     return bool(every) and step % every == 0 and step != recipe.run.steps
 
 
-def save(parts: Prepared, *, run_dir: Path, recipe, step: int, overwrite: bool = True) -> Path:
-    """Checkpoint the trainer and the loop's state after ``step``."""
+def save(parts: Prepared, *, run_dir: Path, recipe, step: int, overwrite: bool = True, view=None) -> Path:
+    """Checkpoint the trainer and the loop's state after ``step`` (``view``: the loop's state as
+    :meth:`~tim_megatron.run_state.LoopState.checkpoint_view` kept it; None: as it is now)."""
     from tim_megatron.trainer.checkpoint import save_checkpoint, step_dir
 
     if not overwrite and (step_dir(run_dir / "checkpoints", step) / "state.json").exists():
         return step_dir(run_dir / "checkpoints", step)
+    loop = parts.state if view is None else view
     with parts.colocation.resident():  # between steps the optimizer state may be in host memory
         return save_checkpoint(
             parts.trainer,
             run_dir / "checkpoints",
             step=step,
-            state=parts.state.state_dict(),
+            state=loop.state_dict(),
             keep=recipe.checkpoint.keep,
-            rank_state=parts.state.rank_state(),
+            rank_state=loop.rank_state(),
         )
 
 

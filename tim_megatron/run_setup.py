@@ -109,24 +109,32 @@ def _restore(ckpt: Path, *, trainer, state, run_dir: Path, recipe, prompts) -> N
 
     from tim_megatron.logging.tracker import truncate_jsonl
     from tim_megatron.rl.offpolicy import StalenessError
+    from tim_megatron.rl.partial import PartialRollouts, stored_prompts_disagree
     from tim_megatron.rl.phases import stored_rows_disagree
     from tim_megatron.trainer.checkpoint import load_checkpoint, load_rank_state, rank_state_file
 
     meta = load_checkpoint(trainer, ckpt)
     rank = dist.get_rank() if dist.is_initialized() else 0
     where = str(rank_state_file(ckpt, rank))
+    total = recipe.data.prompts_per_step * recipe.rollout.n
     state.load_state_dict(
         meta["state"],
         step=meta["step"],
         rank_state=load_rank_state(ckpt, rank),
         where=where,
-        total_rows=recipe.data.prompts_per_step * recipe.rollout.n,
+        total_rows=total,
         group_size=recipe.rollout.n,
+        first_row=trainer.dp_rank * (total // trainer.dp_size),
     )
     for s, g in sorted(state.pending.batches.items()) if state.pending is not None else ():
-        wrong = stored_rows_disagree(
-            batch=g.batch, prompts=prompts, step=s, prompts_per_step=recipe.data.prompts_per_step
-        )
+        if isinstance(state.pending, PartialRollouts):  # rows in flight: prompts only, no reward yet
+            wrong = stored_prompts_disagree(
+                g, prompts=prompts, prompts_per_step=recipe.data.prompts_per_step, group_size=recipe.rollout.n
+            )
+        else:
+            wrong = stored_rows_disagree(
+                batch=g.batch, prompts=prompts, step=s, prompts_per_step=recipe.data.prompts_per_step
+            )
         if wrong:
             raise StalenessError(
                 f"{where}: step {s}'s pending batch is not what step {s} sampled: {wrong}; the file was changed "

@@ -6,11 +6,13 @@ a checkpoint's ``state.json`` holds what it returns, under the same keys as befo
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from tim_megatron.algo import EarlyWarning, build_schedule
 from tim_megatron.algo.early_warning import surge_from_config
 from tim_megatron.rl.offpolicy import Pending, StalenessError
+from tim_megatron.rl.partial import PartialRollouts
 
 
 def new_warnings(recipe) -> EarlyWarning:
@@ -44,8 +46,9 @@ class LoopState:
     """The early-warning detectors and the events they raised."""
     start_step: int = 1
     """The first step this process runs: 1, or the step after the checkpoint it resumed from."""
-    pending: Pending | None = None
-    """Off-policy runs (``rollout.max_staleness`` > 0): the batches sampled ahead, waiting to be trained."""
+    pending: Pending | PartialRollouts | None = None
+    """Off-policy runs (``rollout.max_staleness`` > 0): the batches sampled ahead, waiting to be trained (with
+    ``rollout.partial``: the batches in flight, :mod:`tim_megatron.rl.partial`)."""
     restarts_before: float = 0.0
     """Rollout-engine restarts of the attempts before this process, as of the checkpoint it resumed from."""
     restarts_run: float = 0.0
@@ -57,16 +60,43 @@ class LoopState:
         self.restarts_run = self.restarts_before + this_process
         return self.restarts_run
 
+    partial_limits: dict | None = None
+    """Partial rollouts: the recipe's bounds a checkpoint's batches in flight are checked against."""
+
     @classmethod
     def create(cls, recipe) -> LoopState:
-        k = recipe.rollout.max_staleness
+        k, part = recipe.rollout.max_staleness, recipe.rollout.partial
+        pending = None
+        if k and part.enabled:
+            pending = PartialRollouts(k=k, tokens_per_step=part.tokens_per_step)
+        elif k:
+            pending = Pending(k=k)
+        limits = None
+        if part.enabled:
+            limits = {
+                "tokens_per_step": part.tokens_per_step,
+                "max_tokens": recipe.rollout.max_tokens,
+                "max_prompt_tokens": recipe.data.max_prompt_tokens,
+            }
         return cls(
-            schedule=new_schedule(recipe), warnings=new_warnings(recipe), pending=Pending(k=k) if k else None
+            schedule=new_schedule(recipe),
+            warnings=new_warnings(recipe),
+            pending=pending,
+            partial_limits=limits,
         )
 
     def rank_state(self):
         """This rank's part of the state (tensors, plain data) that a checkpoint writes per rank, or None."""
         return None if self.pending is None else self.pending.state()
+
+    def checkpoint_view(self) -> LoopView:
+        """What a checkpoint of the state as it is now writes, kept apart from what the next step changes: a step
+        that ends in an abort checkpoints the state of the step before it (the batches it was to train
+        included)."""
+        return LoopView(
+            state=copy.deepcopy(self.state_dict()),
+            pending=None if self.pending is None else self.pending.copy(),
+        )
 
     def state_dict(self) -> dict:
         return {
@@ -84,10 +114,12 @@ class LoopState:
         where: str = "the checkpoint",
         total_rows: int | None = None,
         group_size: int | None = None,
+        first_row: int | None = None,
     ) -> None:
         """Restore from a checkpoint written after ``step``: the next step run is ``step + 1``. ``rank_state``:
         what :meth:`rank_state` returned for this rank then (None when the checkpoint holds none; ``where`` names
-        its file). ``total_rows`` and ``group_size``: the run's, which every pending batch must have."""
+        its file). ``total_rows`` and ``group_size``: the run's, which every pending batch must have;
+        ``first_row``: the first global row this rank trains (partial rollouts' pi_s is this rank's rows')."""
         self.schedule.load_state_dict(state["schedule"])
         self.warnings.load_state_dict(state["warnings"])
         self.start_step = step + 1
@@ -109,6 +141,25 @@ class LoopState:
                 "checkpoint (the batches sampled ahead are lost); resume from an earlier checkpoint, or start a "
                 "new run"
             )
+        if isinstance(self.pending, PartialRollouts):
+            self.pending = PartialRollouts.from_state(
+                *rank_state,
+                k=self.pending.k,
+                tokens_per_step=self.partial_limits["tokens_per_step"],
+                max_tokens=self.partial_limits["max_tokens"],
+                max_prompt_tokens=self.partial_limits["max_prompt_tokens"],
+                group_size=group_size if group_size is not None else 1,
+                step=step,
+                first_row=first_row,
+                where=where,
+            )
+            return
+        if isinstance(rank_state[1], dict) and rank_state[1].get("partial"):
+            raise StalenessError(
+                f"{where} holds partial rollouts in flight (rollout.partial.tokens_per_step = "
+                f"{_short(rank_state[1].get('tokens_per_step'))}); this run has rollout.partial.tokens_per_step = 0: "
+                "resume with the recorded value"
+            )
         self.pending = Pending.from_state(
             *rank_state,
             k=self.pending.k,
@@ -117,3 +168,24 @@ class LoopState:
             group_size=group_size,
             where=where,
         )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass
+class LoopView:
+    """The loop's state as a checkpoint writes it, taken at one moment (:meth:`LoopState.checkpoint_view`)."""
+
+    state: dict
+    """What :meth:`LoopState.state_dict` returned then."""
+    pending: Pending | PartialRollouts | None
+    """The batches waiting then (a copy of the mapping; the batches themselves are never changed in place)."""
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def rank_state(self):
+        return None if self.pending is None else self.pending.state()

@@ -188,6 +188,65 @@ def scenario_fp32(out: dict, overrides) -> None:
     out["requests_after_bad_prompt"] = eng.llm.request_counter.counter - before
     eng.generate([eng.tokenizer.encode(PROMPTS[0])], step=9, n=1)
     out["requests_after_good_prompt"] = eng.llm.request_counter.counter - before
+    partial_routes(out, recipe, eng, hf)
+
+
+def partial_routes(out: dict, recipe, eng, hf) -> None:
+    """Partial rollouts: a sequence begun under the checkpoint's weights and continued under weights whose first
+    router sends every token to the next expert along; the routes kept for each position must be those of the call
+    that sampled the next token: HF's top-k with the checkpoint's weights up to the prompt's last position, the
+    same shifted by one expert in layer 0 after it (its router's input does not depend on any routing)."""
+    from tim_megatron.rl.partial import RUNNING, extended
+    from tim_megatron.rollout.base import Sample, Segment
+
+    eng.update_weights(None)  # the checkpoint's weights again (hf's)
+    eng.reset_prefix_cache()
+    prompts = [eng.tokenizer.encode(p) for p in PROMPTS]
+    rows = [Sample(p, [], [], RUNNING, prompt_index=i, versions=[]) for i, p in enumerate(prompts)]
+
+    def part(budget: int, version: int) -> None:
+        picks = [i for i, r in enumerate(rows) if r.finish_reason == RUNNING]
+        seg = Segment(
+            seeds=[11 + i for i in picks],
+            max_tokens=[budget] * len(picks),
+            prompt_lens=[len(rows[i].prompt_ids) for i in picks],
+            indices=[(i, 0) for i in picks],
+            longest_prompt=max(map(len, prompts)),
+        )
+        groups, _ = eng.generate(
+            [rows[i].prompt_ids + rows[i].response_ids for i in picks], step=1, segment=seg
+        )
+        for i, (new,) in zip(picks, groups, strict=True):
+            rows[i] = extended(rows[i], new, version=version, max_tokens=recipe.rollout.max_tokens)
+
+    part(1, 0)
+    gate = "model.layers.0.mlp.gate.weight"
+    weight = dict(hf.named_parameters())[gate].detach()
+    eng.update_weights([(gate, torch.roll(weight, 1, 0).clone())])  # expert e's scores now go to e + 1
+    eng.reset_prefix_cache()
+    part(recipe.rollout.max_tokens - 1, 1)
+    eng.update_weights(None)
+    continued = [r for r in rows if r.versions == [0] + [1] * (len(r.versions) - 1) and len(r.versions) > 1]
+    seqs = [r.prompt_ids + r.response_ids for r in continued]
+    ids, _ = padded(seqs)  # right padding: a causal forward's positions before it are unchanged
+    with torch.no_grad():
+        router = hf(input_ids=ids, output_router_logits=True).router_logits
+    k, experts = recipe.model.dims.num_experts_per_tok, recipe.model.dims.num_experts
+    logits = torch.stack([x.view(len(seqs), ids.shape[1], -1) for x in router])  # [layers, N, L, E]
+    top = logits.topk(k, -1).indices
+    agree = total = 0
+    for i, r in enumerate(continued):
+        p = len(r.prompt_ids)
+        want = top[:, i, : len(seqs[i]) - 1]  # [layers, positions, k]
+        got = torch.from_numpy(r.routed_experts.astype("int64")).permute(1, 0, 2).sort(-1).values
+        # up to the prompt's last position every layer as the checkpoint routes it; after it the shifted layer 0
+        # (a later layer's input depends on the shifted routing: HF's forward says nothing of it)
+        before = got[:, :p] == want[:, :p].sort(-1).values
+        after = got[0, p:] == ((want[0, p:] + 1) % experts).sort(-1).values
+        agree += int(before.all(-1).sum()) + int(after.all(-1).sum())
+        total += before.shape[0] * before.shape[1] + after.shape[0]
+    out["partial_continued_rows"] = len(continued)
+    out["partial_routes_agreement"] = agree / max(total, 1)
 
 
 def scenario_precision(out: dict, overrides) -> None:

@@ -1,9 +1,14 @@
 """Token dumps: one parquet file per dump step, one row per response token, for the report.
 
 Columns: step, seq (the global row: prompt x group size + sample), prompt, sample, engine (the rollout engine
-that generated it), finish (0 stop, 1 length, 2 other), position, token_id, pi_train (trainer, old weights),
-pi_infer (rollout engine), pi_old (the old policy the loss used: pi_train, or pi_infer in bypass mode),
-advantage, reward, and optionally routed_experts (rollout's expert ids, ``layers x top_k`` flattened).
+that generated it), finish (0 stop, 1 length, 2 other), position, token_id, version (updates applied to the weights
+that sampled the token: with partial rollouts it varies along a response), pi_train (trainer, old weights),
+pi_infer (rollout engine), pi_old (the old policy the loss used: pi_train, or pi_infer in bypass mode), pi_sampled
+(the trainer at the token's sampling weights), log_ratio_staleness, log_ratio_tim and log_ratio_total (float64: log
+pi_old - log pi_sampled, log pi_sampled - log pi_infer, and log pi_old - log pi_infer, which the two parts add up to
+within float64 rounding), advantage, reward, and
+optionally routed_experts (the expert ids the trainer replays under R3 at the position that produced the token:
+the rollout engine's, of the call that sampled it; ``layers x top_k`` flattened).
 
 A dump is written in memory, then replaces its file by an atomic rename, inside the run folder when one is
 given: a link planted at its name or at ``dumps/`` is never written through.
@@ -39,10 +44,12 @@ def write_dump(
     seed: int = 0,
     root: Path | None = None,
     sampled_lp: torch.Tensor | None = None,
+    version: torch.Tensor | None = None,
 ) -> int:
     """Write the step's tokens to ``path`` (inside folder ``root`` when given); returns the number of rows.
     ``sampled_lp``: the trainer's logprobs at the weights that sampled the tokens (an off-policy batch; None: the
-    old pass's), for the columns that split each token's log-ratio into staleness and TIM."""
+    old pass's), for the columns that split each token's log-ratio into staleness and TIM. ``version``: ``[n, L]``
+    the version of the weights that sampled each token (None: ``step - 1`` for all, an on-policy step's)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -64,6 +71,9 @@ def write_dump(
         "finish": (finish[seq] if finish is not None else torch.zeros_like(seq)).numpy().astype(np.int8),
         "position": pos.numpy().astype(np.int32),
         "token_id": input_ids[seq, pos].numpy().astype(np.int32),
+        "version": (
+            version[seq, pos].numpy() if version is not None else np.full(seq.numel(), step - 1)
+        ).astype(np.int32),
         "pi_train": (
             torch.exp(train_lp[seq, pos]).numpy() if train_lp is not None else np.full(seq.numel(), np.nan)
         ).astype(np.float32),
@@ -72,6 +82,7 @@ def write_dump(
         "pi_sampled": torch.exp(sampled[seq, pos]).numpy().astype(np.float32),
         "log_ratio_staleness": (old_lp[seq, pos].double() - sampled[seq, pos].double()).numpy(),
         "log_ratio_tim": (sampled[seq, pos].double() - infer_lp[seq, pos].double()).numpy(),
+        "log_ratio_total": (old_lp[seq, pos].double() - infer_lp[seq, pos].double()).numpy(),
         "advantage": advantages[seq].numpy().astype(np.float32),
         "reward": rewards[seq].numpy().astype(np.float32),
     }

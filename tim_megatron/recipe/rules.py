@@ -21,8 +21,10 @@ def check_recipe(r) -> None:
     _check_injection(r)
     _check_task_and_schedule(r)
     _check_offpolicy_schedule(r)
+    r.rollout.partial.check_recipe(r)  # rollout.partial's own rules (recipe/schema.py PartialRollouts)
     _check_engine_process(r)
     _check_run_bounds(r)
+    _check_offpolicy_correction(r)
 
 
 def _check_model_and_parallel(r) -> None:
@@ -418,6 +420,38 @@ def _check_engine_process(r) -> None:
         raise RecipeValueError(
             ["rollout.fault_drill.rank", "parallel"],
             f"rollout.fault_drill.rank = {d.rank}: the run has ranks 0 to {r.parallel.world_size - 1}",
+        )
+
+
+UNBIASED_PAIRS = {"current": "total", "sampled": "tim"}
+"""For each ``rl.proximal``, the ``rl.correction.target`` that weights PPO's ratio by the proximal policy over the
+behaviour policy: against pi_t, pi_t / mu_s (decoupled PPO, AReaL); against pi_s, pi_s / mu_s."""
+
+
+def _check_offpolicy_correction(r) -> None:
+    """Off-policy (``rollout.max_staleness`` > 0), PPO's ratio must be corrected by the proximal policy over the
+    behaviour policy, or the loss is biased: refused by name unless ``rl.correction.allow_biased``."""
+    ro, c, prox = r.rollout, r.rl.correction, r.rl.proximal
+    if not ro.max_staleness or c.allow_biased or c.bypass:  # bypass: refused off-policy by _check_rl
+        return
+    want = UNBIASED_PAIRS[prox]
+    if c.mode == "none":
+        raise RecipeValueError(
+            ["rl.correction.mode", "rollout.max_staleness", "rl.proximal"],
+            f"rl.correction.mode = none with rollout.max_staleness = {ro.max_staleness}: the batch was sampled by an "
+            "older policy (and another engine), so PPO around the proximal policy needs each token weighted by "
+            f"the proximal over the behaviour policy, and without a correction the loss is biased; set "
+            f"rl.correction.mode = tis, mis or icepop with rl.correction.target = {want} (rl.proximal = {prox}; "
+            "AReaL's decoupled loss is proximal current, target total, mode mis), or rl.correction.allow_biased = "
+            "true to study the bias",
+        )
+    if c.target != want:
+        raise RecipeValueError(
+            ["rl.proximal", "rl.correction.target", "rollout.max_staleness"],
+            f"rl.proximal = {prox} with rl.correction.target = {c.target} and rollout.max_staleness = "
+            f"{ro.max_staleness}: the correction must weight PPO's ratio by its own proximal policy over the "
+            f"behaviour policy, which with proximal {prox} is target {want}; another pair gives a biased loss. Set "
+            f"rl.correction.target = {want}, or rl.correction.allow_biased = true to study the bias",
         )
 
 

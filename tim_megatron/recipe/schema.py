@@ -70,6 +70,53 @@ class ParallelismConfig(Section):
 # -------------------------------------------------------------------------------------------- rollout
 
 
+class PartialRollouts(Section):
+    """Partial rollouts (:mod:`tim_megatron.rl.partial`): a step generates at most ``tokens_per_step`` tokens of each
+    sequence of a batch trained later; a sequence still running goes on at the next step, after the weight sync,
+    under the new weights (re-submitted as its prompt and the tokens so far), so a long response does not hold a
+    step back. Each token keeps the version (updates applied) of the weights that sampled it, and its pi_s is the
+    trainer's logprob at those weights. The batch of step t starts at step max(t - k, 1) (k =
+    ``rollout.max_staleness``), gets up to ``tokens_per_step`` more tokens at each step before t, and its sequences
+    still running at step t are finished under that step's weights before it trains: no token is older than k."""
+
+    tokens_per_step: int = Field(0, ge=0)
+    """The most tokens a step generates of each sequence of a batch trained at a later step (0: partial rollouts
+    off, each batch is generated whole at one step). Allowed 1 to ``rollout.max_tokens - 1`` with
+    ``rollout.max_staleness`` >= 1; with tokens_per_step x max_staleness >= max_tokens no sequence is left to finish
+    at its training step once the run is k steps in."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.tokens_per_step > 0
+
+    def check_recipe(self, r) -> None:
+        """The recipe's rules for these keys (named :class:`~tim_megatron.recipe.base.RecipeValueError`); ``r``:
+        the whole recipe (called from :func:`tim_megatron.recipe.rules.check_recipe`)."""
+        ro, t = r.rollout, self.tokens_per_step
+        if not t:
+            return
+        if ro.max_staleness < 1:
+            raise RecipeValueError(
+                ["rollout.partial.tokens_per_step", "rollout.max_staleness"],
+                f"rollout.partial.tokens_per_step = {t} with rollout.max_staleness = 0: a partial sequence goes on "
+                "at a later step under newer weights, and on-policy each batch is sampled and trained at one step; "
+                "allowed: max_staleness >= 1, or tokens_per_step = 0",
+            )
+        if t >= ro.max_tokens:
+            raise RecipeValueError(
+                ["rollout.partial.tokens_per_step", "rollout.max_tokens"],
+                f"rollout.partial.tokens_per_step = {t} with rollout.max_tokens = {ro.max_tokens}: every sequence "
+                f"would be generated whole at one step; allowed: 1 to {ro.max_tokens - 1}, or 0 (off)",
+            )
+        if ro.stop:
+            raise RecipeValueError(
+                ["rollout.partial.tokens_per_step", "rollout.stop"],
+                f"rollout.partial.tokens_per_step = {t} with rollout.stop = {list(ro.stop)}: a continued request "
+                "matches stop strings in its new text only, so one that spans two steps' tokens would be missed; "
+                "allowed: rollout.stop = [] (the EOS token ends a response), or tokens_per_step = 0",
+            )
+
+
 class RolloutConfig(Section):
     backend: Literal["vllm", "trainer"] | None = None
     """What samples the responses (:mod:`tim_megatron.rollout.backends`): ``vllm``, the vLLM fleet; ``trainer``,
@@ -93,6 +140,9 @@ class RolloutConfig(Section):
     has its own copy of the weights and keeps the pre-update ones until the step's sync), and scored at its
     sampling weights after the update from a copy of them (:mod:`tim_megatron.rl.overlap`). Both train on the same
     samples with the same numbers; the overlapped one needs the engine and the trainer resident at once."""
+    partial: PartialRollouts = PartialRollouts()
+    """Partial rollouts: each step generates a bounded number of tokens per sequence, and sequences still running
+    go on under the next step's weights (off unless ``partial.tokens_per_step`` > 0)."""
     max_model_len: int = Field(256, ge=2)
     """Longest prompt + response vLLM accepts. Longer prompts are rejected before generation."""
     temperature: float = Field(1.0, gt=0)
@@ -262,6 +312,11 @@ class CorrectionConfig(Section):
     bypass: bool = False
     """Use the rollout logprobs as the old policy (skip the old-logprob recompute). Only with ``mode: none``:
     with TIS/MIS/IcePop every weight would be 1, so the combination is rejected at load."""
+    allow_biased: bool = False
+    """Accept an off-policy loss (``rollout.max_staleness`` > 0) that is not weighted by the proximal policy over
+    the behaviour one: no correction at all (``mode: none``), or a (``rl.proximal``, ``target``) pair other than
+    (current, total) and (sampled, tim). Such a loss is biased; this is for experiments on that bias. Off:
+    refused by name."""
 
 
 class RLConfig(Section):

@@ -18,6 +18,8 @@ from tim_megatron.rollout.base import Sample
 
 FINISH = {"stop": 0, "length": 1, "abort": 2}
 """Finish reasons as small integers (dumps and cross-layout comparisons)."""
+WIDE = ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs", "token_version")
+"""The ``[n, L]`` fields of a :class:`StepBatch` (``routed_experts`` is ``[layers, n, L, k]``, the rest ``[n]``)."""
 
 
 @dataclass
@@ -49,6 +51,9 @@ class StepBatch:
     """``[layers, n, L, top_k]`` experts the rollout used for each input position, when captured."""
     policy_logprobs: torch.Tensor | None = None
     """``[n, L]`` the trainer policy's logprob of each response token when it was sampled (exact sampler only)."""
+    token_version: torch.Tensor | None = None
+    """``[n, L]`` partial rollouts: the version (updates applied) of the weights that sampled each response token
+    (-1 elsewhere); None: one version for the whole batch."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -75,7 +80,7 @@ class StepBatch:
         if w == self.width:
             return self
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        for k in ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs"):
+        for k in WIDE:
             if kw[k] is not None:
                 kw[k] = kw[k][:, :w]
         if self.routed_experts is not None:
@@ -102,6 +107,9 @@ def from_samples(
     lengths = torch.zeros(n, dtype=torch.long)
     plens = torch.zeros(n, dtype=torch.long)
     policy = torch.zeros(n, width) if any(s.policy_logprobs is not None for s in flat) else None
+    version = (
+        torch.full((n, width), -1, dtype=torch.long) if any(s.versions is not None for s in flat) else None
+    )
     routed = None
     if any(s.routed_experts is not None for s in flat):
         routed = (
@@ -114,6 +122,8 @@ def from_samples(
         lp[i, p : p + r] = torch.tensor(s.logprobs)
         if policy is not None:
             policy[i, p : p + r] = torch.tensor(s.policy_logprobs)
+        if version is not None and s.versions is not None:
+            version[i, p : p + r] = torch.tensor(s.versions, dtype=torch.long)
         lengths[i], plens[i] = p + r, p
         if routed is not None and s.routed_experts is not None and len(s.routed_experts):
             e = torch.from_numpy(s.routed_experts.astype("int16"))  # [positions, layers, k]
@@ -133,6 +143,7 @@ def from_samples(
         total_rows=total_rows,
         routed_experts=routed,
         policy_logprobs=policy,
+        token_version=version,
     )
 
 
@@ -157,7 +168,7 @@ def concat(parts: list[StepBatch]) -> StepBatch:
     kw = {}
     for f in fields(StepBatch):
         vals = [getattr(p, f.name) for p in parts]
-        if f.name in ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs"):
+        if f.name in WIDE:
             kw[f.name] = None if vals[0] is None else cat_padded(vals, pad_dim=1, cat_dim=0)
         elif f.name == "routed_experts":
             kw[f.name] = None if vals[0] is None else cat_padded(vals, pad_dim=2, cat_dim=1)

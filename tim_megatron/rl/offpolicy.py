@@ -45,6 +45,9 @@ class Generated:
     """The sampling step's rollout and reward metrics, and its sync and exact checks."""
     probe: list[list[int]]
     """This engine's probe sequences from it, for the eager sync check of the step that trains it."""
+    routing: torch.Tensor | None = None
+    """``[layers, n, L, k]`` the experts the trainer chose by itself in the pi_s pass (when routing is recorded):
+    what R2 replays with ``rl.proximal: sampled``, and what the engine's routes are compared with."""
     old_pass: object | None = field(default=None, repr=False)
     """The sampling-time trainer pass (an ``OldPass``) while it is in memory; a batch trained at its own sampling
     step (age 0) reuses it. Not checkpointed."""
@@ -69,6 +72,10 @@ class Pending:
 
     def add(self, g: Generated) -> None:
         self.batches[g.step] = g
+
+    def copy(self) -> Pending:
+        """The same batches in a new mapping (a batch is never changed once added)."""
+        return Pending(k=self.k, batches=dict(self.batches))
 
     def take(self, step: int) -> Generated:
         """Remove and return the batch step ``step`` trains; :class:`StalenessError` if it is missing or older
@@ -105,6 +112,8 @@ class Pending:
                 if isinstance(v, torch.Tensor):
                     tensors[f"{s}.batch.{f.name}"] = v.detach().cpu().contiguous()
             tensors[f"{s}.behaviour"] = g.behaviour.detach().cpu().contiguous()
+            if g.routing is not None:
+                tensors[f"{s}.routing"] = g.routing.detach().cpu().contiguous()
             plain["batches"].append(entry)
         return tensors, plain
 
@@ -190,8 +199,9 @@ def _check_versions(p: Pending, *, step: int, where: str) -> None:
 
 _FLOATS = ("rollout_logprobs", "rewards")
 _INTS = ("input_ids", "lengths", "prompt_lens", "row", "engine", "finish")
+_OPTIONAL_INTS = ("token_version",)
 _BOOLS = ("response_mask", "truncated")
-_WIDE = ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs", "behaviour")
+_WIDE = ("input_ids", "response_mask", "rollout_logprobs", "policy_logprobs", "token_version", "behaviour")
 """The ``[n, L]`` tensors of a pending batch (the rest are ``[n]``, but ``routed_experts``)."""
 
 
@@ -241,7 +251,9 @@ def _batch_from_state(tensors: dict[str, torch.Tensor], e: dict, *, where: str) 
         if t is None or name == "routed_experts":
             continue
         shape = [n, width] if name in _WIDE else [n]
-        kind = "bool" if name in _BOOLS else "integer" if name in _INTS else "floating-point"
+        kind = (
+            "bool" if name in _BOOLS else "integer" if name in (*_INTS, *_OPTIONAL_INTS) else "floating-point"
+        )
         if list(t.shape) != shape or _kind(t) != kind:
             raise StalenessError(
                 f"{where}: step {s}'s pending batch's {name} is {t.dtype} {list(t.shape)}; expected a {kind} "
@@ -269,12 +281,22 @@ def _batch_from_state(tensors: dict[str, torch.Tensor], e: dict, *, where: str) 
         raise StalenessError(
             f"{where}: step {s}'s pending batch has {n} rows, not whole groups of {e['group_size']}"
         )
-    routed = kw.get("routed_experts")
-    if routed is not None and (routed.dim() != 4 or list(routed.shape[1:3]) != [n, width]):
-        raise StalenessError(
-            f"{where}: step {s}'s pending batch's routed_experts have shape {list(routed.shape)}"
-        )
+    routing = tensor("routing", required=False)
+    for name, routes in (("routed_experts", kw.get("routed_experts")), ("routing", routing)):
+        if routes is not None and (
+            routes.dim() != 4 or list(routes.shape[1:3]) != [n, width] or _kind(routes) != "integer"
+        ):
+            raise StalenessError(
+                f"{where}: step {s}'s pending batch's {name} are {routes.dtype} {list(routes.shape)}; expected "
+                f"integer expert ids [layers, {n}, {width}, top_k]"
+            )
     batch = StepBatch(**kw, group_size=e["group_size"], total_rows=e["total_rows"])
     return Generated(
-        step=s, version=e["version"], batch=batch, behaviour=behaviour, metrics=metrics, probe=probe
+        step=s,
+        version=e["version"],
+        batch=batch,
+        behaviour=behaviour,
+        metrics=metrics,
+        probe=probe,
+        routing=routing,
     )

@@ -13,11 +13,16 @@ score them with the same weights; only the order in time differs (``tests/test_o
 What runs on the thread touches the engine alone (:func:`~tim_megatron.rl.phases.sample_block`): no collective,
 no tokenizer, no trainer. The price: one copy of the trainer's weights, and the engine and the trainer resident at
 once (the recipe rules refuse offloading and sleeping with this schedule).
+
+Partial rollouts (:mod:`tim_megatron.rl.partial`) run the same way: the step's call for the batch it trains runs
+first, on the main thread, and the calls that advance the later batches run on the thread beside the update
+(:func:`start_ahead_calls`); after it they are merged and scored from the copy of the sampling weights.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,6 +45,13 @@ class Ahead:
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tim-ahead"), repr=False
     )
+    finisher: Callable | None = field(default=None, repr=False)
+    """Partial rollouts: what finishes the joined calls (:func:`tim_megatron.rl.partial.finish_ahead`); None:
+    the batches of later steps, added to the pending ones."""
+    picks: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    """Partial rollouts: the rows each call advances, by batch."""
+    tally: object | None = field(default=None, repr=False)
+    """Partial rollouts: the step's tally, which the calls beside the update complete."""
 
     def wait(self) -> None:
         """Let every generation end, whatever happens to the step (the engine is not left mid-generation)."""
@@ -53,9 +65,20 @@ class Ahead:
         results = agreed(parts.rollout, lambda: [(s, f.result()) for s, f in self.running], phase="generate")
         self.pool.shutdown(wait=True)
         waited = time.perf_counter() - t0
-        gen_seconds = 0.0
+        overlap = {
+            "offpolicy/overlap_generate_seconds": sum(out[1].seconds for _, out in results),
+            "offpolicy/overlap_wait_seconds": waited,
+        }
+        if self.finisher is not None:
+            joined = [(s, self.picks[s], out) for s, out in results]
+            return {
+                **self.finisher(
+                    parts, recipe=recipe, step=self.step, snapshot=self.snapshot, results=joined,
+                    tally=self.tally, observer=observer,
+                ),
+                **overlap,
+            }  # fmt: skip
         for s, sampled in results:
-            gen_seconds += sampled[1].seconds
             finished = phases.rollouts(
                 recipe=recipe,
                 trainer=tr,
@@ -71,10 +94,7 @@ class Ahead:
                     step=self.step, observer=observer, keep_pass=False,
                 )  # fmt: skip
             pending.add(scored)
-        return {
-            "offpolicy/overlap_generate_seconds": gen_seconds,
-            "offpolicy/overlap_wait_seconds": waited,
-        }
+        return overlap
 
 
 def start_ahead(parts, *, recipe, step: int, steps: list[int]) -> Ahead:
@@ -83,5 +103,17 @@ def start_ahead(parts, *, recipe, step: int, steps: list[int]) -> Ahead:
     ahead = Ahead(step=step, snapshot=parts.trainer.weights_snapshot())
     for s in steps:
         call = phases.sample_block(recipe=recipe, rollout=parts.rollout, prompts=parts.prompts, step=s)
+        ahead.running.append((s, ahead.pool.submit(call)))
+    return ahead
+
+
+def start_ahead_calls(
+    parts, *, step: int, calls: list[tuple[int, list[int], Callable]], finisher, tally
+) -> Ahead:
+    """Partial rollouts: snapshot the trainer's weights and run ``calls`` ((batch, its rows advanced, the call that
+    touches the engine alone) each), in order, on a thread; ``finisher`` merges and scores them after the update."""
+    ahead = Ahead(step=step, snapshot=parts.trainer.weights_snapshot(), finisher=finisher, tally=tally)
+    for s, picks, call in calls:
+        ahead.picks[s] = picks
         ahead.running.append((s, ahead.pool.submit(call)))
     return ahead

@@ -34,6 +34,7 @@ from tim_megatron.algo.mismatch import ratio_split_metrics, ratio_split_stats
 from tim_megatron.algo.stats import Stats, safe_div, std_from_sums
 from tim_megatron.data.rewards import reward as score
 from tim_megatron.data.sources import PromptSource
+from tim_megatron.modes import Routing
 from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import Recipe
 from tim_megatron.rl.batch import StepBatch, from_samples, global_width, rank_rows
@@ -256,8 +257,49 @@ def rollouts(
         top_k=tr.dims.num_experts_per_tok,
     )
     batch = rank_rows(blk, layout=ro.layout, rank=_rank(), dp_rank=tr.dp_rank, dp_size=tr.dp_size)
-    tokens, prompt_tokens = _sum_over_engines(ro, [gen.response_tokens, gen.prompt_tokens])
-    (slowest,) = _max_over_world([gen.seconds])
+    metrics = generation_metrics(trainer=tr, rollout=ro, gens=[gen])
+    metrics.update(reward_metrics(batch))
+    probe = [g[0].prompt_ids + g[0].response_ids for g in groups[:8]]
+    return batch, metrics, probe
+
+
+def generation_metrics(
+    *, trainer: MegatronTrainer, rollout: RolloutEngine, gens: list[GenerationStats]
+) -> dict[str, float]:
+    """``rollout/*`` (and in exact mode ``exact/*``) of this engine's generation calls ``gens`` (each engine counted
+    once; times: the slowest engine's sum). Every rank calls (collectives)."""
+    ro = rollout
+    tokens, prompt_tokens = _sum_over_engines(
+        ro, [float(sum(g.response_tokens for g in gens)), float(sum(g.prompt_tokens for g in gens))]
+    )
+    (slowest,) = _max_over_world([sum(g.seconds for g in gens)])
+    metrics = {
+        "rollout/tokens_per_s": tokens / slowest if slowest > 0 else float("nan"),
+        "rollout/response_tokens": tokens,
+        "rollout/prompt_tokens": prompt_tokens,
+        "rollout/seconds_slowest_engine": slowest,
+    }
+    if trainer.modes.exact:
+        # Every rank is in exact mode: the max is a collective all of them join.
+        decoded = max(sum(g.response_tokens for g in gens), 1)
+        forwards, cache, read, copied = _max_over_world(
+            [
+                float(sum(g.extra.get("forwards", 0) for g in gens)),
+                float(max((g.extra.get("kv_cache_bytes", 0) for g in gens), default=0)),
+                sum(g.extra.get("kv_read_bytes", 0) for g in gens) / decoded,
+                sum(g.extra.get("kv_copied_bytes", 0) for g in gens) / decoded,
+            ]
+        )
+        metrics["exact/forwards"] = forwards
+        metrics["exact/kv_cache_mib"] = cache / 2**20
+        # Per decoded token (the rank with the most): keys and values read in place, and copied (slot refills).
+        metrics["exact/kv_read_kib_per_token"] = read / 2**10
+        metrics["exact/kv_copied_kib_per_token"] = copied / 2**10
+    return metrics
+
+
+def reward_metrics(batch: StepBatch) -> dict[str, float]:
+    """``reward/*`` and ``batch/width`` of the step's rows (this rank's ``batch``; every rank calls)."""
     rw = batch.rewards.view(-1, batch.group_size)
     n, s, s2, equal = _sum_over_dp(
         [
@@ -269,11 +311,7 @@ def rollouts(
     )
     rmax, neg_rmin = _max_over_world([float(batch.rewards.max()), -float(batch.rewards.min())])
     mean = s / n
-    metrics = {
-        "rollout/tokens_per_s": tokens / slowest if slowest > 0 else float("nan"),
-        "rollout/response_tokens": tokens,
-        "rollout/prompt_tokens": prompt_tokens,
-        "rollout/seconds_slowest_engine": slowest,
+    return {
         names.REWARD: mean,
         "reward/std": max(s2 / n - mean * mean, 0.0) ** 0.5,
         "reward/max": rmax,
@@ -281,24 +319,6 @@ def rollouts(
         "reward/groups_all_equal_frac": equal / (n / batch.group_size),
         "batch/width": float(global_width(batch)),
     }
-    if trainer.modes.exact:
-        # Every rank is in exact mode: the max is a collective all of them join.
-        decoded = max(gen.response_tokens, 1)
-        forwards, cache, read, copied = _max_over_world(
-            [
-                float(gen.extra.get("forwards", 0)),
-                float(gen.extra.get("kv_cache_bytes", 0)),
-                gen.extra.get("kv_read_bytes", 0) / decoded,
-                gen.extra.get("kv_copied_bytes", 0) / decoded,
-            ]
-        )
-        metrics["exact/forwards"] = forwards
-        metrics["exact/kv_cache_mib"] = cache / 2**20
-        # Per decoded token (the rank with the most): keys and values read in place, and copied (slot refills).
-        metrics["exact/kv_read_kib_per_token"] = read / 2**10
-        metrics["exact/kv_copied_kib_per_token"] = copied / 2**10
-    probe = [g[0].prompt_ids + g[0].response_ids for g in groups[:8]]
-    return batch, metrics, probe
 
 
 def validate(
@@ -359,12 +379,21 @@ class OldPass:
     """``[n, L]`` pi_s, the trainer's logprobs at the weights that sampled these rows, when those weights are older
     than ``old``'s (an off-policy batch, :mod:`tim_megatron.rl.offpolicy`); None: ``old`` is pi_s itself."""
     age: int = 0
-    """Updates between the sampling of these rows and ``old``'s weights."""
+    """Updates between the sampling of these rows and ``old``'s weights (partial rollouts: of their oldest token)."""
+    sampled_routing: torch.Tensor | None = None
+    """``[layers, n, L, k]`` the experts the trainer chose by itself at the sampling weights (recorded by the pi_s
+    pass; per position, partial rollouts: by the pass that scored the token it produced), when ``behaviour`` is
+    set and routing is recorded; None: ``trainer_routing`` is at the sampling weights."""
 
     @property
     def sampled_at(self) -> torch.Tensor:
         """pi_s: the trainer's logprobs at the sampling weights."""
         return self.old if self.behaviour is None else self.behaviour
+
+    @property
+    def routing_at_sampling(self) -> torch.Tensor | None:
+        """The trainer's own experts at the sampling weights: those the engine's are compared with."""
+        return self.trainer_routing if self.behaviour is None else self.sampled_routing
 
 
 def scored_as_sampled(
@@ -393,6 +422,7 @@ def scored_as_sampled(
         behaviour=op.old,
         metrics={**m, **op.sync},
         probe=p,
+        routing=op.trainer_routing,
         old_pass=op if keep_pass else None,
     )
 
@@ -475,11 +505,18 @@ def _trainer_pass(*, trainer: MegatronTrainer, batch: StepBatch, seq: SeqBatch):
 
 
 def current_logprobs(
-    *, trainer: MegatronTrainer, batch: StepBatch, behaviour: torch.Tensor, sampled: OldPass | None, age: int
+    *,
+    trainer: MegatronTrainer,
+    batch: StepBatch,
+    behaviour: torch.Tensor,
+    sampled: OldPass | None,
+    age: int,
+    sampled_routing: torch.Tensor | None = None,
 ) -> OldPass:
     """An off-policy batch at the step that trains it: pi_t, the trainer's logprobs at the current weights, beside
-    ``behaviour`` (pi_s, from the pass at the sampling weights). ``age`` 0 (sampled at this step's weights, with
-    that pass, ``sampled``, still in memory): that pass itself, so the staleness part is exactly 0."""
+    ``behaviour`` (pi_s, from the pass at the sampling weights) and ``sampled_routing`` (the experts that pass
+    chose, when recorded). ``age`` 0 (sampled at this step's weights, with that pass, ``sampled``, still in
+    memory): that pass itself, so the staleness part is exactly 0."""
     if age == 0 and sampled is not None:
         return replace(sampled, sync={})
     tr, routes = trainer, trainer.modes.routing
@@ -495,6 +532,7 @@ def current_logprobs(
         recomputed=True,
         behaviour=behaviour,
         age=age,
+        sampled_routing=sampled_routing,
     )
 
 
@@ -580,17 +618,55 @@ def step_metrics(
     out.update(
         response_metrics(_reduce(response_stats(mask=mask, entropy=op.entropy, truncated=local.truncated)))
     )
-    if op.trainer_routing is not None and local.routed_experts is not None:
-        # Positions whose routing produced a response token (the last token's own routing is never used).
-        pos_mask = torch.zeros_like(mask)
-        pos_mask[:, :-1] = mask[:, 1:]
-        rs = routing_agreement_stats(
-            rollout_experts=local.routed_experts.long().flatten(1, 2),
-            trainer_experts=op.trainer_routing.long().flatten(1, 2),
-            mask=pos_mask.flatten(),
-        )
-        out.update(routing_agreement_metrics(_reduce(rs)))
+    out.update(routing_metrics(batch=local, old=op))
     return out
+
+
+def routing_metrics(*, batch: StepBatch, old: OldPass) -> dict[str, float]:
+    """Expert agreement over the positions whose routing produced a response token (the last token's own routing
+    is never used): ``routing/rollout_vs_trainer/*``, the engine against the trainer at the same (sampling)
+    weights, and off-policy ``routing/trainer_sampled_vs_current/*``, the trainer at the sampling weights against
+    the trainer now (how far the policy's move changed the routing)."""
+    mask = batch.response_mask
+    pos_mask = torch.zeros_like(mask)
+    pos_mask[:, :-1] = mask[:, 1:]
+    out: dict[str, float] = {}
+
+    def agree(a: torch.Tensor, b: torch.Tensor, prefix: str) -> None:
+        w = min(a.shape[2], b.shape[2], pos_mask.shape[1])  # a record may be wider (partial rollouts' routes)
+        rs = routing_agreement_stats(
+            rollout_experts=a[:, :, :w].long().flatten(1, 2),
+            trainer_experts=b[:, :, :w].long().flatten(1, 2),
+            mask=pos_mask[:, :w].flatten(),
+        )
+        out.update(routing_agreement_metrics(_reduce(rs), prefix=prefix))
+
+    at_sampling = old.routing_at_sampling
+    if at_sampling is not None and batch.routed_experts is not None:
+        agree(batch.routed_experts, at_sampling, "routing/rollout_vs_trainer/")
+    if old.behaviour is not None and old.sampled_routing is not None and old.trainer_routing is not None:
+        agree(old.sampled_routing, old.trainer_routing, "routing/trainer_sampled_vs_current/")
+    return out
+
+
+def update_routes(*, recipe: Recipe, routing: Routing, batch: StepBatch, old: OldPass):
+    """The experts the update's forwards replay, ``[layers, n, L, k]`` (None: the trainer routes by itself). R3:
+    the engine's, per token those of the engine that sampled it. R2: the trainer's own, from the pass PPO's ratio
+    is taken against: pi_t's (``rl.proximal: current``), or pi_s's (``sampled``: the routes its denominator was
+    computed with, per token at the weights that sampled it). ``routing``: the run's (``trainer.modes.routing``)."""
+    routes = routing
+    if routes.update != "replay":
+        return None
+    if not routes.update_routes_from_old_pass:
+        return batch.routed_experts
+    if recipe.rl.proximal == "sampled" and old.behaviour is not None:
+        if old.sampled_routing is None:
+            raise RuntimeError(
+                "router replay r2 with rl.proximal = sampled: this batch's pass at its sampling weights recorded "
+                "no routes to replay"
+            )
+        return old.sampled_routing
+    return old.trainer_routing
 
 
 # -------------------------------------------------------------------------------------------- update
@@ -621,9 +697,8 @@ def update(
     loss_rows = LossRows(
         old=proximal, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights
     )
-    routes = tr.modes.routing
-    routing = routes.update
-    routed = op.trainer_routing if routes.update_routes_from_old_pass else local.routed_experts
+    routing = tr.modes.routing.update
+    routed = update_routes(recipe=r, routing=tr.modes.routing, batch=local, old=op)
     loss_stats, current = Stats(), Stats()
     applied, norms, losses, scales, updates, replayed = 0, [], [], [], 0, 0
     for epoch in range(r.rl.ppo_epochs):

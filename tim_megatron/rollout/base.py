@@ -85,6 +85,9 @@ class Sample:
     policy_logprobs: list[float] | None = None
     """The trainer policy's logprob of each response token, computed when it was sampled (the exact sampler; with
     a sampling injection ``logprobs`` are the perturbed distribution's and these the unperturbed policy's)."""
+    versions: list[int] | None = None
+    """Partial rollouts (:mod:`tim_megatron.rl.partial`): the version (updates applied) of the weights that sampled
+    each response token; None: one version for the whole response, the batch's."""
 
     @property
     def truncated(self) -> bool:
@@ -107,6 +110,36 @@ def sample_seed(base: int, step: int, prompt: int, sample: int) -> int:
     """The seed of one sample: a function of the run seed, the step and the GLOBAL prompt and sample index."""
     h = hashlib.blake2b(f"{base}:{step}:{prompt}:{sample}".encode(), digest_size=4).digest()
     return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+def segment_seed(base: int, step: int, segment: int, prompt: int, sample: int) -> int:
+    """Partial rollouts: the seed of the part of one sample that step ``segment`` generates, for the batch that
+    step ``step`` trains (global prompt and sample index): the same whatever the batching, the engines, the
+    schedule or a resume."""
+    h = hashlib.blake2b(f"partial:{base}:{step}:{segment}:{prompt}:{sample}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Segment:
+    """Partial rollouts: one generation call that goes on with sequences begun earlier (or begins them). The call's
+    ``prompts`` are each request's prefix, its prompt followed by the response so far; each is one request (n = 1).
+
+    The call returns, for each request, a :class:`Sample` whose ``prompt_ids`` are the prefix, whose
+    ``response_ids`` and ``logprobs`` are the tokens added, and whose ``routed_experts`` (when captured) are those of
+    the positions that sampled them: from ``len(prefix) - 1`` on when the prefix holds response tokens, from 0 (the
+    prompt's positions too) when it does not. ``finish_reason`` is ``length`` when the request used its budget."""
+
+    seeds: list[int]
+    """Each request's sampling seed (:func:`segment_seed`)."""
+    max_tokens: list[int]
+    """Each request's budget in this call (at least 1)."""
+    prompt_lens: list[int]
+    """Each request's own prompt length (the rest of its prefix is response)."""
+    indices: list[tuple[int, int]]
+    """Each request's (global prompt index, sample index) in its step."""
+    longest_prompt: int
+    """The longest prompt of the batch the requests belong to, on this engine (the exact sampler's width)."""
 
 
 @dataclass(frozen=True)
@@ -174,10 +207,12 @@ class RolloutEngine(Protocol):
         n: int | None = None,
         greedy: bool = False,
         injection: bool = True,
+        segment: Segment | None = None,
     ) -> tuple[list[list[Sample]], GenerationStats]:
         """``n`` samples of each prompt of this engine's block; ``first_index`` is the block's first global
         prompt index (it seeds the samples). ``injection=False`` samples the policy itself, without the recipe's
-        sampling injection (greedy decoding never applies it)."""
+        sampling injection (greedy decoding never applies it). ``segment``: partial rollouts, each prompt a prefix
+        to go on with (:class:`Segment`: one sample each, with its own seed and budget)."""
         ...
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -43,7 +43,14 @@ import torch.distributed as dist
 from tim_megatron.algo.injection import perturbed_logprobs, sampling_noise
 from tim_megatron.exact.draws import gumbel_argmax
 from tim_megatron.exact.kv_cache import KVCache
-from tim_megatron.rollout.base import FleetLayout, GenerationStats, RolloutInputError, Sample, sample_seed
+from tim_megatron.rollout.base import (
+    FleetLayout,
+    GenerationStats,
+    RolloutInputError,
+    Sample,
+    Segment,
+    sample_seed,
+)
 
 if TYPE_CHECKING:
     from tim_megatron.recipe.schema import SamplingInjection
@@ -86,23 +93,37 @@ class ExactSampler:
         n: int | None = None,
         greedy: bool = False,
         injection: bool = True,
+        segment: Segment | None = None,
     ) -> tuple[list[list[Sample]], GenerationStats]:
+        """As :meth:`~tim_megatron.rollout.base.RolloutEngine.generate`. With ``segment`` (partial rollouts) each
+        prompt is a prefix to go on with at the width of its batch (``segment.longest_prompt``, so a later pass
+        over the whole rows runs at the sampler's shapes), its draws at the response positions that follow the
+        prefix's."""
         r = self.recipe.rollout
-        n = r.n if n is None else n
+        n = 1 if segment is not None else r.n if n is None else n
         cap = self.recipe.data.max_prompt_tokens
-        for i, p in enumerate(prompts):
-            if not p or len(p) > cap:
+        own = segment.prompt_lens if segment is not None else [len(p) for p in prompts]
+        for i, (p, plen) in enumerate(zip(prompts, own, strict=True)):
+            if not p or not 1 <= plen <= min(len(p), cap):
                 raise RolloutInputError(
-                    f"rollout: prompt {i} has {len(p)} tokens; allowed 1..data.max_prompt_tokens = {cap}"
+                    f"rollout: prompt {i} has {plen} tokens; allowed 1..data.max_prompt_tokens = {cap}"
                 )
         t0 = time.perf_counter()
-        width = self.trainer.exact_width(max((len(p) for p in prompts), default=0))  # every rank calls
+        longest = segment.longest_prompt if segment is not None else max((len(p) for p in prompts), default=0)
+        width = self.trainer.exact_width(longest)  # every rank calls
         inject = None if greedy or not injection or self.injection.type == "off" else self.injection
         seqs = [list(p) for p in prompts for _ in range(n)]
-        seeds = [
-            sample_seed(self.recipe.run.seed, step, first_index + k // n, k % n) for k in range(len(seqs))
-        ]
-        results = [_Row(len(s)) for s in seqs]
+        if segment is not None:
+            seeds = list(segment.seeds)
+            results = [
+                _Row(len(s), budget=b, offset=len(s) - plen)
+                for s, b, plen in zip(seqs, segment.max_tokens, own, strict=True)
+            ]
+        else:
+            seeds = [
+                sample_seed(self.recipe.run.seed, step, first_index + k // n, k % n) for k in range(len(seqs))
+            ]
+            results = [_Row(len(s), budget=r.max_tokens) for s in seqs]
         forwards, cache = 0, None
         with self.trainer.weights_fixed():
             if self.recipe.diagnostics.exact_sampler == "kv-cache":
@@ -123,11 +144,11 @@ class ExactSampler:
                 s[res.prompt_len :],
                 res.logprobs,
                 res.finish,
-                prompt_index=first_index + k // n,
-                sample_index=k % n,
+                prompt_index=first_index + k // n if segment is None else segment.indices[k][0],
+                sample_index=k % n if segment is None else segment.indices[k][1],
                 engine=self.engine_index,
                 policy_logprobs=res.policy,
-                routed_experts=np.stack(res.routed).astype(np.int16) if res.routed else None,
+                routed_experts=res.routes(first=segment is None or res.offset == 0),
             )
             for k, (s, res) in enumerate(zip(seqs, results, strict=True))
         ]
@@ -158,7 +179,6 @@ class ExactSampler:
         sequence parallelism, plus one so that the last real entry's prediction is kept, and under expert
         parallelism to the largest count of any rank, whose forwards all run in step until every rank is done."""
         tr = self.trainer
-        budget = self.recipe.rollout.max_tokens
         cache = KVCache(rows=len(seqs), width=width, dtype=tr.exact_cache_dtype())
         lockstep = tr.recipe.parallel.ep > 1 and dist.is_initialized() and dist.get_world_size() > 1
         forwards, prefill = 0, True
@@ -186,7 +206,7 @@ class ExactSampler:
                 rows=[0] * len(active),
                 lengths=[i + 1 for i in last],
                 seeds=[seeds[row] for row in active],
-                positions=[len(results[row].logprobs) for row in active],
+                positions=[results[row].position for row in active],
                 greedy=greedy,
                 injection=inject,
             )
@@ -207,13 +227,12 @@ class ExactSampler:
             for k, row in enumerate(active):
                 seqs[row].append(chooser.tokens[k])
                 # The old pass's cross-entropy line, on this step's logits.
-                results[row].take(chooser, k, float(lp[last[k] + 1]), eos_id=self.eos_id, budget=budget)
+                results[row].take(chooser, k, float(lp[last[k] + 1]), eos_id=self.eos_id)
                 if results[row].finish is not None:
                     cache.release(row)  # the live sequences stay in one block of slots
 
     def _micro_batch(self, seqs, seeds, results, width: int, greedy: bool, inject) -> int:
         """Generate one micro-batch in place (``seqs`` grow); returns the number of forwards."""
-        budget = self.recipe.rollout.max_tokens
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         for row, s in enumerate(seqs):
             ids[row, : len(s)] = torch.tensor(s)
@@ -227,7 +246,7 @@ class ExactSampler:
                 rows=active,
                 lengths=[len(seqs[row]) for row in active],
                 seeds=[seeds[row] for row in active],
-                positions=[len(results[row].logprobs) for row in active],
+                positions=[results[row].position for row in active],
                 greedy=greedy,
                 injection=inject,
             )
@@ -241,7 +260,7 @@ class ExactSampler:
                 seqs[row].append(tok)
                 ids[row, pos] = tok
                 # The logprob from the old pass's own cross-entropy line, on this forward's logits.
-                res.take(chooser, k, float(lp[row, pos]), eos_id=self.eos_id, budget=budget)
+                res.take(chooser, k, float(lp[row, pos]), eos_id=self.eos_id)
 
     # ---------------------------------------------------------------------------- the rest of the protocol
 
@@ -298,24 +317,41 @@ class ExactSampler:
 
 
 class _Row:
-    """One sequence's generation so far."""
+    """One sequence's generation so far (in this call: ``prompt_len`` is the prefix it was given)."""
 
-    def __init__(self, prompt_len: int):
+    def __init__(self, prompt_len: int, *, budget: int, offset: int = 0):
         self.prompt_len = prompt_len
+        self.budget = budget
+        """The most tokens this call generates for it."""
+        self.offset = offset
+        """Response tokens in its prefix (partial rollouts): its draws' positions continue from there."""
         self.logprobs: list[float] = []
         self.policy: list[float] = []
         self.routed: list = []
         """``[layers, k]`` expert ids per input position, when captured."""
         self.finish: str | None = None
 
-    def take(self, chooser: _Chooser, k: int, policy: float, *, eos_id: int, budget: int) -> None:
+    @property
+    def position(self) -> int:
+        """The response position of the next token (the draw's counter)."""
+        return self.offset + len(self.logprobs)
+
+    def routes(self, *, first: bool) -> np.ndarray | None:
+        """The captured experts of the positions that sampled this call's tokens: every input position of a first
+        segment (the prompt's too), and from the prefix's last position on for a continuation."""
+        if not self.routed:
+            return None
+        start = 0 if first else self.prompt_len - 1
+        return np.stack(self.routed[start:]).astype(np.int16)
+
+    def take(self, chooser: _Chooser, k: int, policy: float, *, eos_id: int) -> None:
         """Record the token ``chooser`` picked for its ``k``-th row, with pi's logprob ``policy`` (and mu's, under
         an injection), and whether the row is done."""
         self.policy.append(policy)
         self.logprobs.append(policy if chooser.mu_logprobs is None else chooser.mu_logprobs[k])
         if chooser.tokens[k] == eos_id:
             self.finish = "stop"
-        elif len(self.logprobs) >= budget:
+        elif len(self.logprobs) >= self.budget:
             self.finish = "length"
 
 

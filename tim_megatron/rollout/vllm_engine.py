@@ -50,6 +50,7 @@ from tim_megatron.rollout.base import (
     GenerationStats,
     RolloutInputError,
     Sample,
+    Segment,
     check_model_files,
     sample_seed,
 )
@@ -345,13 +346,17 @@ class VLLMEngine:
         greedy: bool = False,
         max_tokens: int | None = None,
         injection: bool = True,
+        segment: Segment | None = None,
     ) -> tuple[list[list[Sample]], GenerationStats]:
         """``n`` samples for each prompt (token ids), grouped per prompt; ``first_index`` is the global index of
         ``prompts[0]`` in the step (it seeds the samples, so they do not depend on how prompts are split).
         ``max_tokens`` overrides ``rollout.max_tokens`` (tests capture routing on a prompt with 1 token).
-        ``injection=False``: the policy itself, without the sampling injection."""
+        ``injection=False``: the policy itself, without the sampling injection. ``segment``: partial rollouts, each
+        prompt a prefix to go on with, one request each (:class:`~tim_megatron.rollout.base.Segment`)."""
         from vllm import SamplingParams
 
+        if segment is not None:
+            return self._go_on(prompts, segment=segment, injection=injection)
         r = self.recipe.rollout
         n = r.n if n is None else n
         max_tokens = r.max_tokens if max_tokens is None else max_tokens
@@ -413,14 +418,114 @@ class VLLMEngine:
         n_prompt = sum(len(p) for p in prompts) * n
         return samples, GenerationStats(seconds=seconds, prompt_tokens=n_prompt, response_tokens=n_resp)
 
-    def _injection_args(self, step: int, prompt: int, sample: int, off: bool) -> dict | None:
-        """The sampling injection's per-request arguments (none when ``off``: validation sees the policy)."""
+    def _injection_args(
+        self, step: int, prompt: int, sample: int, off: bool, *, seed: int | None = None
+    ) -> dict | None:
+        """The sampling injection's per-request arguments (none when ``off``: validation sees the policy);
+        ``seed``: the request's own seed (a partial rollout's segment) instead of the sample's."""
         if self.injection is None or off:
             return None
         from tim_megatron.rollout.vllm_injection import request_args
 
-        seed = sample_seed(self.recipe.run.seed, step, prompt, sample)
+        if seed is None:
+            seed = sample_seed(self.recipe.run.seed, step, prompt, sample)
         return request_args(self.injection, sample_seed=seed, temperature=self.recipe.rollout.temperature)
+
+    def _go_on(
+        self, prefixes: list[list[int]], *, segment: Segment, injection: bool
+    ) -> tuple[list[list[Sample]], GenerationStats]:
+        """Partial rollouts: one request per prefix (its prompt and the response so far), each with its own seed
+        and budget; the returned samples hold the tokens added (see :class:`~tim_megatron.rollout.base.Segment`).
+        The routes kept are those of the positions that sampled the new tokens: a continuation computes its last
+        prefix position and what follows itself (vLLM never serves a request's last prompt token from its
+        cache), a first segment borrows its prompt's cached positions from the request that computed them."""
+        from vllm import SamplingParams
+
+        r, seg = self.recipe.rollout, segment
+        self._check_segment(prefixes, seg)
+        reqs, params = [], []
+        for i, p in enumerate(prefixes):
+            reqs.append({"prompt_token_ids": list(p)})
+            params.append(
+                SamplingParams(
+                    n=1,
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    top_k=r.top_k,
+                    max_tokens=seg.max_tokens[i],
+                    stop=list(r.stop) or None,
+                    logprobs=0,
+                    seed=seg.seeds[i],
+                    extra_args=self._injection_args(0, 0, 0, not injection, seed=seg.seeds[i]),
+                    **({"return_routed_experts": True} if self._native_capture else {}),
+                )
+            )
+        capture = self.capture and not self._native_capture
+        if capture:
+            from patches.vllm import routed_experts_capture
+
+            routed_experts_capture.begin(self.llm)
+        t = time.perf_counter()
+        outs = self.llm.generate(reqs, params, use_tqdm=False) if reqs else []
+        seconds = time.perf_counter() - t
+        captured = routed_experts_capture.end(self.llm) if capture else {}
+        by_request = {_external(k): v for k, v in captured.items()}
+        prefix_experts: dict[tuple, dict[int, np.ndarray]] = {}
+        out: list[Sample] = []
+        for i, o in enumerate(outs):
+            c = o.outputs[0]
+            prompt, sample = seg.indices[i]
+            s = Sample(
+                list(o.prompt_token_ids),
+                list(c.token_ids),
+                [d[tok].logprob for tok, d in zip(c.token_ids, c.logprobs, strict=True)],
+                c.finish_reason or "stop",
+                prompt_index=prompt,
+                sample_index=sample,
+                engine=self.engine_index,
+            )
+            first = len(s.prompt_ids) == seg.prompt_lens[i]  # no response yet: the prompt's positions too
+            start = 0 if first else len(s.prompt_ids) - 1
+            if self._native_capture:
+                experts = _moe_layers_only(np.asarray(c.routed_experts), self.num_moe_layers)
+                s.routed_experts = experts[start : len(s.prompt_ids) + len(s.response_ids) - 1]
+            elif capture and first:
+                s.routed_experts = _assemble(s, by_request.get(o.request_id), prefix_experts)
+            elif capture:
+                s.routed_experts = _positions(by_request.get(o.request_id), start, len(s.response_ids))
+            out.append(s)
+        for s in out:
+            if isinstance(s.routed_experts, tuple):
+                s.routed_experts = _fill_prefix(*s.routed_experts, prefix_experts)
+        n_resp = sum(len(s.response_ids) for s in out)
+        return [[s] for s in out], GenerationStats(
+            seconds=seconds, prompt_tokens=sum(len(p) for p in prefixes), response_tokens=n_resp
+        )
+
+    def _check_segment(self, prefixes: list[list[int]], seg: Segment) -> None:
+        n = len(prefixes)
+        if not (len(seg.seeds) == len(seg.max_tokens) == len(seg.prompt_lens) == len(seg.indices) == n):
+            raise RolloutInputError(
+                f"rollout: a partial segment of {n} prefixes has {len(seg.seeds)} seeds, {len(seg.max_tokens)} "
+                f"budgets, {len(seg.prompt_lens)} prompt lengths and {len(seg.indices)} indices"
+            )
+        r, cap = self.recipe.rollout, self.recipe.data.max_prompt_tokens
+        for i, (p, budget, plen) in enumerate(zip(prefixes, seg.max_tokens, seg.prompt_lens, strict=True)):
+            if not 1 <= plen <= min(len(p), cap):
+                raise RolloutInputError(
+                    f"rollout: partial request {i} has a prompt of {plen} tokens in a prefix of {len(p)}; allowed "
+                    f"1..data.max_prompt_tokens = {cap}"
+                )
+            if budget < 1 or len(p) - plen + budget > r.max_tokens:
+                raise RolloutInputError(
+                    f"rollout: partial request {i} has {len(p) - plen} response tokens and a budget of {budget}: "
+                    f"the response may hold 1 to rollout.max_tokens = {r.max_tokens}"
+                )
+            if len(p) + budget > r.max_model_len:
+                raise RolloutInputError(
+                    f"rollout: partial request {i} has a prefix of {len(p)} tokens and a budget of {budget}: it needs "
+                    f"{len(p) + budget} > rollout.max_model_len = {r.max_model_len}"
+                )
 
     # ------------------------------------------------------------------------------------- weights
 
@@ -545,6 +650,22 @@ def _assemble(s: Sample, captured, prefix_experts: dict) -> tuple:
                 if p < len(s.prompt_ids):
                     prefix_experts.setdefault(key, {}).setdefault(p, e)
     return (have, key, need)
+
+
+def _positions(captured, start: int, count: int) -> np.ndarray:
+    """A continuation's routes: positions ``start`` .. ``start + count - 1`` (its last prefix position and the new
+    tokens but the last), all of which the request computed itself."""
+    have: dict[int, np.ndarray] = {}
+    if captured is not None:
+        pos, experts = captured
+        have = {p: e for p, e in zip(pos.tolist(), experts, strict=True) if start <= p < start + count}
+    missing = [p for p in range(start, start + count) if p not in have]
+    if missing:
+        raise RuntimeError(
+            f"routed-experts capture has no record of positions {missing[:5]} of a continued request (from {start})"
+        )
+    rows = [have[p] for p in range(start, start + count)]
+    return np.stack(rows) if rows else np.zeros((0, 0, 0), dtype=np.int16)
 
 
 def _fill_prefix(have: dict, key: tuple, need: int, prefix_experts: dict) -> np.ndarray:

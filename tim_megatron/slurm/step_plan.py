@@ -270,6 +270,9 @@ def _variant(recipe: Recipe, *, rollout: dict, trainer: dict | None = None) -> t
     data = recipe.model_dump(mode="json")
     data["rollout"].update(rollout)
     data["trainer"].update(trainer or {})
+    data["rl"]["correction"]["allow_biased"] = (
+        True  # the step's time does not depend on how its loss is corrected
+    )
     try:
         return Recipe.model_validate(data), ""
     except ValidationError as e:
