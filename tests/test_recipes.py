@@ -414,7 +414,7 @@ YARN = ["rope_scaling=yarn", "yarn_factor=4.0", "yarn_original_max_position_embe
     "recipe, overrides, family, have",
     [
         ("tiny-moe", MLA, "qwen3_moe", "deepseek_v2, deepseek_v3"),
-        ("tiny-moe", YARN, "qwen3_moe", "deepseek_v2, deepseek_v3"),
+        ("tiny-moe", YARN, "qwen3_moe", "deepseek_v2, deepseek_v3, gpt_oss"),
         ("tiny-glm4-moe", ["router_groups=2"], "glm4_moe", "deepseek_v3"),
     ],
 )

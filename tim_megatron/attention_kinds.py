@@ -1,7 +1,8 @@
 """Attention kinds: what a model's attention means for the rest of the project, decided in one place.
 
 A kind answers every question whose answer differs between grouped-query attention (Qwen3, Mixtral, OLMoE,
-GLM-4.5) and multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight): megatron-core's config class,
+GLM-4.5), the same with attention sinks and sliding windows (gpt-oss) and multi-head latent attention
+(DeepSeek-V2/V3, Kimi-K2, Moonlight): megatron-core's config class,
 the bytes one token takes in vLLM's cache, the width the attention FLOPs scale with, the attention parameters
 of a layer, the trainer's attention kernel, the megatron-core patches it needs, whether the exact sampler
 caches it, and what vLLM's CPU attention accepts. :func:`attention_kind` picks the kind from the model's dims,
@@ -28,7 +29,7 @@ transformers: their RMSNorm's default, whatever ``rms_norm_eps`` (the decoder la
 
 
 class AttentionKind:
-    """The interface; :data:`GROUPED_QUERY` and :data:`LATENT` are its two implementations."""
+    """The interface; :data:`GROUPED_QUERY`, :data:`SINKS_AND_WINDOWS` and :data:`LATENT` implement it."""
 
     latent: bool
     """The cache holds a compressed latent rather than per-head keys and values."""
@@ -91,6 +92,8 @@ class _GroupedQuery(AttentionKind):
         attn = h * (q + 2 * kv) + q * h
         if d.attention_bias:
             attn += q + 2 * kv
+        if d.linear_biases:  # the output projection's
+            attn += h
         return attn + {"per_head": 2 * hd, "whole": q + kv, "none": 0}[d.qk_norm]
 
     def patches(self, *, tp):
@@ -161,17 +164,41 @@ class _Latent(AttentionKind):
         )
 
 
+class _SinksAndWindows(_GroupedQuery):
+    """Grouped-query attention with a learned sink logit per head and sliding windows in alternate layers
+    (gpt-oss): megatron-core's ``DotProductAttention`` with ``softmax_type = learnable`` and ``window_size``, or
+    :class:`tim_megatron.trainer.attention.SinkFlexCoreAttention` (``trainer.attention: sdpa``, CUDA)."""
+
+    exact_cache = (
+        False  # exact mode's invariant kernels and its sampler's cache know neither sinks nor windows
+    )
+
+    def layer_params(self, d):
+        return super().layer_params(d) + (d.num_attention_heads if d.attention_sinks else 0)
+
+    def patches(self, *, tp):
+        # megatron-core builds the sliding-window mask on "cuda" (needed only without CUDA)
+        return ("sliding_window_mask",)
+
+
 GROUPED_QUERY: AttentionKind = _GroupedQuery()
 """Grouped-query attention (multi-head attention when the KV heads equal the heads)."""
 LATENT: AttentionKind = _Latent()
 """Multi-head latent attention (DeepSeek-V2's MLA)."""
+SINKS_AND_WINDOWS: AttentionKind = _SinksAndWindows()
+"""Grouped-query attention with attention sinks and alternating sliding windows (gpt-oss)."""
 
 
 def attention_kind(d: ModelDims) -> AttentionKind:
-    """The kind of ``d``'s attention: latent when it has a latent rank (``kv_lora_rank`` > 0)."""
-    return LATENT if d.kv_lora_rank > 0 else GROUPED_QUERY
+    """The kind of ``d``'s attention: latent when it has a latent rank (``kv_lora_rank`` > 0), with sinks and
+    windows when it has either (``attention_sinks``, ``sliding_window``), else grouped-query."""
+    if d.kv_lora_rank > 0:
+        return LATENT
+    return SINKS_AND_WINDOWS if d.attention_sinks or d.sliding_window else GROUPED_QUERY
 
 
 def attention_kind_of_config(hf_config: Mapping) -> AttentionKind:
-    """The kind of an HF ``config.json``'s attention (the same rule, on its raw keys)."""
-    return LATENT if hf_config.get("kv_lora_rank") else GROUPED_QUERY
+    """The kind of an HF ``config.json``'s attention (the same rule, on its raw keys; gpt-oss by its model type)."""
+    if hf_config.get("kv_lora_rank"):
+        return LATENT
+    return SINKS_AND_WINDOWS if hf_config.get("model_type") == "gpt_oss" else GROUPED_QUERY

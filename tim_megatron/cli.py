@@ -895,17 +895,19 @@ def new_recipe_cmd(
 
 @app.command("dequantize")
 def dequantize_cmd(
-    src: Path = typer.Argument(..., help="block-FP8 HF checkpoint folder (DeepSeek-V3, Kimi-K2)"),
+    src: Path = typer.Argument(
+        ..., help="block-FP8 (DeepSeek-V3, Kimi-K2) or MXFP4 (gpt-oss) HF checkpoint folder"
+    ),
     dst: Path = typer.Argument(..., help="new folder for the bfloat16 copy (must not exist)"),
 ) -> None:
-    """Write a bfloat16 copy of a block-FP8 checkpoint: the weights vLLM serves and the trainer trains."""
+    """Write a bfloat16 copy of a block-FP8 or MXFP4 checkpoint: the weights vLLM serves and the trainer trains."""
     from tim_megatron.safe_files import UnsafePathError
     from tim_megatron.trainer.hf_config import UnsupportedModelError
-    from tim_megatron.trainer.weights import WeightLoadError
-    from tim_megatron.trainer.weights.fp8_checkpoint import convert_checkpoint
+    from tim_megatron.trainer.weights import HFCheckpoint, WeightLoadError, fp8_checkpoint, mxfp4_checkpoint
 
     try:
-        n = convert_checkpoint(src, dst, to="bfloat16")
+        fmt = mxfp4_checkpoint if HFCheckpoint(src).mxfp4 else fp8_checkpoint
+        n = fmt.convert_checkpoint(src, dst, to="bfloat16")
     except (
         ValueError,
         FileExistsError,

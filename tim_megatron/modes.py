@@ -110,6 +110,8 @@ def modes_of(recipe: Recipe) -> RunModes:
     )
     kind = attention_kind(d)
     patches = ["cpu_shims", "no_te_router_gemm", "sync_free_grad_norm", *kind.patches(tp=recipe.parallel.tp)]
+    if d.linear_biases and d.is_moe:
+        patches.append("expert_bias_grad")  # megatron-core adds an expert's fc2 bias in place
     if routing.hooks:
         patches.append("router_replay")
     if exact:

@@ -246,6 +246,8 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     rep = ws.push(eng, tr, probe=lambda: seqs)
     out["sync_tensors"] = int(rep["sync/tensors"])
     out["after_sync_vllm_vs_megatron"] = _vllm_vs_trainer(eng, tr, batch, seqs)
+    if dims.resolved_family == "gpt_oss":  # the family whose reload needs patches/vllm/gpt_oss_reload.py
+        out.update(reload_without_patch(eng, tr, ws, batch, seqs))
     out.update(align_checks(eng, tr, seqs, dims))  # before R3's check perturbs the trainer's routers
     out.update(r3_replay(tr, batch, mask, adv, routed, dims))
     eng.close()  # the engine first: it joined the trainer's process group
@@ -253,6 +255,26 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     if dims.resolved_family == "deepseek_v3":  # the family whose checkpoints are published in block FP8
         out.update(fp8_load(r, ck, seed, out["logprobs"]))
     out["kernels"] = other_kernels(recipe_path, ck, seed, mla=dims.is_mla, hf_lp=hf_lp, valid=valid)
+
+
+def reload_without_patch(eng, tr: MegatronTrainer, ws, batch: SeqBatch, seqs: list[list[int]]) -> dict:
+    """gpt-oss: another update, loaded into the engine without patches/vllm/gpt_oss_reload.py (vLLM 0.32 copies the
+    fused experts and the sinks around their weight loaders, which its in-place reload ignores), then with it."""
+    from patches.vllm import gpt_oss_reload
+    from tim_megatron.algo.stats import Stats
+
+    tr.train_step(batch, lambda lp_, rows, s: (-lp_[:, 1:].mean(), Stats()), lr=1e-3)
+    gpt_oss_reload.revert()
+    try:
+        ws.load(eng, tr.export_hf())
+        bare = _vllm_vs_trainer(eng, tr, batch, seqs)
+    finally:
+        gpt_oss_reload.apply()
+    ws.load(eng, tr.export_hf())
+    return {
+        "reload_unpatched_vllm_vs_megatron": bare,
+        "reload_patched_vllm_vs_megatron": _vllm_vs_trainer(eng, tr, batch, seqs),
+    }
 
 
 KERNELS = {
@@ -270,15 +292,42 @@ def other_kernels(
 ) -> dict:
     """The fixed batch's logprobs (also against HF transformers') and gradients with the grouped experts, and with
     torch's fused attention (latent attention runs on it always: no second run)."""
+    from tim_megatron.recipe import RecipeError
+
     res = {}
     for name, overrides in KERNELS.items():
         if name == "sdpa" and mla:
             continue
-        tr = MegatronTrainer(load_recipe(recipe_path, [*BASE, *overrides]).recipe, model_path=ck)
+        try:
+            recipe = load_recipe(recipe_path, [*BASE, *overrides]).recipe
+            refused = kernel_refusal(recipe)
+        except RecipeError as e:  # grouped experts with biases (gpt-oss)
+            refused = str(e)
+        if refused:
+            res[name] = {"refused": refused}
+            continue
+        tr = MegatronTrainer(recipe, model_path=ck)
         res[name] = {**equivalence(tr, seed), "built": tr.kernels}
         res[name]["vs_hf"] = float((res[name]["logprobs"] - hf_lp)[valid].abs().max())
         tr.close()
     return res
+
+
+def kernel_refusal(recipe) -> str:
+    """Why the trainer would refuse the recipe's layer kernels on this machine ('' when it builds them): FlexAttention
+    for attention sinks has no backward on the CPU (gpt-oss with ``trainer.attention: sdpa``)."""
+    from tim_megatron.trainer.attention import LayerKernels, resolve_attention
+    from tim_megatron.trainer.families import get_family
+
+    dims = recipe.model.dims
+    if not (dims.attention_sinks or dims.sliding_window):
+        return ""
+    kernels = LayerKernels(attention=resolve_attention(recipe.trainer.attention, exact=False))
+    try:
+        get_family(dims.resolved_family).layer_specs(dims, False, kernels=kernels)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def fp8_load(r, ck: Path, seed: int, source_logprobs: torch.Tensor) -> dict:
@@ -385,6 +434,8 @@ def r3_replay(tr: MegatronTrainer, batch: SeqBatch, mask, adv, routed: torch.Ten
         fr = torch.zeros_like(got).scatter_(-1, free[layer, :, :s].long(), True)
         differs.append(bool((fr != want).any(-1)[valid].any()))
         logits = x.float().reshape(-1, x.shape[-1]) @ routers[layer].weight.float().t()  # [s*N, E]
+        if routers[layer].bias is not None:  # gpt-oss's router has a bias
+            logits = logits + routers[layer].bias.float()
         idx = routed[layer, :, :s].permute(1, 0, 2).reshape(-1, dims.num_experts_per_tok)
         ref = gating_weights(logits, idx, dims)
         got_w = probs.gather(1, idx)
@@ -424,7 +475,10 @@ def gating_weights(
 def scenario_parallel(recipe_path: str, out: dict, *, seed: int) -> None:
     from tim_megatron.recipe import RecipeError
 
-    for name, layout in (("tp2", ["parallel.tp=2"]), ("ep2", ["parallel.ep=2", "parallel.dp=2"])):
+    biases = load_recipe(recipe_path, BASE).recipe.model.dims.linear_biases
+    # expert biases allow no expert-TP (gpt-oss): TP=2 with the experts on EP=2 instead
+    tp2 = ["parallel.tp=2", "parallel.ep=2", "parallel.expert_tp=1"] if biases else ["parallel.tp=2"]
+    for name, layout in (("tp2", tp2), ("ep2", ["parallel.ep=2", "parallel.dp=2"])):
         try:
             r = load_recipe(recipe_path, [*BASE, *layout]).recipe
         except RecipeError as e:  # a layout the recipe refuses (MLA under TP): the refusal is the result
@@ -442,8 +496,20 @@ def scenario_parallel(recipe_path: str, out: dict, *, seed: int) -> None:
         if patched:  # the same step without the patch: what megatron-core 0.16.1 computes on its own
             patched[0].revert()
             out[name]["unpatched"] = equivalence(tr, seed)
+        if biases and name == "tp2":  # the same without patches/megatron/expert_bias_grad.py's gradient fix
+            from patches.megatron import expert_bias_grad
+            from tim_megatron.trainer.model import unwrap
+
+            for p in expert_bias_grad.expert_fc2_biases(unwrap(tr.model)):
+                p.sequence_parallel = True  # as megatron-core 0.16.1 marks them
+            out[name]["unpatched"] = equivalence(tr, seed)
+        try:
+            grouped = load_recipe(recipe_path, [*BASE, *layout, *KERNELS["grouped"]]).recipe
+        except RecipeError as e:  # grouped experts with biases (gpt-oss)
+            out[name]["grouped"] = {"refused": str(e)}
+            tr.close(keep_default_group=True)
+            continue
         del tr
-        grouped = load_recipe(recipe_path, [*BASE, *layout, *KERNELS["grouped"]]).recipe
         tr = MegatronTrainer(grouped, model_path=ck)
         out[name]["grouped"] = {**equivalence(tr, seed), "built": tr.kernels}
         tr.close(keep_default_group=True)  # its patches go with it: the next family's trainer applies its own

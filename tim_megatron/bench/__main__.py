@@ -21,6 +21,7 @@ BENCHES = {
     "dispatch": "tim_megatron.bench.dispatch",
     "step_paths": "tim_megatron.bench.step_paths",
     "offpolicy": "tim_megatron.bench.offpolicy",
+    "sink_attention": "tim_megatron.bench.sink_attention",
 }
 
 

@@ -219,6 +219,7 @@ def check_kernels(ctx: Context) -> list[Outcome]:
                 dtype=getattr(torch, r.trainer_dtype),
                 on_gpu=on_gpu,
                 widths=(r.model.dims.hidden_size, r.model.dims.moe_intermediate_size // r.parallel.etp),
+                biases=r.model.dims.linear_biases,
             )
             if r.model.dims.is_moe
             else "none (dense model)"

@@ -128,6 +128,23 @@ class ModelDims(Section):
     """YaRN: attention temperature coefficient of the rotary embedding (``rope_scaling.mscale``)."""
     yarn_mscale_all_dim: float = Field(0.0, ge=0, le=1e6)
     """YaRN: the coefficient that also scales the softmax (``rope_scaling.mscale_all_dim``; 0: none)."""
+    yarn_truncate: bool = True
+    """YaRN: round the bounds of the frequency ramp to whole dimensions (``rope_scaling.truncate``; DeepSeek's
+    YaRN always does, gpt-oss's does not: ``truncate: false``)."""
+    attention_sinks: bool = False
+    """A learned logit per query head joins every softmax over the keys as one more entry with no value, so a head
+    can put weight on nothing (``self_attn.sinks``; gpt-oss)."""
+    sliding_window: int = Field(0, ge=0, le=_MAX_POSITIONS)
+    """Sliding-window attention in the even layers (0, 2, ...): a query there sees itself and the
+    ``sliding_window - 1`` tokens before it, while the odd layers see the whole prefix (``sliding_window`` with
+    ``layer_types`` alternating sliding and full attention, as in gpt-oss). 0: full attention in every layer."""
+    linear_biases: bool = False
+    """Biases on the attention output projection, the router and both projections of every expert (gpt-oss;
+    megatron-core's ``add_bias_linear``). The q/k/v biases are ``attention_bias``, which this needs."""
+    swiglu_limit: float = Field(0.0, ge=0, le=1e6)
+    """The MLPs' activation: 0 for SwiGLU, ``silu(gate) * up``; above 0 gpt-oss's clamped SwiGLU,
+    ``g * sigmoid(1.702 g) * (u + 1)`` with ``g = min(gate, limit)`` and ``u = clamp(up, -limit, limit)``
+    (``swiglu_limit``; gpt-oss: 7; its sigmoid gain ``swiglu_alpha`` is 1.702)."""
 
     @property
     def is_moe(self) -> bool:
@@ -189,6 +206,12 @@ def _check_features_fit(d: ModelDims) -> None:
             ["model.dims.yarn_factor", "model.dims.yarn_original_max_position_embeddings"],
             f"rope_scaling = yarn needs yarn_factor > 1 (got {d.yarn_factor}) and "
             f"yarn_original_max_position_embeddings >= 1 (got {d.yarn_original_max_position_embeddings})",
+        )
+    if d.linear_biases and not d.attention_bias:
+        raise RecipeValueError(
+            ["model.dims.linear_biases", "model.dims.attention_bias"],
+            "linear_biases = true needs attention_bias = true (megatron-core gives every linear layer a bias, the "
+            "q/k/v projections included)",
         )
     if not d.is_moe:
         moe_only = {
@@ -347,9 +370,14 @@ FEATURES = (
             "yarn_mscale",
             "yarn_mscale_all_dim",
         ),
-        ("deepseek_v2", "deepseek_v3"),
+        ("deepseek_v2", "deepseek_v3", "gpt_oss"),
     ),
     Feature("partial rotary embeddings", ("partial_rotary_factor",), ("glm4_moe",), optional=False),
+    Feature("a YaRN frequency ramp with unrounded bounds", ("yarn_truncate",), ("gpt_oss",)),
+    Feature("attention sinks", ("attention_sinks",), ("gpt_oss",)),
+    Feature("alternating sliding-window attention", ("sliding_window",), ("gpt_oss",)),
+    Feature("biases on every linear layer", ("linear_biases",), ("gpt_oss",)),
+    Feature("the clamped SwiGLU of gpt-oss", ("swiglu_limit",), ("gpt_oss",)),
 )
 """The family-specific features: each family's own fields, validated through its family
 (:func:`_check_family_features`)."""

@@ -86,12 +86,38 @@ def _check_model_and_parallel(r) -> None:
             ["parallel.tp", "model.dims.vocab_size"],
             f"parallel.tp = {p.tp} must divide model.dims.vocab_size = {d.vocab_size}",
         )
+    _check_sinks_and_biases(r)
     if d.is_mla and r.diagnostics.vexact == "exact":
         raise RecipeValueError(
             ["diagnostics.vexact", "model.dims.kv_lora_rank"],
             "diagnostics.vexact = exact with multi-head latent attention: exact mode's row-invariant kernels and "
             "KV-cache sampler cover megatron-core's ordinary attention, not MLA's; allowed for MLA: "
             "diagnostics.vexact = off",
+        )
+
+
+def _check_sinks_and_biases(r) -> None:
+    """gpt-oss's features against the trainer's settings that cannot compute them."""
+    d, p = r.model.dims, r.parallel
+    if d.linear_biases and d.is_moe and p.etp > 1:
+        raise RecipeValueError(
+            ["parallel.expert_tp", "model.dims.linear_biases"],
+            f"parallel.expert_tp = {p.etp} with expert biases (model.dims.linear_biases): megatron-core sums the "
+            "expert-TP ranks' outputs, and each would add the whole fc2 bias; allowed: expert_tp = 1 (with "
+            "parallel.tp > 1, set parallel.ep > 1 and parallel.expert_tp = 1)",
+        )
+    if d.linear_biases and d.is_moe and r.trainer.experts == "grouped":
+        raise RecipeValueError(
+            ["trainer.experts", "model.dims.linear_biases"],
+            "trainer.experts = grouped with expert biases (model.dims.linear_biases): the grouped experts "
+            "(tim_megatron/trainer/experts.py) have no biases; allowed: loop, auto (which takes the loop here)",
+        )
+    if (d.attention_sinks or d.sliding_window) and r.diagnostics.vexact == "exact":
+        raise RecipeValueError(
+            ["diagnostics.vexact", "model.dims.attention_sinks", "model.dims.sliding_window"],
+            "diagnostics.vexact = exact with attention sinks or sliding windows: exact mode's row-invariant "
+            "attention and its sampler's KV cache compute neither; allowed for such models: diagnostics.vexact = "
+            "off",
         )
 
 

@@ -226,9 +226,10 @@ class VLLMEngine:
         from vllm import LLM
 
         kwargs = self._llm_arguments(vllm_version)
-        from patches.vllm import mla_latent_norm_eps
+        from patches.vllm import gpt_oss_reload, mla_latent_norm_eps
 
         mla_latent_norm_eps.apply()  # DeepSeek's latent norms with its own epsilon (no-op for other models)
+        gpt_oss_reload.apply()  # gpt-oss's experts and sinks reach an in-place reload (no-op for other models)
         if not self.on_gpu:
             from patches.vllm import cpu_eager_token_rank, cpu_portable_kernels, cpu_rope_heads
 

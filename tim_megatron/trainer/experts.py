@@ -83,15 +83,21 @@ def resolve_experts(
     dtype: torch.dtype,
     on_gpu: bool,
     widths: tuple[int, ...] = (),
+    biases: bool = False,
 ) -> str:
     """The expert path a run builds: exact mode keeps the loop; ``auto`` takes the grouped GEMMs on CUDA where the
     kernel runs in the run's dtype and at the model's ``widths`` (:func:`grouped_mm_problem`), and the loop
     elsewhere (on CPU torch's grouped GEMM runs one GEMM per expert itself, so the gain is small and
     shape-dependent, ``make bench experts``; the project's CPU figures were measured on the loop); ``grouped``
-    where the kernel cannot run is refused."""
+    where the kernel cannot run is refused, and so is it for experts with ``biases`` (gpt-oss), which the stacked
+    weights do not hold (``auto`` takes the loop)."""
     if setting not in EXPERT_KERNELS:
         raise ValueError(f"trainer.experts = {setting!r}; allowed: {', '.join(EXPERT_KERNELS)}")
-    if exact:
+    if biases and setting == "grouped":
+        raise ValueError(
+            "trainer.experts = grouped: the grouped experts have no biases (allowed here: loop, auto)"
+        )
+    if exact or biases:
         return "loop"
     if setting == "loop":
         return "loop"

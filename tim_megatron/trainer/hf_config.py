@@ -117,12 +117,15 @@ def model_family(cfg: dict[str, Any]) -> str:
 
 
 def dims_from_hf(cfg: dict[str, Any]) -> ModelDims:
-    """The model's dims through its family; a ``quantization_config`` other than block FP8 is refused by key."""
+    """The model's dims through its family; a ``quantization_config`` other than block FP8 or MXFP4 is refused by
+    key."""
     from tim_megatron.trainer.weights.fp8 import QuantizationConfigError, block_fp8_of
+    from tim_megatron.trainer.weights.mxfp4 import is_mxfp4
 
     family = family_for_hf(cfg)
     try:
-        block_fp8_of(cfg, where=family.architectures[0])
+        if not is_mxfp4(cfg):
+            block_fp8_of(cfg, where=family.architectures[0])
     except QuantizationConfigError as e:
         raise UnsupportedModelError(str(e)) from None
     return family.read_dims(cfg)

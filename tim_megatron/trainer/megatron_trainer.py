@@ -169,6 +169,7 @@ class MegatronTrainer:
                 dtype=DTYPES[self.dtype],
                 on_gpu=torch.cuda.is_available(),
                 widths=(d.hidden_size, d.moe_intermediate_size // self.recipe.parallel.etp),
+                biases=d.linear_biases,
             )
         return LayerKernels(
             attention=self.modes.attention.fixed_kernel or resolve_attention(t.attention, exact=self.exact),

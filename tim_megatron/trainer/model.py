@@ -98,14 +98,16 @@ def transformer_config(
             expert_tensor_parallel_size=parallel.etp,
         )
     config_class = attention_kind(dims).config_class()
-    return config_class(
+    # the family's architecture may override plain_layers' defaults (gpt-oss: biases, its clamped SwiGLU)
+    layers = {**plain_layers(), **{k: arch.pop(k) for k in list(arch) if k in plain_layers()}}
+    config = config_class(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
         num_attention_heads=dims.num_attention_heads,
         num_query_groups=dims.num_key_value_heads,
         kv_channels=dims.head_dim,
         layernorm_epsilon=dims.rms_norm_eps,
-        **plain_layers(),
+        **layers,
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
         params_dtype=dtype,
@@ -118,7 +120,42 @@ def transformer_config(
         calculate_per_token_loss=True,  # our losses are pre-normalized by global denominators: sum grads over DP
         **recompute_kwargs(opts.recompute),
         **arch,
+        **attention_features(dims),
         **run,
+    )
+    for name, value in yarn_attributes(dims).items():
+        setattr(config, name, value)
+    return config
+
+
+def attention_features(dims: ModelDims) -> dict:
+    """megatron-core config arguments of attention sinks and sliding windows (gpt-oss): a learned sink logit per
+    head (``softmax_type = learnable``: ``DotProductAttention.softmax_offset``), and a window of
+    ``sliding_window`` tokens (the query and the ``sliding_window - 1`` before it) in layers 0, 2, ... (megatron's
+    1-based layer numbers not divisible by 2)."""
+    kw: dict = {}
+    if dims.attention_sinks:
+        kw["softmax_type"] = "learnable"
+    if dims.sliding_window:
+        kw.update(window_size=(dims.sliding_window - 1, 0), window_attn_skip_freq=2)
+    return kw
+
+
+def yarn_attributes(dims: ModelDims) -> dict:
+    """YaRN for ordinary (non-latent) attention: megatron-core's ``GPTModel`` builds ``YarnRotaryEmbedding`` from
+    these attributes of its config, and ``SelfAttention`` scales the rotated query and key by YaRN's concentration
+    factor from them; a plain ``TransformerConfig`` has no such fields, so they are set on it after construction.
+    Latent attention reads its own (``MLATransformerConfig``)."""
+    if dims.rope_scaling != "yarn" or attention_kind(dims).latent:
+        return {}
+    return dict(
+        yarn_rotary_scaling_factor=dims.yarn_factor,
+        yarn_original_max_position_embeddings=dims.yarn_original_max_position_embeddings,
+        yarn_beta_fast=dims.yarn_beta_fast,
+        yarn_beta_slow=dims.yarn_beta_slow,
+        yarn_mscale=dims.yarn_mscale,
+        yarn_mscale_all_dim=dims.yarn_mscale_all_dim,
+        yarn_correction_range_round_to_int=dims.yarn_truncate,
     )
 
 
@@ -174,7 +211,7 @@ def build_model(dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismCo
         pre_process=True,
         post_process=True,
         share_embeddings_and_output_weights=dims.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if yarn_attributes(dims) else "rope",
         rotary_base=int(dims.rope_theta) if float(dims.rope_theta).is_integer() else dims.rope_theta,
         rotary_percent=dims.partial_rotary_factor,
         parallel_output=True,

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from patches.megatron import (
     cpu_shims,
+    expert_bias_grad,
     invariant_kernels,
     mla_tp_rope_grad,
     mla_without_te,
     no_te_router_gemm,
     router_replay,
+    sliding_window_mask,
     sync_free_grad_norm,
 )
 from tim_megatron.modes import RunModes
@@ -25,6 +27,8 @@ BEFORE_INIT = {
     "no_te_router_gemm": no_te_router_gemm,
     "sync_free_grad_norm": sync_free_grad_norm,
     "mla_without_te": mla_without_te,
+    "sliding_window_mask": sliding_window_mask,
+    "expert_bias_grad": expert_bias_grad,
 }
 """Process-wide replacements, applied before the parallel groups exist, when the environment needs them."""
 AFTER_INIT = {"mla_tp_rope_grad": mla_tp_rope_grad}
@@ -67,9 +71,12 @@ def after_init(modes: RunModes) -> list:
 
 
 def on_model(modes: RunModes, gpt, *, device: str) -> None:
-    """Router replay's hooks and exact mode's row-invariant kernels (for ``device``) on the built model."""
+    """Router replay's hooks, the expert biases' gradient reduction and exact mode's row-invariant kernels (for
+    ``device``) on the built model."""
     if "router_replay" in modes.patches:
         router_replay.attach(gpt)
+    if "expert_bias_grad" in modes.patches:
+        expert_bias_grad.unmark_sequence_parallel(gpt)
     if "invariant_kernels" in modes.patches:
         from tim_megatron.exact.kernels import kernels_for
 

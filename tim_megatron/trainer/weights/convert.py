@@ -3,7 +3,8 @@
 * :func:`load_hf_into_model`: reads HF safetensors (one file or several) and copies into each rank's slices,
   TP/ETP/EP aware. Every model parameter must be covered, every needed HF tensor must exist with the
   expected shape; anything else is an error that names the tensor and both shapes.
-* :func:`export_hf`: yields ``(hf_name, tensor)`` in HF checkpoint names and shapes (per-expert tensors),
+* :func:`export_hf`: yields ``(hf_name, tensor)`` in HF checkpoint names and shapes (per-expert tensors, or the
+  experts stacked into one tensor where the checkpoint stacks them: gpt-oss),
   gathering slices over TP/ETP and experts over EP, one parameter at a time so peak extra memory is one
   full parameter. Every rank takes part in the collectives and receives every tensor.
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.recipe.schema import ModelDims
-from tim_megatron.trainer.weights import fp8
+from tim_megatron.trainer.weights import fp8, mxfp4
 from tim_megatron.trainer.weights.mapping import Rule, canonical_name
 from tim_megatron.trainer.weights.model_files import (
     INDEX,
@@ -83,7 +84,8 @@ def _hf_names(rule: Rule, idx: dict[str, int]) -> list[str]:
 class HFCheckpoint:
     """Lazy access to the tensors of an HF safetensors checkpoint folder. A block-FP8 checkpoint (DeepSeek-V3,
     Kimi-K2; :mod:`.fp8`) reads as its dequantized float32 weights: its ``_scale_inv`` tensors are consumed by
-    :meth:`get` and are not among :meth:`keys`. Its files are read under :mod:`.model_files`' rule (regular files
+    :meth:`get` and are not among :meth:`keys`; an MXFP4 one (gpt-oss; :mod:`.mxfp4`) alike, its ``_blocks`` and
+    ``_scales`` read as the weight they encode. Its files are read under :mod:`.model_files`' rule (regular files
     of the folder, shards named inside it, lengths checked before a shard is opened)."""
 
     def __init__(self, folder: str | Path):
@@ -91,9 +93,12 @@ class HFCheckpoint:
 
         self.folder = Path(folder)
         config = model_file(self.folder, "config.json", what="config", missing_ok=True)
+        cfg = read_hf_config(config) if config else {}
+        self.mxfp4 = mxfp4.is_mxfp4(cfg)
+        """An MXFP4 checkpoint (gpt-oss; :mod:`.mxfp4`): read as its dequantized weights."""
         self.fp8: fp8.BlockFP8 | None = (
-            fp8.block_fp8_of(read_hf_config(config), where=str(self.folder / "config.json"))
-            if config
+            fp8.block_fp8_of(cfg, where=str(self.folder / "config.json"))
+            if config and not self.mxfp4
             else None
         )
         """The checkpoint's block-FP8 format, None when it is not quantized."""
@@ -124,11 +129,39 @@ class HFCheckpoint:
             self._check(fname)
 
     def keys(self) -> set[str]:
+        if self.mxfp4:
+            return mxfp4.logical_names(self.weight_map)
         if self.fp8 is None:
             return set(self.weight_map)
         return {k for k in self.weight_map if not k.endswith(fp8.SCALE_SUFFIX)}
 
-    def _raw(self, name: str) -> torch.Tensor:
+    def quantized(self, name: str) -> bool:
+        """Whether tensor ``name`` (one of :meth:`keys`) is stored quantized (read dequantized)."""
+        if self.mxfp4:
+            return name not in self.weight_map and name + mxfp4.BLOCKS_SUFFIX in self.weight_map
+        return self.fp8 is not None and name + fp8.SCALE_SUFFIX in self.weight_map
+
+    def shard_of(self, name: str) -> str:
+        """The shard file holding tensor ``name`` (one of :meth:`keys`; an MXFP4 weight: its codes')."""
+        return self.weight_map[name + mxfp4.BLOCKS_SUFFIX if self.mxfp4 and self.quantized(name) else name]
+
+    def _mxfp4(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """An MXFP4 weight dequantized (to float32), whole or one expert's slice."""
+        pair = []
+        for suffix in (mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX):
+            if name + suffix not in self.weight_map:
+                raise WeightLoadError(
+                    f"{self.folder}: MXFP4 tensor {name!r} has no {name + suffix!r} (allowed: both "
+                    f"{mxfp4.BLOCKS_SUFFIX} and {mxfp4.SCALES_SUFFIX}, as gpt-oss publishes them)"
+                )
+            pair.append(self._raw(name + suffix) if expert is None else self._slice(name + suffix, expert))
+        try:
+            return mxfp4.dequantize(*pair, name=name, dtype=torch.float32)
+        except ValueError as e:
+            raise WeightLoadError(f"{self.folder}: {e}") from None
+
+    def _raw(self, name: str, *, slice_only: bool = False) -> torch.Tensor | None:
+        """Tensor ``name`` as stored (``slice_only``: only check and open its shard, read nothing)."""
         from safetensors import SafetensorError, safe_open
 
         fname = self.weight_map.get(name)
@@ -143,11 +176,36 @@ class HFCheckpoint:
         try:
             if fname not in self._open:
                 self._open[fname] = safe_open(self._paths[fname], "pt")
-            return self._open[fname].get_tensor(name)
+            return None if slice_only else self._open[fname].get_tensor(name)
         except SafetensorError as e:
             raise WeightLoadError(f"{self.folder / fname}: tensor {name!r} cannot be read: {e}") from None
 
+    def get_expert(self, name: str, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s slice of a tensor that stacks every expert along its first dimension (gpt-oss's fused
+        expert tensors), read alone rather than with the whole tensor."""
+        if self.mxfp4 and self.quantized(name):
+            return self._mxfp4(name, expert)
+        return self._slice(name, expert)
+
+    def _slice(self, name: str, index: int) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        self._raw(name, slice_only=True)  # the shard's checks and its opening, as for a whole tensor
+        try:
+            part = self._open[self.weight_map[name]].get_slice(name)
+            count = part.get_shape()[0] if part.get_shape() else 0
+            if not 0 <= index < count:
+                raise WeightLoadError(
+                    f"{self.folder}: tensor {name!r} stacks {count} experts; expert {index} is not among them (is "
+                    "the checkpoint for another model?)"
+                )
+            return part[index]
+        except SafetensorError as e:
+            raise WeightLoadError(f"{self.folder}: tensor {name!r} cannot be read: {e}") from None
+
     def get(self, name: str) -> torch.Tensor:
+        if self.mxfp4 and self.quantized(name):
+            return self._mxfp4(name)
         t = self._raw(name)
         if t.dtype != torch.float8_e4m3fn:
             return t
@@ -176,6 +234,13 @@ def _combine(rule: Rule, parts: list[torch.Tensor], dims: ModelDims) -> torch.Te
         return parts[0]
     if rule.combine == "gate_up":
         return torch.cat(parts, 0)
+    if rule.combine == "interleaved_gate_up":
+        w = (
+            parts[0] if parts[0].dim() == 1 else parts[0].t()
+        )  # [2 x width(, hidden)], gate and up alternating
+        return torch.cat([w[0::2], w[1::2]], 0)
+    if rule.combine == "transpose":
+        return parts[0] if parts[0].dim() == 1 else parts[0].t()
     if rule.combine == "qkv":
         q, k, v = (p if p.dim() == 2 else p.unsqueeze(-1) for p in parts)  # weights [rows, h], biases [rows]
         g, d, h = dims.num_key_value_heads, dims.head_dim, q.shape[-1]
@@ -190,6 +255,12 @@ def _uncombine(rule: Rule, full: torch.Tensor, dims: ModelDims) -> list[torch.Te
         return [full]
     if rule.combine == "gate_up":
         return list(full.chunk(2, 0))
+    if rule.combine == "interleaved_gate_up":
+        gate, up = full.chunk(2, 0)
+        w = torch.stack([gate, up], 1).reshape(full.shape)  # rows gate 0, up 0, gate 1, ...
+        return [w if w.dim() == 1 else w.t()]
+    if rule.combine == "transpose":
+        return [full if full.dim() == 1 else full.t()]
     if rule.combine == "qkv":
         g, d = dims.num_key_value_heads, dims.head_dim
         qpg = dims.num_attention_heads // g
@@ -297,7 +368,7 @@ def load_hf_into_model(
             )
         gidx = _local_to_global_expert(idx, dims, lay)
         names = _hf_names(rule, gidx)
-        parts = [ckpt.get(h) for h in names]
+        parts = [ckpt.get_expert(h, gidx["E"]) if rule.stacked_experts else ckpt.get(h) for h in names]
         used.update(names)
         try:
             full = _combine(rule, parts, dims)
@@ -384,6 +455,7 @@ def export_hf(
             continue
         if idx["E"] != 0:
             continue  # experts are exported from local expert 0's visit, for every global expert
+        stacks: dict[str, list[torch.Tensor]] = {}  # rule.stacked_experts: every expert's, stacked at the end
         for g in range(dims.num_experts):
             owner, local = divmod(g, per_rank)
             local_name = name.replace(f"local_experts.{idx['E']}.", f"local_experts.{local}.", 1)
@@ -394,4 +466,10 @@ def export_hf(
                 dist.broadcast(buf, src=dist.get_global_rank(lay.ep_group, owner), group=lay.ep_group)
                 full = buf
             for hf, t in zip(_hf_names(rule, {**idx, "E": g}), _uncombine(rule, full, dims), strict=True):
-                yield hf, (t if dtype is None else t.to(dtype))
+                t = t if dtype is None else t.to(dtype)
+                if rule.stacked_experts:
+                    stacks.setdefault(hf, []).append(t)
+                else:
+                    yield hf, t
+        for hf, ts in stacks.items():
+            yield hf, torch.stack(ts)

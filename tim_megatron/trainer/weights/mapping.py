@@ -12,6 +12,10 @@ Combinations:
   ``[group][q heads of the group, k, v]``.
 * ``gate_up``: HF gate and up projections stacked, megatron's gated ``linear_fc1``. Under tensor
   parallelism each rank holds its slice of gate followed by its slice of up.
+* ``interleaved_gate_up``: one HF ``[hidden, 2 x width]`` tensor whose columns alternate gate and up (gpt-oss's
+  ``gate_up_proj``; its bias ``[2 x width]`` alike), transposed into megatron's gated ``linear_fc1`` (gate rows,
+  then up rows).
+* ``transpose``: one HF ``[in, out]`` tensor, megatron's ``[out, in]`` (gpt-oss's ``down_proj``); a bias as it is.
 
 Splits: ``rep`` (replicated), ``tp0`` / ``tp1`` (tensor-parallel on dim 0 / 1), ``etp0`` / ``etp1``
 (expert-tensor-parallel), ``qkv`` and ``gate_up`` (per-part splits described above). Experts are placed by
@@ -31,11 +35,14 @@ class Rule:
     hf: tuple[str, ...]
     """The HF checkpoint tensor(s) it is made of."""
     combine: str = "copy"
-    """How the HF tensors combine: copy, qkv or gate_up."""
+    """How the HF tensors combine: copy, qkv, gate_up, interleaved_gate_up or transpose."""
     split: str = "rep"
     """How the result is split across ranks."""
     buffer: bool = False
     """A persistent buffer rather than a parameter (loaded and exported, never trained), e.g. an expert bias."""
+    stacked_experts: bool = False
+    """The HF tensor holds every expert of the layer, stacked along its first dimension (gpt-oss's fused
+    ``mlp.experts.*`` tensors): ``{E}`` of the megatron name indexes it, and the export stacks the experts back."""
 
     def pattern(self) -> re.Pattern:
         rx = re.escape(self.megatron).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
