@@ -550,7 +550,9 @@ def test_r2_with_a_sampled_proximal_replays_the_routes_pi_s_was_computed_with(ru
     # Replaying the sampling pass's routes gives other logprobs exactly where the update changed some routes (at
     # a tenfold learning rate it does, in the runs seen here; equal routes must give pi_t's bits).
     moved = sampled["routing/trainer_sampled_vs_current/exact_match"] < 1
-    assert (sampled[f"mismatch/current_vs_rollout/{mean}"] != sampled[f"mismatch/old_vs_rollout/{mean}"]) == moved
+    assert (
+        sampled[f"mismatch/current_vs_rollout/{mean}"] != sampled[f"mismatch/old_vs_rollout/{mean}"]
+    ) == moved
     # the pending batch kept the sampling pass's routes: a resume replays them too
     assert (
         sampled["routing/trainer_sampled_vs_current/exact_match"]
