@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tim_megatron.algo import EarlyWarning, build_schedule
 from tim_megatron.algo.early_warning import surge_from_config
-from tim_megatron.rl.offpolicy import Pending, StalenessError
+from tim_megatron.rl.offpolicy import Pending, StalenessError, short_repr
 from tim_megatron.rl.partial import PartialRollouts
 
 
@@ -157,7 +157,7 @@ class LoopState:
         if isinstance(rank_state[1], dict) and rank_state[1].get("partial"):
             raise StalenessError(
                 f"{where} holds partial rollouts in flight (rollout.partial.tokens_per_step = "
-                f"{_short(rank_state[1].get('tokens_per_step'))}); this run has rollout.partial.tokens_per_step = 0: "
+                f"{short_repr(rank_state[1].get('tokens_per_step'))}); this run has rollout.partial.tokens_per_step = 0: "
                 "resume with the recorded value"
             )
         self.pending = Pending.from_state(
@@ -168,11 +168,6 @@ class LoopState:
             group_size=group_size,
             where=where,
         )
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass

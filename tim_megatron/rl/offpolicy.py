@@ -144,7 +144,7 @@ class Pending:
         if plain.get("k") != k:
             raise StalenessError(
                 f"the checkpoint's pending batches were sampled with rollout.max_staleness = "
-                f"{_short(plain.get('k'))}; this run has {k}: resume with the recorded value"
+                f"{short_repr(plain.get('k'))}; this run has {k}: resume with the recorded value"
             )
         entries = plain.get("batches")
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
@@ -171,7 +171,8 @@ class Pending:
         return out
 
 
-def _short(value: object) -> str:
+def short_repr(value: object) -> str:
+    """A recorded value in an error: its ``repr``, cut at 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -215,10 +216,10 @@ def _batch_from_state(tensors: dict[str, torch.Tensor], e: dict, *, where: str) 
     """One pending batch from its record and tensors, checked (see :meth:`Pending.from_state`)."""
     s = e.get("step")
     if type(s) is not int:
-        raise StalenessError(f"{where}: a pending batch's step is {_short(s)}; a step is an integer")
+        raise StalenessError(f"{where}: a pending batch's step is {short_repr(s)}; a step is an integer")
     for key in ("version", "group_size", "total_rows"):
         if type(e.get(key)) is not int or e[key] < (0 if key == "version" else 1):
-            raise StalenessError(f"{where}: step {s}'s pending batch has {key} = {_short(e.get(key))}")
+            raise StalenessError(f"{where}: step {s}'s pending batch has {key} = {short_repr(e.get(key))}")
     metrics, probe = e.get("metrics"), e.get("probe")
     if not isinstance(metrics, dict) or not all(
         isinstance(n, str) and type(v) in (int, float) for n, v in metrics.items()

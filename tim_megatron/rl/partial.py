@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from tim_megatron.rl.batch import FINISH, StepBatch, from_samples, rank_rows
-from tim_megatron.rl.offpolicy import StalenessError
+from tim_megatron.rl.offpolicy import StalenessError, short_repr
 from tim_megatron.rollout.base import GenerationStats, Sample, Segment, segment_seed
 
 RUNNING = "running"
@@ -158,7 +158,7 @@ class PartialRollouts:
             if plain.get(key) != want:
                 name = "rollout.max_staleness" if key == "k" else "rollout.partial.tokens_per_step"
                 raise StalenessError(
-                    f"the checkpoint's partial rollouts were generated with {name} = {_short(plain.get(key))}; "
+                    f"the checkpoint's partial rollouts were generated with {name} = {short_repr(plain.get(key))}; "
                     f"this run has {want}: resume with the recorded value"
                 )
         entries = plain.get("batches")
@@ -186,11 +186,6 @@ class PartialRollouts:
                     f"{sorted(out.batches)}"
                 )
         return out
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _rows_to_tensors(rows: tuple[Sample, ...]) -> dict[str, torch.Tensor]:
@@ -246,10 +241,12 @@ class _Limits:
 def _batch_from_state(tensors, e: dict, *, limits: _Limits, k: int, t: int, where: str) -> InFlight:
     s = e.get("step")
     if type(s) is not int or s < 1:
-        raise StalenessError(f"{where}: a partial batch's step is {_short(s)}; a step is an integer from 1")
+        raise StalenessError(
+            f"{where}: a partial batch's step is {short_repr(s)}; a step is an integer from 1"
+        )
     for key in ("begun", "first_row"):
         if type(e.get(key)) is not int or e[key] < (1 if key == "begun" else 0):
-            raise StalenessError(f"{where}: step {s}'s partial batch has {key} = {_short(e.get(key))}")
+            raise StalenessError(f"{where}: step {s}'s partial batch has {key} = {short_repr(e.get(key))}")
     if e["begun"] != max(s - k, 1):
         raise StalenessError(
             f"{where}: step {s}'s partial batch says it was begun at step {e['begun']}; with rollout.max_staleness "
@@ -816,15 +813,14 @@ def partial_samples(parts, *, recipe, step: int, timer, observer):
             on_error.callback(ahead.wait)
         with t("old_logprobs"):
             for s, picks, groups in done:
-                g = merge(flight.batches[s], picks, groups, step=step, max_tokens=r.rollout.max_tokens)
                 if s == step:
                     tally.finished_here = sum(len(grp[0].response_ids) for grp in groups)
-                flight.batches[s] = score(
+                merge_and_score(
+                    parts,
                     recipe=r,
-                    trainer=tr,
-                    rollout=ro,
-                    sync=parts.sync,
-                    g=g,
+                    s=s,
+                    picks=picks,
+                    groups=groups,
                     step=step,
                     observer=observer,
                     tally=tally,
@@ -854,16 +850,32 @@ def finish_ahead(
     flight: PartialRollouts = parts.state.pending
     for s, picks, (groups, gen) in results:
         tally.gens.append(gen)
-        g = merge(flight.batches[s], picks, groups, step=step, max_tokens=recipe.rollout.max_tokens)
         with tr.weights_at(snapshot):  # the weights they were sampled with, not the updated ones
-            flight.batches[s] = score(
+            merge_and_score(
+                parts,
                 recipe=recipe,
-                trainer=tr,
-                rollout=ro,
-                sync=parts.sync,
-                g=g,
+                s=s,
+                picks=picks,
+                groups=groups,
                 step=step,
                 observer=observer,
                 tally=tally,
             )
     return step_metrics(trainer=tr, rollout=ro, flight=flight, tally=tally)
+
+
+def merge_and_score(parts, *, recipe, s: int, picks, groups, step: int, observer, tally: StepTally) -> None:
+    """Batch ``s``'s new segments (``picks``, ``groups``: one engine call's) merged into it and scored at the
+    trainer's present weights, in place in the run's batches in flight."""
+    flight: PartialRollouts = parts.state.pending
+    g = merge(flight.batches[s], picks, groups, step=step, max_tokens=recipe.rollout.max_tokens)
+    flight.batches[s] = score(
+        recipe=recipe,
+        trainer=parts.trainer,
+        rollout=parts.rollout,
+        sync=parts.sync,
+        g=g,
+        step=step,
+        observer=observer,
+        tally=tally,
+    )

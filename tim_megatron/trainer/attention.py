@@ -54,6 +54,19 @@ def resolve_attention(setting: str, *, exact: bool) -> str:
     return setting
 
 
+def refuse_cp_and_dropout(config, attention_dropout: float | None, *, who: str) -> None:
+    """What no core attention of the project computes: context parallelism and dropout (RL scores tokens
+    exactly)."""
+    if config.context_parallel_size != 1:
+        raise ValueError(
+            f"context_parallel_size = {config.context_parallel_size}: {who} runs on one context-parallel rank "
+            "(allowed: 1)"
+        )
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        raise ValueError(f"attention_dropout = {dropout}: RL scores tokens exactly (allowed: 0)")
+
+
 class SdpaCoreAttention(torch.nn.Module):
     """``softmax(q k^T * scale + causal mask) v`` per head, through ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -83,14 +96,7 @@ class SdpaCoreAttention(torch.nn.Module):
         pg_collection=None,
     ):
         super().__init__()
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size = {config.context_parallel_size}: SdpaCoreAttention runs on one "
-                "context-parallel rank (allowed: 1)"
-            )
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"attention_dropout = {dropout}: RL scores tokens exactly (allowed: 0)")
+        refuse_cp_and_dropout(config, attention_dropout, who="SdpaCoreAttention")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"window_size = {config.window_size}: SdpaCoreAttention has no sliding window")
         softmax = getattr(config, "softmax_type", "vanilla")
@@ -234,14 +240,7 @@ class SinkFlexCoreAttention(torch.nn.Module):
         super().__init__()
         from megatron.core.transformer.utils import is_layer_window_attention
 
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size = {config.context_parallel_size}: SinkFlexCoreAttention runs on one "
-                "context-parallel rank (allowed: 1)"
-            )
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"attention_dropout = {dropout}: RL scores tokens exactly (allowed: 0)")
+        refuse_cp_and_dropout(config, attention_dropout, who="SinkFlexCoreAttention")
         kind = getattr(attn_mask_type, "name", "causal")
         if kind != "causal":
             raise ValueError(
