@@ -119,6 +119,10 @@ experts have none, and are refused for it) and its sinks' fused attention, FlexA
 (refused there; tests/test_gpt_oss.py checks that kernel)."""
 
 SINKS = ("gpt_oss",)
+SYNC_BOUND = {"deepseek_v3": 2e-5}
+"""Where the engine after a sync is held to more than 1e-5 of the trainer: DeepSeek-V3's latent attention with
+YaRN rounds differently in vLLM and in megatron-core in fp32 (1.0e-5 measured on an Intel Xeon with AMX; every other
+family, gpt-oss included, 1.9e-6; before the sync the update moves it by 5.6-9.3 nats)."""
 """The families with attention sinks and sliding windows."""
 
 
@@ -306,10 +310,9 @@ def test_weight_sync_after_an_update_is_verified_and_exact(family):
     assert s["sync_tensors"] == len(
         family["manifest"]
     )  # ...every checkpoint tensor is sent, the check passes...
-    # ...and vLLM (experts re-prepacked) equals the trainer to fp32 across two implementations: the bound
-    # tests/test_rollout.py takes too (DeepSeek-V3's tiny model measured 1.0e-5 here), 10x below the update's own move
-    assert s["after_sync_vllm_vs_megatron"] < 1e-4
-    assert s["after_sync_vllm_vs_megatron"] < s["before_sync_vllm_vs_megatron"] / 10
+    # ...and vLLM (experts re-prepacked) equals the trainer to fp32 across two implementations
+    bound = SYNC_BOUND.get(family["name"], 1e-5)
+    assert s["after_sync_vllm_vs_megatron"] < bound, (s["after_sync_vllm_vs_megatron"], bound)
     # patches/vllm/gpt_oss_reload.py: without it, vLLM's in-place reload drops gpt-oss's fused experts and sinks
     if family["name"] in SINKS:
         assert s["reload_unpatched_vllm_vs_megatron"] > 1e-1, s["reload_unpatched_vllm_vs_megatron"]
