@@ -341,3 +341,34 @@ def test_schedule_state_is_a_deep_copyable_plain_dict():
     s = LengthDecayLR(base_lr=1.0, decay_period=7)
     st = copy.deepcopy(s.state_dict())
     assert json.loads(json.dumps(st)) == st
+
+
+def test_every_reader_of_the_warning_defaults_has_the_same_values():
+    """The detectors, the recipe, tim report and the lab's replayed rules all take their defaults from
+    tim_megatron/warning_defaults.py: the recipe's median_ratio window and threshold, the report's rule and the
+    lab's old rule are one rule; the recipe's trend settings, the lab's trend rule and the detector are another."""
+    from dataclasses import asdict
+
+    from tim_megatron.lab.runstats import OLD_RULE, TREND_RULE
+    from tim_megatron.recipe.schema import EarlyWarningConfig, SurgeDetectorConfig
+    from tim_megatron.report.settings import WarningSettings
+    from tim_megatron.warning_defaults import MEDIAN_RATIO, SURGE, TREND
+
+    ew, rep, trend, ratio = EarlyWarningConfig(), WarningSettings(), TrendDetector("m"), GrowthDetector("m")
+    for key, value in asdict(TREND).items():
+        assert getattr(ew, key) == getattr(trend, key) == dict(TREND_RULE.params)[key] == value, key
+    assert (
+        (ew.window, ew.threshold)
+        == (ratio.window, ratio.threshold)
+        == (MEDIAN_RATIO.window, MEDIAN_RATIO.threshold)
+    )
+    for key, value in asdict(MEDIAN_RATIO).items():
+        assert getattr(rep, key) == getattr(ratio, key) == dict(OLD_RULE.params)[key] == value, key
+    surge = SurgeDetector()
+    for key, value in asdict(SURGE).items():
+        assert (
+            getattr(SurgeDetectorConfig(), key)
+            == getattr(surge, key)
+            == getattr(rep, f"surge_{key}")
+            == value
+        )

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from tim_megatron.logging.untrusted import recorded, terminal
+from tim_megatron.report.settings import WarningSettings
 
 app = typer.Typer(
     add_completion=False,
@@ -931,13 +932,20 @@ def report_cmd(
     root: Path = typer.Option(Path("runs"), "--root", help="where run folders live"),
     name: str = typer.Option(None, "--name", help="report name (default: the sweep id, or 'comparison')"),
     out: Path = typer.Option(None, "--out", help="output folder (default: report/<name>)"),
-    baseline_steps: int = typer.Option(5, help="early warning: steps whose median is the baseline"),
-    window: int = typer.Option(5, help="early warning: recent steps whose median is compared"),
-    threshold: float = typer.Option(2.0, help="early warning: fires at this multiple of the baseline"),
-    collapse_drop: float = typer.Option(0.3, help="collapse: fraction below the best validation (or reward)"),
+    baseline_steps: int = typer.Option(
+        WarningSettings.baseline_steps, help="early warning: steps whose median is the baseline"
+    ),
+    window: int = typer.Option(
+        WarningSettings.window, help="early warning: recent steps whose median is compared"
+    ),
+    threshold: float = typer.Option(
+        WarningSettings.threshold, help="early warning: fires at this multiple of the baseline"
+    ),
+    collapse_drop: float = typer.Option(
+        WarningSettings.collapse_drop, help="collapse: fraction below the best validation (or reward)"
+    ),
 ) -> None:
     """Build report/<name>/index.html: curves, scatter, bucket drift, surrogate J, warnings, ranked table."""
-    from tim_megatron.report.analysis import WarningSettings
     from tim_megatron.report.build import build_report, table_text
     from tim_megatron.report.runs import printable, resolve_sweep, shown, valid_id
 

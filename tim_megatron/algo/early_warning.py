@@ -26,6 +26,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from tim_megatron import metric_names as names
+from tim_megatron.warning_defaults import MEDIAN_RATIO, SURGE, TREND
 
 MAD_TO_SD = 1.4826
 """Scale of the median absolute deviation to a normal SD."""
@@ -46,9 +47,9 @@ class Event:
 @dataclass
 class GrowthDetector:
     metric: str
-    baseline_steps: int = 5
-    window: int = 5
-    threshold: float = 2.0
+    baseline_steps: int = MEDIAN_RATIO.baseline_steps
+    window: int = MEDIAN_RATIO.window
+    threshold: float = MEDIAN_RATIO.threshold
     history: list[float] = field(default_factory=list)
     baseline: float | None = None
     fired_at: int | None = None
@@ -90,10 +91,10 @@ class TrendDetector:
     """Noise-aware persistent-growth detector (module docstring): CUSUM of log(value) in noise SDs."""
 
     metric: str
-    baseline_steps: int = 10
-    k: float = 1.0
-    h: float = 8.0
-    z_cap: float = 3.0
+    baseline_steps: int = TREND.baseline_steps
+    k: float = TREND.k
+    h: float = TREND.h
+    z_cap: float = TREND.z_cap
     min_sigma: float = 0.01
     """Floor of the noise SD in log units (1%): a perfectly flat series would make any wiggle significant."""
     max_diffs: int = 1000
@@ -161,13 +162,13 @@ def noise_sd(diffs: list[float], *, min_sigma: float) -> float:
 class SurgeDetector:
     """A rapid multiplication of the mean response length (see the module docstring); fires once."""
 
-    window: int = 3
+    window: int = SURGE.window
     """Steps averaged into the current length."""
-    baseline_steps: int = 5
+    baseline_steps: int = SURGE.baseline_steps
     """Steps seen before the detector may fire."""
-    factor: float = 2.0
+    factor: float = SURGE.factor
     """The surge: the current length reaches this multiple of its smallest value over the last ``within`` steps."""
-    within: int = 10
+    within: int = SURGE.within
     """How many steps the multiplication may take."""
     recent: list[float] = field(default_factory=list)
     """The last ``window`` raw lengths."""
@@ -228,15 +229,16 @@ class EarlyWarning:
         metrics: list[str],
         surge: SurgeDetector,
         rule: str = "trend",
-        baseline_steps: int = 10,
-        k: float = 1.0,
-        h: float = 8.0,
-        z_cap: float = 3.0,
-        window: int = 5,
-        threshold: float = 2.0,
+        baseline_steps: int = TREND.baseline_steps,
+        k: float = TREND.k,
+        h: float = TREND.h,
+        z_cap: float = TREND.z_cap,
+        window: int = MEDIAN_RATIO.window,
+        threshold: float = MEDIAN_RATIO.threshold,
     ) -> EarlyWarning:
         """``rule``: ``trend`` (:class:`TrendDetector`: baseline_steps, k, h, z_cap) or ``median_ratio``
-        (:class:`GrowthDetector`: baseline_steps, window, threshold)."""
+        (:class:`GrowthDetector`: baseline_steps, window, threshold); the defaults are the recipe's
+        (:mod:`tim_megatron.warning_defaults`)."""
         if rule == "trend":
             dets = [TrendDetector(m, baseline_steps=baseline_steps, k=k, h=h, z_cap=z_cap) for m in metrics]
         elif rule == "median_ratio":

@@ -35,7 +35,6 @@ Every number comes from the run's ``metrics.jsonl`` (read with :func:`tim_megatr
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,11 +42,13 @@ import numpy as np
 
 from tim_megatron.algo.early_warning import GrowthDetector, SurgeDetector, TrendDetector, surge_from_config
 from tim_megatron.lab.stats import pearson, theil_sen
+from tim_megatron.logging.summary import series as logged_series
 from tim_megatron.logging.tracker import read_metrics
 from tim_megatron.logging.untrusted import UnreadableFile
 from tim_megatron.recipe import RecipeError, load_recipe
 from tim_megatron.report.runs import MISMATCH, read_meta  # rho_std: what growth and the warnings read
 from tim_megatron.run_dir import RECIPE_FILE
+from tim_megatron.warning_defaults import MEDIAN_RATIO, TREND
 
 
 def run_rows(path: Path) -> list[dict]:
@@ -137,12 +138,8 @@ class RunStats:
 
 
 def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-    xs, ys = [], []
-    for r in rows:
-        v = r.get(key)
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-            xs.append(r["step"])
-            ys.append(float(v))
+    """:func:`tim_megatron.logging.summary.series` as float arrays."""
+    xs, ys = logged_series(rows, key)
     return np.array(xs, dtype=float), np.array(ys, dtype=float)
 
 
@@ -273,10 +270,16 @@ class Rule:
         return f"{self.kind}(" + ", ".join(f"{k}={v:g}" for k, v in self.params) + ")"
 
 
-OLD_RULE = Rule("median_ratio", "median_ratio", (("baseline_steps", 5), ("window", 5), ("threshold", 2.0)))
-"""The rule runs used before issue 13 (5-step medians, 2x)."""
-TREND_RULE = Rule("trend", "trend", (("baseline_steps", 10), ("k", 1.0), ("h", 8.0), ("z_cap", 3.0)))
-"""The noise-aware rule with the recipe defaults."""
+OLD_RULE = Rule(
+    "median_ratio",
+    "median_ratio",
+    tuple((k, getattr(MEDIAN_RATIO, k)) for k in ("baseline_steps", "window", "threshold")),
+)
+"""The median-ratio rule at its detector's defaults (5-step medians, 2x): the rule runs used before the trend rule."""
+TREND_RULE = Rule(
+    "trend", "trend", tuple((k, getattr(TREND, k)) for k in ("baseline_steps", "k", "h", "z_cap"))
+)
+"""The noise-aware rule at its detector's defaults, which are the recipe's (``diagnostics.early_warning``)."""
 
 
 def log_growth(x: np.ndarray, v: np.ndarray) -> tuple[float, float]:

@@ -16,6 +16,7 @@ from tim_megatron.recipe.base import INT_LIMIT, NAME_PATTERN, Dtype, RecipeValue
 from tim_megatron.recipe.dims import FAMILIES, ModelDims  # noqa: F401
 from tim_megatron.recipe.faults import FaultDrillConfig, FaultsConfig
 from tim_megatron.recipe.rules import check_recipe
+from tim_megatron.warning_defaults import MEDIAN_RATIO, SURGE, TREND
 
 # ----------------------------------------------------------------------------------------------- model
 
@@ -352,13 +353,13 @@ class RLConfig(Section):
 class SurgeDetectorConfig(Section):
     """TIM-LR's length surge: the mean response length multiplies by ``factor`` within ``within`` steps."""
 
-    window: int = Field(3, ge=1)
+    window: int = Field(SURGE.window, ge=1)
     """Steps averaged for the current response length."""
-    baseline_steps: int = Field(5, ge=1)
+    baseline_steps: int = Field(SURGE.baseline_steps, ge=1)
     """Steps seen before the detector may fire."""
-    factor: float = Field(2.0, gt=1)
+    factor: float = Field(SURGE.factor, gt=1)
     """The surge fires when the current length reaches this multiple of its smallest value over ``within``."""
-    within: int = Field(10, ge=1)
+    within: int = Field(SURGE.within, ge=1)
     """Steps the multiplication may take: the reference is the smallest current length of the last ``within``
     steps, so a slow drift (1%/step doubles in ~70 steps) never fires."""
 
@@ -458,17 +459,18 @@ class EarlyWarningConfig(Section):
     """trend: noise-aware CUSUM of log(value) against the run's own baseline level and noise
     (``algo/early_warning.py`` TrendDetector); median_ratio: the earlier rule, median of the last ``window``
     values >= ``threshold`` x the median of the first ``baseline_steps`` (blind to the run's noise)."""
-    baseline_steps: int = Field(10, ge=2)
-    """First positive finite values whose median is a metric's baseline level."""
-    k: float = Field(1.0, ge=0)
+    baseline_steps: int = Field(TREND.baseline_steps, ge=2)
+    """First positive finite values whose median is a metric's baseline level (both rules; the default is the
+    trend rule's: ``median_ratio``'s own, which ``tim report`` replays, is ``warning_defaults.MEDIAN_RATIO``'s)."""
+    k: float = Field(TREND.k, ge=0)
     """trend: allowance per step, in noise SDs; growth smaller than this is ignored however long it lasts."""
-    h: float = Field(8.0, gt=0)
+    h: float = Field(TREND.h, gt=0)
     """trend: fires when the cumulative excess (in noise SDs) exceeds this."""
-    z_cap: float = Field(3.0, gt=0)
+    z_cap: float = Field(TREND.z_cap, gt=0)
     """trend: one step counts at most this many noise SDs, so a lone spike cannot fire it (with h > z_cap - k)."""
-    window: int = Field(5, ge=1)
+    window: int = Field(MEDIAN_RATIO.window, ge=1)
     """median_ratio: recent values whose median is compared with the baseline."""
-    threshold: float = Field(2.0, gt=1)
+    threshold: float = Field(MEDIAN_RATIO.threshold, gt=1)
     """median_ratio: fires when median(recent) >= threshold x baseline."""
 
 

@@ -20,18 +20,7 @@ import numpy as np
 from tim_megatron import metric_names as names
 from tim_megatron.algo.early_warning import GrowthDetector, SurgeDetector
 from tim_megatron.report.runs import MISMATCH, RunData
-
-
-@dataclass(frozen=True)
-class WarningSettings:
-    baseline_steps: int = 5
-    window: int = 5
-    threshold: float = 2.0
-    surge_window: int = 3
-    surge_baseline_steps: int = 5
-    surge_factor: float = 2.0
-    surge_within: int = 10
-    collapse_drop: float = 0.3
+from tim_megatron.report.settings import WarningSettings
 
 
 @dataclass
