@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -1159,6 +1160,95 @@ def test_experiment_ds_policy_deficits_are_paired_per_arm_with_holm_across_arms(
     nan = float("nan")
     unmeasured = {a: {s: _stats(a, s, policy_reward=nan) for s in seeds} for a in runs}
     assert policy_deficits(_lab(tmp_path, VEXACT_GRID, unmeasured)) == []
+
+
+E_LIKE_GRID = (
+    VEXACT_GRID
+    + """contrasts:
+  - {name: noise-cost, arm: inject-noise-0.3, reference: exact}
+  - {name: bias-beyond-noise, arm: inject-bias-3, reference: inject-noise-0.3}
+"""
+)
+
+
+def test_declared_contrasts_are_the_primary_tests_with_holm_across_them(tmp_path):
+    """E's layout (issue 61, item 4): the grid names its primary tests, a contrast between two injected arms among
+    them; each deficit is the reference minus the arm, paired by seed, Holm across the contrasts alone, and the
+    sensitivity table follows the same contrasts."""
+    from tim_megatron.lab.claims import ALPHA
+    from tim_megatron.lab.deficits import policy_deficits
+    from tim_megatron.lab.sensitivity import sensitivity_rows
+
+    seeds = range(1, 9)
+    runs = {
+        "exact": {s: _stats("exact", s, policy_reward=0.5 + 0.02 * s) for s in seeds},
+        "inject-noise-0.3": {
+            s: _stats("inject-noise-0.3", s, dose=0.3, policy_reward=0.5 + 0.02 * s + 0.004 * (s % 2 - 0.5))
+            for s in seeds
+        },
+        # 0.2 below the noise arm, paired by seed: the bias contrast finds it; against exact it is not tested
+        "inject-bias-3": {
+            s: _stats("inject-bias-3", s, dose=0.31, policy_reward=0.3 + 0.02 * s + 0.01 * (s % 3))
+            for s in seeds
+        },
+    }
+    lab = _lab(tmp_path, E_LIKE_GRID, runs)
+    rows = policy_deficits(lab)
+    assert [(r.arm, r.tested, r.reference) for r in rows] == [
+        ("noise-cost", "inject-noise-0.3", "exact"),
+        ("bias-beyond-noise", "inject-bias-3", "inject-noise-0.3"),
+    ]
+    noise, bias = rows
+    assert bias.deficit == pytest.approx(0.2, abs=0.02) and bias.verdict == "reproduced" and bias.dose == 0.31
+    assert noise.verdict == "not reproduced" and noise.ci_high < 0.1
+    assert bias.p_holm == pytest.approx(min(1.0, 2 * bias.p_value))  # two contrasts, not three arms
+    row = bias.row()
+    assert list(row)[:3] == ["contrast", "arm", "reference"] and row["reference"] == "inject-noise-0.3"
+    assert (
+        "contrast" not in policy_deficits(_lab(tmp_path, VEXACT_GRID, runs))[0].row()
+    )  # D's columns as before
+    sens = sensitivity_rows(lab)
+    assert [r["arm"] for r in sens] == ["noise-cost", "bias-beyond-noise"] and sens[0]["alpha"] == ALPHA / 2
+    # a contrast whose reference has no runs is left out, not tested against nothing
+    assert [
+        r.arm for r in policy_deficits(_lab(tmp_path, E_LIKE_GRID, {**runs, "inject-noise-0.3": {}}))
+    ] == []
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ("contrasts: []\n", "contrasts = \\[\\]: expected a non-empty list"),
+        ("contrasts: [{name: c, arm: a}]\n", "contrasts\\[0\\].*exactly the keys"),
+        ("contrasts: [{name: c, arm: a, reference: z}]\n", "contrasts\\[0\\].reference = 'z': not an arm"),
+        ("contrasts: [{name: c, arm: a, reference: a}]\n", "both 'a'"),
+        ("contrasts: [{name: c, arm: a, reference: b}, {name: c, arm: b, reference: a}]\n", "used twice"),
+        ("order: random\n", "order = 'random': expected one of \\['arm', 'seed'\\]"),
+    ],
+)
+def test_grid_contrasts_and_order_errors_name_the_key(tmp_path, body, match):
+    from tim_megatron.lab.grid import GridError, load_grid
+
+    with pytest.raises(GridError, match=match):
+        load_grid(_grid(tmp_path, "arms: [{name: a}, {name: b}]\n" + body))
+
+
+def test_order_seed_interleaves_the_arms_within_each_seed(tmp_path):
+    """``order: seed`` starts every arm of a seed before the next seed (E: arms interleaved in time); the default
+    runs an arm's seeds one after another."""
+    from tim_megatron.lab.grid import load_grid, plan
+    from tim_megatron.lab.runner import _prepare
+
+    def started(order: str) -> list[tuple[str, int]]:
+        grid = load_grid(_grid(tmp_path, f"order: {order}\narms: [{{name: a}}, {{name: b}}]\n"))
+        claims: dict = {}
+        _, pending = _prepare(grid, plan(grid), tmp_path / order, None, None, sys.executable, claims, print)
+        for lock in claims.values():
+            lock.release()
+        return [(p[1], p[2]) for p in pending]
+
+    assert started("seed") == [("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert started("arm") == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
 
 
 def test_the_seed_count_for_80_percent_power_follows_the_paired_t_test():

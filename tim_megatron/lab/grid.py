@@ -9,6 +9,7 @@ tune_seeds: [1]               # the early-warning detector is tuned on these and
 weights: seed                 # seed (default): the tiny model's initial weights follow the run seed; fixed: one set
 collapse_window: 10           # steps in the reward mean of the persistent-collapse rule (lab/runstats.py)
 collapse_min_steps: 20        # steps a collapse must last to the end of the run (later drops are censored)
+order: arm                    # arm (default): an arm's seeds one after another; seed: every arm of a seed first
 overrides: [run.steps=24]     # applied to every arm
 arms:
   - name: baseline
@@ -22,6 +23,8 @@ arms:
   - name: future
     requires: a feature this checkout lacks    # optional, see below
     overrides: [diagnostics.some_future_key=on]
+contrasts:                    # optional: the primary deficit tests (default: each dose-series arm vs the first arm)
+  - {name: noise-cost, arm: inject-noise-0.3, reference: baseline}   # deficit = reference minus arm, by seed
 ```
 
 An arm whose overrides this checkout's schema rejects is an error, unless it declares ``requires``: then it is
@@ -43,8 +46,12 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 """A grid's or an arm's name; used with ``fullmatch`` (``match`` with ``$`` would pass a trailing newline)."""
 GRID_KEYS = {
     "name", "description", "base_recipe", "seeds", "data_seed", "tune_seeds", "overrides", "arms", "weights",
-    "collapse_window", "collapse_min_steps",
+    "collapse_window", "collapse_min_steps", "order", "contrasts",
 }  # fmt: skip
+ORDERS = ("arm", "seed")
+"""``order``: ``arm`` runs an arm's seeds one after another (arm by arm); ``seed`` runs every arm of a seed before
+the next seed, so the arms are interleaved in time and a slow stretch of the machine falls on all of them."""
+CONTRAST_KEYS = {"name", "arm", "reference"}
 WEIGHTS = ("seed", "fixed")
 """``weights``: ``seed`` sets ``model.tiny_seed`` to the run seed (seeds vary the initial weights as well as the
 sampling); ``fixed`` keeps the base recipe's tiny_seed (seeds vary only the sampling)."""
@@ -66,6 +73,17 @@ class Arm:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class Contrast:
+    """One primary deficit test: ``reference``'s outcome minus ``arm``'s, paired by seed (> 0: the arm is worse)."""
+
+    name: str
+    arm: str
+    """The arm whose cost is tested."""
+    reference: str
+    """The arm it is measured against (the control, or another injected arm)."""
+
+
 @dataclass
 class Grid:
     path: Path
@@ -84,6 +102,11 @@ class Grid:
     collapse_min_steps: int = COLLAPSE_MIN_STEPS
     """Steps a collapse must last, to the end of the run; a drop in the last ``collapse_min_steps - 1`` steps is
     censored (it has no room to be seen persisting)."""
+    order: str = "arm"
+    """The order runs start in (:data:`ORDERS`)."""
+    contrasts: tuple[Contrast, ...] = ()
+    """The primary deficit tests (:mod:`tim_megatron.lab.deficits`); empty: each dose-series arm against the
+    control."""
 
     def arm(self, name: str) -> Arm | None:
         return next((a for a in self.arms if a.name == name), None)
@@ -212,6 +235,10 @@ def load_grid(path: str | Path) -> Grid:
                 description=str(a.get("description") or ""),
             )
         )
+    order = data.get("order", "arm")
+    if order not in ORDERS:
+        raise _fail(path, f"order = {order!r}: expected one of {list(ORDERS)}")
+    contrasts = _contrasts(path, data.get("contrasts"), [a.name for a in arms])
     return Grid(
         path=path,
         name=name,
@@ -225,7 +252,38 @@ def load_grid(path: str | Path) -> Grid:
         weights=weights,
         collapse_window=window,
         collapse_min_steps=min_steps,
+        order=order,
+        contrasts=contrasts,
     )
+
+
+def _contrasts(path: Path, raw, arms: list[str]) -> tuple[Contrast, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise _fail(path, f"contrasts = {raw!r}: expected a non-empty list of {{name, arm, reference}}")
+    out, seen = [], set()
+    for i, c in enumerate(raw):
+        if not isinstance(c, dict) or set(c) != CONTRAST_KEYS:
+            raise _fail(
+                path,
+                f"contrasts[{i}] = {c!r}: expected a mapping with exactly the keys {sorted(CONTRAST_KEYS)}",
+            )
+        name, arm, ref = (c[k] for k in ("name", "arm", "reference"))
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise _fail(path, f"contrasts[{i}].name = {name!r}: use letters, digits, '.', '_' and '-'")
+        if name in seen:
+            raise _fail(path, f"contrasts[{i}].name = {name!r} is used twice")
+        seen.add(name)
+        for key, v in (("arm", arm), ("reference", ref)):
+            if v not in arms:
+                raise _fail(path, f"contrasts[{i}].{key} = {v!r}: not an arm of this grid (arms: {arms})")
+        if arm == ref:
+            raise _fail(
+                path, f"contrasts[{i}]: arm and reference are both {arm!r}; a contrast needs two arms"
+            )
+        out.append(Contrast(name, arm, ref))
+    return tuple(out)
 
 
 def plan(grid: Grid) -> list[ArmPlan]:

@@ -275,9 +275,13 @@ def write_tables_md(
         markdown_table([v.row() for v in verdicts], MD_VERDICT),
     ]
     if deficits:
+        heading = (
+            "per contrast (reference minus arm, paired by seed; Holm across contrasts; "
+            if "contrast" in deficits[0]
+            else "per injected arm (exact minus arm, paired by seed; Holm across arms; "
+        )
         parts += [
-            f"## Policy reward deficit per injected arm (exact minus arm, paired by seed; Holm across arms; "
-            f"smallest effect {D_MIN_EFFECT})",
+            f"## Policy reward deficit {heading}smallest effect {D_MIN_EFFECT})",
             markdown_table(list(deficits), tuple(deficits[0])),
         ]
     if sensitivity:

@@ -270,7 +270,11 @@ def run_grid(
 def _prepare(grid, plans, root, only, seeds, python, claims, log) -> tuple[list[RunRecord], list[tuple]]:
     """Claim, check and empty every run folder to run (in grid order); record the others."""
     records: list[RunRecord] = []
-    todo = [(p, s) for p in plans for s in (seeds or grid.seeds) if only is None or p.arm.name in only]
+    chosen = [p for p in plans if only is None or p.arm.name in only]
+    if grid.order == "seed":  # every arm of a seed before the next seed
+        todo = [(p, s) for s in (seeds or grid.seeds) for p in chosen]
+    else:
+        todo = [(p, s) for p in chosen for s in (seeds or grid.seeds)]
     pending = []  # (tag, arm, seed, run folder, spec, command), in grid order
     for i, (p, seed) in enumerate(todo, start=1):
         d = run_dir(root, p.arm.name, seed)

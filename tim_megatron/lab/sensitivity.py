@@ -2,9 +2,9 @@
 design detects, at the paired spread the runs showed (not a rule: it decides nothing, it says what the verdicts
 could have seen).
 
-For each injected arm of :func:`tim_megatron.lab.deficits.policy_deficits`: the pairs (seeds with both the control
+For each contrast of :func:`tim_megatron.lab.deficits.policy_deficits`: the pairs (seeds with both the reference
 and the arm), the SD of their differences, the one-sided paired t test's power to detect the smallest effect of
-interest at Holm's strictest level (``ALPHA / arms``: the level the first of the Holm-ordered tests must meet), and
+interest at Holm's strictest level (``ALPHA / contrasts``: the level the first of the Holm-ordered tests must meet), and
 the smallest deficit that test detects with 80% power (:func:`tim_megatron.lab.stats.paired_power`, a fixed-seed
 simulation, so the same runs give the same numbers). A pre-registration that promised to say which deficit the
 design could detect when the spread came out above what it was sized for is kept by this table.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from tim_megatron.lab.claims import ALPHA, CONTROL, OUTCOME, LabData, injected_arms
-from tim_megatron.lab.deficits import D_MIN_EFFECT
+from tim_megatron.lab.claims import ALPHA, LabData
+from tim_megatron.lab.deficits import D_MIN_EFFECT, contrast_pairs, outcomes
 from tim_megatron.lab.stats import paired_power
 
 POWER = 0.8
@@ -39,25 +39,28 @@ def detectable(*, n: int, sd: float, alpha: float, power: float = POWER) -> floa
 
 
 def sensitivity_rows(lab: LabData, *, min_effect: float = D_MIN_EFFECT) -> list[dict]:
-    """One row per injected arm with paired runs (see the module docstring)."""
-    control = lab.values(CONTROL, OUTCOME)
-    arms = [a for a in injected_arms(lab) if lab.runs.get(a)]
-    if not arms or not any(math.isfinite(v) for v in control.values()):
+    """One row per contrast with paired runs (see the module docstring)."""
+    pairs = [
+        p
+        for p in contrast_pairs(lab)
+        if lab.runs.get(p.arm) and any(math.isfinite(v) for v in outcomes(lab, p)[0].values())
+    ]
+    if not pairs:
         return []
-    alpha = ALPHA / len(arms)
+    alpha = ALPHA / len(pairs)
     rows = []
-    for arm in arms:
-        mine = lab.values(arm, OUTCOME)
+    for pair in pairs:
+        ref, mine = outcomes(lab, pair)
         diffs = [
-            control[s] - mine[s]
-            for s in sorted(set(control) & set(mine))
-            if math.isfinite(control[s]) and math.isfinite(mine[s])
+            ref[s] - mine[s]
+            for s in sorted(set(ref) & set(mine))
+            if math.isfinite(ref[s]) and math.isfinite(mine[s])
         ]
         n = len(diffs)
         sd = statistics.stdev(diffs) if n >= 2 else math.nan
         rows.append(
             {
-                "arm": arm,
+                "arm": pair.label,
                 "pairs": n,
                 "paired_sd": sd,
                 "alpha": alpha,
