@@ -908,7 +908,7 @@ def test_the_shipped_preregistered_grids_are_the_ones_with_a_preregistration():
     from tim_megatron.lab.grid import load_grid
 
     marked = {p.stem for p in (ROOT / "lab").glob("*.yaml") if registration(load_grid(p), ROOT)}
-    assert marked == {"A", "B", "D"}
+    assert marked == {"A", "B", "D", "E"}
 
 
 def test_lab_surge_detector_is_the_runs_own_recipe(tmp_path):
