@@ -697,7 +697,7 @@ def test_a_steps_cpu_seconds_count_a_child_while_it_runs_and_after_it_is_reaped(
     that worked during the step ends)."""
     import time
 
-    from tim_megatron.rl.phases import process_tree_cpu_seconds
+    from tim_megatron.rl.plumbing import process_tree_cpu_seconds
 
     start = process_tree_cpu_seconds()
     busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"

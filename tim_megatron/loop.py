@@ -19,7 +19,7 @@ import torch
 from tim_megatron.logging.untrusted import recorded
 from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import LoadedRecipe, Recipe
-from tim_megatron.rl import phases
+from tim_megatron.rl import phases, plumbing
 from tim_megatron.rl.batch import broadcast_object, cat_padded
 from tim_megatron.rl.colocation import Colocation
 from tim_megatron.rl.overlap import start_ahead
@@ -123,8 +123,8 @@ def one_step(
     update -> sync -> validation and dumps. Returns the step's metrics and early-warning events."""
     r, tr, ro, prompts = recipe, parts.trainer, parts.rollout, parts.prompts
     memory: Colocation = parts.colocation
-    t = phases.Timer()
-    cpu = phases.process_tree_cpu_seconds()
+    t = plumbing.Timer()
+    cpu = plumbing.process_tree_cpu_seconds()
     ro.begin_step(step)
     with t("step"), contextlib.ExitStack() as cleanup:
         start, ahead = {}, None
@@ -200,7 +200,7 @@ def one_step(
             events = [e.as_dict() for e in parts.state.warnings.update(step, metrics)]
             dump_tokens(recipe=r, trainer=tr, run_dir=run_dir, step=step, batch=batch, old=old, adv=adv)
     metrics.update(t.times)
-    metrics["time/step_cpu"] = phases.process_tree_cpu_seconds() - cpu
+    metrics["time/step_cpu"] = plumbing.process_tree_cpu_seconds() - cpu
     return metrics, events
 
 

@@ -456,9 +456,9 @@ class StepTally:
 
 def begin(*, recipe, rollout, prompts, s: int, step: int, first_row: int, n_local: int) -> InFlight:
     """Batch ``s``, begun at step ``step``: this engine's block of its rows, none generated yet."""
-    from tim_megatron.rl.phases import _engine_block
+    from tim_megatron.rl.plumbing import engine_block
 
-    mine, first = _engine_block(prompts.step_items(s, recipe.data.prompts_per_step), rollout)
+    mine, first = engine_block(prompts.step_items(s, recipe.data.prompts_per_step), rollout)
     ids = prompts.encode(mine)
     n = recipe.rollout.n
     rows = tuple(
@@ -562,7 +562,7 @@ def local_batch(
     *, recipe, trainer, rollout, g: InFlight, rewards: list[list[float]] | None = None
 ) -> StepBatch:
     """This rank's rows of batch ``g`` as they are now (``rewards``: the block's, when finished; else 0)."""
-    from tim_megatron.rl.phases import _rank
+    from tim_megatron.rl.plumbing import global_rank
 
     n = recipe.rollout.n
     groups = _group(g.rows, n)
@@ -574,7 +574,7 @@ def local_batch(
         top_k=trainer.dims.num_experts_per_tok,
     )
     return rank_rows(
-        blk, layout=rollout.layout, rank=_rank(), dp_rank=trainer.dp_rank, dp_size=trainer.dp_size
+        blk, layout=rollout.layout, rank=global_rank(), dp_rank=trainer.dp_rank, dp_size=trainer.dp_size
     )
 
 
@@ -583,7 +583,8 @@ def score(*, recipe, trainer, rollout, sync, g: InFlight, step: int, observer, t
     them): pi_s and the trainer's own routes of this rank's rows, with the previous sync's check (the first pass
     after it) and exact mode's bit-for-bit check on the new tokens. Every rank calls; each runs one pass over its
     rows that got tokens, padded with others to the most any rank has (equal micro-batches on every rank)."""
-    from tim_megatron.rl.phases import _max_over_world, _trainer_routing
+    from tim_megatron.rl.phases import trainer_routing
+    from tim_megatron.rl.plumbing import max_over_world
     from tim_megatron.trainer.megatron_trainer import SeqBatch
     from tim_megatron.trainer.parallel import dp_group
 
@@ -592,7 +593,7 @@ def score(*, recipe, trainer, rollout, sync, g: InFlight, step: int, observer, t
     new = b.response_mask & (b.token_version == step - 1)
     active = new.any(1).nonzero().flatten()
     whole = len(active) == len(b)  # every row got tokens (the first step's batch): its pass is pi_t too
-    most, partly = _max_over_world([float(len(active)), 0.0 if whole else 1.0])
+    most, partly = max_over_world([float(len(active)), 0.0 if whole else 1.0])
     if most == 0:
         return g
     rest = (~new.any(1)).nonzero().flatten()  # rows with nothing new: the padding, the first of them
@@ -629,7 +630,7 @@ def score(*, recipe, trainer, rollout, sync, g: InFlight, step: int, observer, t
         )
     )
     tally.add_checks(checks)
-    own = _trainer_routing(trainer=tr, batch=sub, recorded=recorded)
+    own = trainer_routing(trainer=tr, batch=sub, recorded=recorded)
     ii, pp = fresh.nonzero(as_tuple=True)
     local = idx[ii]
     behaviour = g.behaviour.clone()
@@ -684,7 +685,8 @@ def take(*, recipe, trainer, rollout, prompts, flight: PartialRollouts, step: in
     """Remove and finish the batch step ``step`` trains: rewards, this rank's rows, pi_s of every token and the
     version metrics; :class:`StalenessError` if it is missing, unfinished, or holds a token older than k."""
     from tim_megatron.data.rewards import reward as score_reward
-    from tim_megatron.rl.phases import _engine_block, _max_over_world, reward_metrics
+    from tim_megatron.rl.phases import reward_metrics
+    from tim_megatron.rl.plumbing import engine_block, max_over_world
 
     g = flight.batches.pop(step, None)
     if g is None:
@@ -699,7 +701,7 @@ def take(*, recipe, trainer, rollout, prompts, flight: PartialRollouts, step: in
             f"step {step}: its batch holds tokens sampled with the weights of update {oldest}, {step - 1 - oldest} "
             f"updates ago; rollout.max_staleness = {flight.k} allows 0 to {flight.k}"
         )
-    mine, _ = _engine_block(prompts.step_items(step, recipe.data.prompts_per_step), rollout)
+    mine, _ = engine_block(prompts.step_items(step, recipe.data.prompts_per_step), rollout)
     groups = _group(g.rows, recipe.rollout.n)
     rewards = [
         [score_reward(it.reward, prompts.decode(s.response_ids), it.answer) for s in grp]
@@ -716,7 +718,7 @@ def take(*, recipe, trainer, rollout, prompts, flight: PartialRollouts, step: in
     routing = None if g.routing is None else g.routing[:, :, : batch.width].clone()
     metrics = reward_metrics(batch)
     metrics.update(version_metrics(batch=batch, step=step, k=flight.k))
-    (age,) = _max_over_world([float(step - 1 - oldest)])
+    (age,) = max_over_world([float(step - 1 - oldest)])
     probe = [grp[0].prompt_ids + grp[0].response_ids for grp in groups[:8]]
     reuse = g.old_pass if int(age) == 0 else None
     return Taken(
@@ -734,7 +736,7 @@ def version_metrics(*, batch: StepBatch, step: int, k: int) -> dict[str, float]:
     """The trained tokens' ages (updates since the weights that sampled each): ``offpolicy/tokens_age_<a>_frac``
     for a = 0 .. k, their mean, and ``offpolicy/multi_version_frac``, the share of sequences holding tokens of two
     or more versions. Every rank calls (sums over the data-parallel group)."""
-    from tim_megatron.rl.phases import _sum_over_dp
+    from tim_megatron.rl.plumbing import sum_over_dp
 
     mask = batch.response_mask
     ages = (step - 1 - batch.token_version)[mask]
@@ -744,7 +746,7 @@ def version_metrics(*, batch: StepBatch, step: int, k: int) -> dict[str, float]:
     lo = torch.where(mask, batch.token_version, torch.full_like(batch.token_version, 1 << 30)).min(1).values
     has = mask.any(1)
     multi = float(((hi > lo) & has).sum())
-    sums = _sum_over_dp([*counts, float(ages.sum()), multi, float(has.sum())])
+    sums = sum_over_dp([*counts, float(ages.sum()), multi, float(has.sum())])
     tokens = sum(sums[: k + 1])
     out = {f"offpolicy/tokens_age_{a}_frac": sums[a] / tokens if tokens else 0.0 for a in range(k + 1)}
     out["offpolicy/token_age_mean"] = sums[k + 1] / tokens if tokens else 0.0
@@ -755,10 +757,11 @@ def version_metrics(*, batch: StepBatch, step: int, k: int) -> dict[str, float]:
 def step_metrics(*, trainer, rollout, flight: PartialRollouts, tally: StepTally) -> dict[str, float]:
     """The step's generation metrics (``rollout/*``: every call of the step), its checks, and how many sequences
     are still running and how many tokens the trained batch needed at its own step (``partial/*``)."""
-    from tim_megatron.rl.phases import _sum_over_engines, generation_metrics
+    from tim_megatron.rl.phases import generation_metrics
+    from tim_megatron.rl.plumbing import sum_over_engines
 
     out = generation_metrics(trainer=trainer, rollout=rollout, gens=tally.gens)
-    running, finished = _sum_over_engines(
+    running, finished = sum_over_engines(
         rollout, [float(sum(len(g.running()) for g in flight.batches.values())), float(tally.finished_here)]
     )
     out["partial/running_sequences"] = running

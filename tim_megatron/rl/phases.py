@@ -8,7 +8,6 @@ sufficient statistics, so every rank ends a phase with the same numbers whatever
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -40,92 +39,19 @@ from tim_megatron.recipe import Recipe
 from tim_megatron.rl.batch import StepBatch, from_samples, global_width, rank_rows
 from tim_megatron.rl.objective import LossRows, make_loss_fn, token_weights
 from tim_megatron.rl.offpolicy import Generated
+from tim_megatron.rl.plumbing import (
+    engine_block,
+    global_rank,
+    max_over_world,
+    reduce_dp,
+    sum_over_dp,
+    sum_over_engines,
+)
 from tim_megatron.rollout.base import GenerationStats, RolloutEngine, Sample
 from tim_megatron.rollout.faults import FaultTally, agreed
 from tim_megatron.rollout.sync import WeightSync
 from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 from tim_megatron.trainer.parallel import dp_group
-
-
-@dataclass
-class Timer:
-    times: dict[str, float] = field(default_factory=dict)
-
-    def __call__(self, name: str):
-        timer = self
-
-        class _T:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.times[f"time/{name}"] = (
-                    timer.times.get(f"time/{name}", 0.0) + time.perf_counter() - self.t
-                )
-
-        return _T()
-
-
-def process_tree_cpu_seconds() -> float:
-    """CPU seconds (user + system) this process and its descendants (vLLM's engine core, an engine's workers) have
-    used so far, live or reaped (a reaped process's time is in its parent's ``children_*`` times): a step's
-    difference is its CPU cost, whatever the cores it ran on. Ranks started by torchrun are siblings, not
-    children: each counts its own tree."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0.0
-    for proc in (me, *me.children(recursive=True)):
-        try:
-            t = proc.cpu_times()
-        except psutil.NoSuchProcess:  # ended between the listing and the reading
-            continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
-def _reduce(s: Stats) -> Stats:
-    return s.all_reduce(dp_group())
-
-
-# ------------------------------------------------------------------------------------------- rollouts
-
-
-def _sum_over_dp(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    g = dp_group()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, group=g)
-    return t.tolist()
-
-
-def _sum_over_engines(rollout: RolloutEngine, values: list[float]) -> list[float]:
-    """Each engine's numbers counted once: only its first rank contributes."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if not rollout.layout.is_leader(_rank()):
-        t.zero_()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def _max_over_world(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _engine_block(items: list, rollout: RolloutEngine) -> tuple[list, int]:
-    """This engine's block of ``items`` (the same on all of the engine's ranks, which must submit identical
-    requests), and the index of its first item in ``items``."""
-    block = rollout.layout.block(len(items), rollout.engine_index)
-    return [items[i] for i in block], block.start
-
 
 EVAL_INDEX_BASE = 1 << 24
 """Added to a validation prompt's index in its sample seeds: the policy evaluation of step s draws other random
@@ -147,8 +73,8 @@ def fault_metrics(rollout: RolloutEngine) -> dict[str, float]:
     local = rollout.faults()
     keys = sorted(k for k in local if k not in FaultTally.HIGHEST)
     highest = sorted(k for k in local if k in FaultTally.HIGHEST)
-    values = _sum_over_engines(rollout, [local[k] for k in keys]) if keys else []
-    values += _max_over_world([local[k] for k in highest]) if highest else []
+    values = sum_over_engines(rollout, [local[k] for k in keys]) if keys else []
+    values += max_over_world([local[k] for k in highest]) if highest else []
     return FaultTally.reduced(dict(zip(keys + highest, values, strict=True)))
 
 
@@ -165,7 +91,7 @@ def _generate(
 ):
     """Generate for this engine's block of ``items`` and tell the observer: its items, groups and stats.
     ``index_base`` offsets the prompts' global indices (their sample seeds)."""
-    mine, first = _engine_block(items, rollout)
+    mine, first = engine_block(items, rollout)
     ids = prompts.encode(mine)
     groups, gen = agreed(
         rollout,
@@ -183,7 +109,7 @@ def sample_block(
     """This engine's generation of step ``step``, as a call that touches the engine alone (no collective, no
     tokenizer, no trainer): the overlapped off-policy schedule runs it on a thread beside the update. The prompts
     are encoded here, on the caller's thread. :func:`rollouts` with ``sampled=`` finishes the batch."""
-    mine, first = _engine_block(prompts.step_items(step, recipe.data.prompts_per_step), rollout)
+    mine, first = engine_block(prompts.step_items(step, recipe.data.prompts_per_step), rollout)
     ids = prompts.encode(mine)
     return lambda: rollout.generate(ids, step=step, first_index=first)
 
@@ -191,7 +117,7 @@ def sample_block(
 def probe_sequences(*, prompts: PromptSource, rollout: RolloutEngine, step: int) -> list[list[int]]:
     """Probe sequences for an eager sync check when a step has none of its own: up to 8 prompts of this engine's
     block of step ``step``."""
-    mine, _ = _engine_block(prompts.step_items(step, prompts.data.prompts_per_step), rollout)
+    mine, _ = engine_block(prompts.step_items(step, prompts.data.prompts_per_step), rollout)
     return prompts.encode(mine[:8])
 
 
@@ -243,7 +169,7 @@ def rollouts(
             items=items, rollout=ro, prompts=prompts, step=step, observer=observer, before_update=True
         )
     else:
-        (mine, _), (groups, gen) = _engine_block(items, ro), sampled
+        (mine, _), (groups, gen) = engine_block(items, ro), sampled
         _tell_generated(observer, step=step, rollout=ro, mine=mine, groups=groups, gen=gen)
     rewards = [
         [score(it.reward, prompts.decode(s.response_ids), it.answer) for s in g]
@@ -256,7 +182,7 @@ def rollouts(
         num_moe_layers=tr.num_moe_layers(),
         top_k=tr.dims.num_experts_per_tok,
     )
-    batch = rank_rows(blk, layout=ro.layout, rank=_rank(), dp_rank=tr.dp_rank, dp_size=tr.dp_size)
+    batch = rank_rows(blk, layout=ro.layout, rank=global_rank(), dp_rank=tr.dp_rank, dp_size=tr.dp_size)
     metrics = generation_metrics(trainer=tr, rollout=ro, gens=[gen])
     metrics.update(reward_metrics(batch))
     probe = [g[0].prompt_ids + g[0].response_ids for g in groups[:8]]
@@ -269,10 +195,10 @@ def generation_metrics(
     """``rollout/*`` (and in exact mode ``exact/*``) of this engine's generation calls ``gens`` (each engine counted
     once; times: the slowest engine's sum). Every rank calls (collectives)."""
     ro = rollout
-    tokens, prompt_tokens = _sum_over_engines(
+    tokens, prompt_tokens = sum_over_engines(
         ro, [float(sum(g.response_tokens for g in gens)), float(sum(g.prompt_tokens for g in gens))]
     )
-    (slowest,) = _max_over_world([sum(g.seconds for g in gens)])
+    (slowest,) = max_over_world([sum(g.seconds for g in gens)])
     metrics = {
         "rollout/tokens_per_s": tokens / slowest if slowest > 0 else float("nan"),
         "rollout/response_tokens": tokens,
@@ -282,7 +208,7 @@ def generation_metrics(
     if trainer.modes.exact:
         # Every rank is in exact mode: the max is a collective all of them join.
         decoded = max(sum(g.response_tokens for g in gens), 1)
-        forwards, cache, read, copied = _max_over_world(
+        forwards, cache, read, copied = max_over_world(
             [
                 float(sum(g.extra.get("forwards", 0) for g in gens)),
                 float(max((g.extra.get("kv_cache_bytes", 0) for g in gens), default=0)),
@@ -301,7 +227,7 @@ def generation_metrics(
 def reward_metrics(batch: StepBatch) -> dict[str, float]:
     """``reward/*`` and ``batch/width`` of the step's rows (this rank's ``batch``; every rank calls)."""
     rw = batch.rewards.view(-1, batch.group_size)
-    n, s, s2, equal = _sum_over_dp(
+    n, s, s2, equal = sum_over_dp(
         [
             float(len(batch)),
             float(batch.rewards.sum()),
@@ -309,7 +235,7 @@ def reward_metrics(batch: StepBatch) -> dict[str, float]:
             float((rw.max(-1).values == rw.min(-1).values).sum()),
         ]
     )
-    rmax, neg_rmin = _max_over_world([float(batch.rewards.max()), -float(batch.rewards.min())])
+    rmax, neg_rmin = max_over_world([float(batch.rewards.max()), -float(batch.rewards.min())])
     mean = s / n
     return {
         names.REWARD: mean,
@@ -337,7 +263,7 @@ def validate(
         score(it.reward, prompts.decode(g[0].response_ids), it.answer)
         for it, g in zip(mine, groups, strict=True)
     )
-    (total,) = _sum_over_engines(rollout, [float(correct)])
+    (total,) = sum_over_engines(rollout, [float(correct)])
     out = {names.VAL_ACCURACY: total / len(items)}
     k = recipe.run.val_samples
     if k:
@@ -356,7 +282,7 @@ def validate(
             for it, g in zip(mine, groups, strict=True)
             for s in g
         )
-        (policy,) = _sum_over_engines(rollout, [float(reward)])
+        (policy,) = sum_over_engines(rollout, [float(reward)])
         out[names.VAL_POLICY_REWARD] = policy / (len(items) * k)
     return out
 
@@ -474,20 +400,22 @@ def old_logprobs(
         )
     else:
         old, ent, recorded = batch.rollout_logprobs.clone(), None, None
-    rollout = batch.rollout_logprobs.clone()
+    sampled = (
+        batch.rollout_logprobs.clone()
+    )  # the sampling distribution's logprobs (``rollout`` is the engine)
     if r.rl.correction.bypass:
-        old = rollout.clone()
+        old = sampled.clone()
     return OldPass(
         old=old,
-        rollout=rollout,
+        rollout=sampled,
         entropy=ent,
-        trainer_routing=_trainer_routing(trainer=tr, batch=batch, recorded=recorded),
+        trainer_routing=trainer_routing(trainer=tr, batch=batch, recorded=recorded),
         recomputed=recomputed,
         sync=checks,
     )
 
 
-def _trainer_routing(*, trainer: MegatronTrainer, batch: StepBatch, recorded):
+def trainer_routing(*, trainer: MegatronTrainer, batch: StepBatch, recorded):
     """The routing the trainer chooses by itself, for the routing metrics: what its pass recorded, or, where that
     pass replayed the rollout's routes (R3), one more pass with free routing."""
     if trainer.modes.routing.free_routing_probe and batch.routed_experts is not None:
@@ -528,7 +456,7 @@ def current_logprobs(
         old=old,
         rollout=batch.rollout_logprobs.clone(),
         entropy=ent,
-        trainer_routing=_trainer_routing(trainer=tr, batch=batch, recorded=recorded),
+        trainer_routing=trainer_routing(trainer=tr, batch=batch, recorded=recorded),
         recomputed=True,
         behaviour=behaviour,
         age=age,
@@ -562,7 +490,7 @@ def loss_weights(*, recipe: Recipe, batch: StepBatch, old: OldPass, step: int) -
         total_rows=batch.total_rows,
         global_width=global_width(batch),
     )
-    return weights, _reduce(stats)
+    return weights, reduce_dp(stats)
 
 
 def step_metrics(
@@ -575,7 +503,7 @@ def step_metrics(
     if op.recomputed:
         out.update(
             mismatch_metrics(
-                _reduce(
+                reduce_dp(
                     mismatch_stats(
                         train_logprobs=op.old,
                         infer_logprobs=op.rollout,
@@ -592,7 +520,7 @@ def step_metrics(
         )
         out.update(
             ratio_split_metrics(
-                _reduce(
+                reduce_dp(
                     ratio_split_stats(current=op.old, behaviour=op.sampled_at, rollout=op.rollout, mask=mask)
                 )
             )
@@ -603,7 +531,7 @@ def step_metrics(
         n = cstats.sum("tokens")
         out["objective/injection_weight_mean"] = safe_div(cstats.sum("inj_w"), n)
         out["objective/injection_weight_std"] = std_from_sums(cstats.sum("inj_w"), cstats.sum("inj_w2"), n)
-    j = _reduce(
+    j = reduce_dp(
         objective_surrogate(
             advantages=adv,
             old_logprobs=op.old,
@@ -616,7 +544,7 @@ def step_metrics(
     out["objective/J_per_token"] = safe_div(j.sum("J"), j.sum("tokens"))
     out["objective/low_prob_token_frac"] = safe_div(j.sum("low_tokens"), j.sum("tokens"))
     out.update(
-        response_metrics(_reduce(response_stats(mask=mask, entropy=op.entropy, truncated=local.truncated)))
+        response_metrics(reduce_dp(response_stats(mask=mask, entropy=op.entropy, truncated=local.truncated)))
     )
     out.update(routing_metrics(batch=local, old=op))
     return out
@@ -639,7 +567,7 @@ def routing_metrics(*, batch: StepBatch, old: OldPass) -> dict[str, float]:
             trainer_experts=b[:, :, :w].long().flatten(1, 2),
             mask=pos_mask[:, :w].flatten(),
         )
-        out.update(routing_agreement_metrics(_reduce(rs), prefix=prefix))
+        out.update(routing_agreement_metrics(reduce_dp(rs), prefix=prefix))
 
     at_sampling = old.routing_at_sampling
     if at_sampling is not None and batch.routed_experts is not None:
@@ -672,6 +600,73 @@ def update_routes(*, recipe: Recipe, routing: Routing, batch: StepBatch, old: Ol
 # -------------------------------------------------------------------------------------------- update
 
 
+@dataclass
+class UpdateTally:
+    """What a step's optimizer updates add up to on this rank, and the metrics every rank reports of them."""
+
+    loss_stats: Stats = field(default_factory=Stats)
+    current: Stats = field(default_factory=Stats)
+    """Mismatch statistics of the current policy against the rollout, from the first epoch's forwards."""
+    applied: int = 0
+    updates: int = 0
+    replayed: int = 0
+    """Tokens trained with the rollout's routes replayed (R2/R3)."""
+    norms: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
+
+    def add(self, res, *, replayed: int) -> None:
+        self.loss_stats.merge(res.stats)
+        self.applied += int(res.applied)
+        self.updates += 1
+        self.replayed += replayed
+        self.losses.append(res.loss)
+        self.scales.append(res.loss_scale)
+        if res.grad_norm == res.grad_norm:  # not NaN
+            self.norms.append(res.grad_norm)
+
+    def metrics(self, *, recipe: Recipe, dp_size: int, lr: float) -> dict:
+        """The loss, mismatch and update metrics, reduced over the data-parallel group (every rank calls it)."""
+        dg = recipe.diagnostics
+        out = policy_loss_metrics(reduce_dp(self.loss_stats))
+        out.update(
+            mismatch_metrics(
+                reduce_dp(self.current),
+                a="current",
+                b="rollout",
+                bucket_edges=dg.bucket_edges,
+                rho_thresholds=dg.rho_thresholds,
+            )
+        )
+        total_loss = torch.tensor([sum(self.losses)], dtype=torch.float64)
+        if dist.is_initialized() and dp_size > 1:
+            dist.all_reduce(total_loss, group=dp_group())
+        norms = self.norms
+        out.update(
+            {
+                "actor/loss": float(total_loss) / max(self.updates, 1),
+                "actor/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+                "actor/grad_norm_max": max(norms) if norms else float("nan"),
+                names.LR: lr,
+                "actor/updates": self.updates,
+                "actor/updates_skipped": self.updates - self.applied,
+                "actor/loss_scale": self.scales[-1] if self.scales else float("nan"),
+                "remedy/replayed_tokens": float(self.replayed),
+            }
+        )
+        return out
+
+
+def minibatch_rows(*, recipe: Recipe, n_local: int, step: int, epoch: int) -> list[torch.Tensor]:
+    """This rank's rows of each minibatch of one epoch, in order: its block shuffled with a seed every rank shares,
+    minibatch m the m-th equal slice (sorted), so every rank runs equally many equal-sized micro-batches."""
+    per = n_local // recipe.rl.minibatches
+    perm = torch.randperm(
+        n_local, generator=torch.Generator().manual_seed(step_seed(recipe.run.seed, step, 100 + epoch))
+    )
+    return [perm[m * per : (m + 1) * per].sort().values for m in range(recipe.rl.minibatches)]
+
+
 def update(
     *,
     recipe: Recipe,
@@ -684,71 +679,27 @@ def update(
     step: int,
     observer: StepObserver = NO_OBSERVER,
 ) -> dict:
-    """``rl.ppo_epochs`` passes over the step, each split into ``rl.minibatches`` optimizer updates.
-
-    Minibatches are stratified over data-parallel ranks: every rank shuffles its own block of rows with the
-    same seed and minibatch m takes the m-th slice of each block, so all ranks run the same number of
-    equal-sized micro-batches (expert-parallel dispatch exchanges equal blocks).
-    """
+    """``rl.ppo_epochs`` passes over the step, each split into ``rl.minibatches`` optimizer updates
+    (:func:`minibatch_rows`: stratified over the data-parallel ranks, so expert-parallel dispatch exchanges equal
+    blocks)."""
     r, tr, op, local = recipe, trainer, old, batch
-    n_local = len(local)
-    per = n_local // r.rl.minibatches
     proximal = op.old if r.rl.proximal == "current" else op.sampled_at  # what PPO's ratio is against
     loss_rows = LossRows(
         old=proximal, rollout=op.rollout, mask=local.response_mask, advantages=adv, weights=weights
     )
     routing = tr.modes.routing.update
     routed = update_routes(recipe=r, routing=tr.modes.routing, batch=local, old=op)
-    loss_stats, current = Stats(), Stats()
-    applied, norms, losses, scales, updates, replayed = 0, [], [], [], 0, 0
+    tally = UpdateTally()
     for epoch in range(r.rl.ppo_epochs):
-        perm = torch.randperm(
-            n_local, generator=torch.Generator().manual_seed(step_seed(r.run.seed, step, 100 + epoch))
-        )
-        for m in range(r.rl.minibatches):
-            idx = perm[m * per : (m + 1) * per].sort().values
-            (den,) = _sum_over_dp([local_denominator(mask=local.response_mask[idx], mode=r.rl.aggregation)])
+        for idx in minibatch_rows(recipe=r, n_local=len(local), step=step, epoch=epoch):
+            (den,) = sum_over_dp([local_denominator(mask=local.response_mask[idx], mode=r.rl.aggregation)])
             seq = SeqBatch(
                 local.input_ids[idx], local.lengths[idx], routed[:, idx] if routing == "replay" else None
             )
             fn = make_loss_fn(
-                r, loss_rows.rows(idx), denominator=den, current_stats=current if epoch == 0 else None
+                r, loss_rows.rows(idx), denominator=den, current_stats=tally.current if epoch == 0 else None
             )
             res = tr.train_step(seq, fn, lr=lr, routing=routing)
             observer.trained(step=step, times=res.times)
-            if routing == "replay":
-                replayed += int(seq.lengths.sum())
-            loss_stats.merge(res.stats)
-            applied += int(res.applied)
-            updates += 1
-            losses.append(res.loss)
-            scales.append(res.loss_scale)
-            if res.grad_norm == res.grad_norm:  # not NaN
-                norms.append(res.grad_norm)
-    dg = r.diagnostics
-    out = policy_loss_metrics(_reduce(loss_stats))
-    out.update(
-        mismatch_metrics(
-            _reduce(current),
-            a="current",
-            b="rollout",
-            bucket_edges=dg.bucket_edges,
-            rho_thresholds=dg.rho_thresholds,
-        )
-    )
-    total_loss = torch.tensor([sum(losses)], dtype=torch.float64)
-    if dist.is_initialized() and tr.dp_size > 1:
-        dist.all_reduce(total_loss, group=dp_group())
-    out.update(
-        {
-            "actor/loss": float(total_loss) / max(updates, 1),
-            "actor/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
-            "actor/grad_norm_max": max(norms) if norms else float("nan"),
-            names.LR: lr,
-            "actor/updates": updates,
-            "actor/updates_skipped": updates - applied,
-            "actor/loss_scale": scales[-1] if scales else float("nan"),
-            "remedy/replayed_tokens": float(replayed),
-        }
-    )
-    return out
+            tally.add(res, replayed=int(seq.lengths.sum()) if routing == "replay" else 0)
+    return tally.metrics(recipe=r, dp_size=tr.dp_size, lr=lr)
