@@ -173,7 +173,7 @@ def test_the_trainer_refuses_them_at_start(tmp_path):
         hf = _checkpoint(tmp_path / next(iter(change)), _tiny(**change))
         recipe = load_recipe(TINY_V3, [f"model.path={hf}"]).recipe
         with pytest.raises(UnsupportedModelError, match=match):
-            MegatronTrainer(recipe, model_path=hf)
+            MegatronTrainer.of_run(recipe, model_path=hf)
 
 
 # ------------------------------------------------------------------------------- group-limited routing

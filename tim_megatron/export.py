@@ -77,7 +77,7 @@ def export_run(
         raise FileNotFoundError(f"{run_dir}: no checkpoint to export (checkpoints/latest is missing)")
     src = model_path_for(loaded.recipe)
     _side_files(Path(src))  # its files are checked before the model loads
-    tr = MegatronTrainer(loaded.recipe, model_path=src)
+    tr = MegatronTrainer.of_run(loaded.recipe, model_path=src)
     meta = load_checkpoint(tr, ckpt)
     want = (
         {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

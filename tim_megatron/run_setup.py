@@ -180,7 +180,7 @@ def setup(
     )
     # bad data (and a prompt too long in this tokenizer) fails here, before any engine starts
     prompts = PromptSource(r.data, seed=r.run.seed, tokenizer=AutoTokenizer.from_pretrained(path))
-    trainer = MegatronTrainer(r, model_path=path)
+    trainer = MegatronTrainer.of_run(r, model_path=path)
     ckpt = _resume_from(run_dir, trust_unverified=trust_unverified) if resume else None
     checkpoint_writer_signals.shield()  # a job's SIGTERM must not kill megatron's writer helper
     state = LoopState.create(r)
@@ -288,12 +288,12 @@ def remedy_info(*, recipe, trainer, rollout) -> dict:
     """Numbers that show, in the first logged step, which precision remedies are really in force."""
     import torch
 
-    from tim_megatron.trainer.logprobs import _logits, head_weight
+    from tim_megatron.trainer.logprobs import head_gemm, head_weight
 
     w = head_weight(trainer.model)
-    with torch.no_grad():  # the dtype the trainer's head really produces logits in
+    with torch.no_grad():  # the dtype the trainer's head GEMM really computes in
         head_fp32 = (
-            _logits(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w, trainer.head).dtype
+            head_gemm(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device), w, trainer.head).dtype
             == torch.float32
             and trainer.head.fp32
         )

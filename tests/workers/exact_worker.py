@@ -49,12 +49,12 @@ def scenario_doses(out: dict, overrides: list[str]) -> None:
     recipe = load_recipe(RECIPE, overrides).recipe
     path = model_path_for(recipe)
     tok = AutoTokenizer.from_pretrained(path)
-    tr = MegatronTrainer(recipe, model_path=path)
+    tr = MegatronTrainer.of_run(recipe, model_path=path)
     items = PromptSource(recipe.data, seed=recipe.run.seed).step_items(1, recipe.data.prompts_per_step)
     prompts = [encode_prompt(tok, it.prompt) for it in items]
 
     def run(injection: SamplingInjection) -> dict:
-        sampler = ExactSampler(tr, eos_id=tok.eos_token_id, injection=injection)
+        sampler = ExactSampler(tr, recipe=recipe, eos_id=tok.eos_token_id, injection=injection)
         groups, _ = sampler.generate(prompts, step=1)
         rewards = [
             [reward(it.reward, tok.decode(s.response_ids, skip_special_tokens=True), it.answer) for s in g]
@@ -111,7 +111,9 @@ def scenario_doses(out: dict, overrides: list[str]) -> None:
             out[kind].append(r)
     out["zero_grad_norm"] = float(zero["grad"].norm())
     # The policy evaluation (run.val_samples): an injected sampler asked for the policy draws the zero run's tokens.
-    injected = ExactSampler(tr, eos_id=tok.eos_token_id, injection=SamplingInjection(type="noise", std=3.0))
+    injected = ExactSampler(
+        tr, recipe=recipe, eos_id=tok.eos_token_id, injection=SamplingInjection(type="noise", std=3.0)
+    )
     policy, _ = injected.generate(prompts, step=1, injection=False)
     out["policy_tokens_unchanged"] = [s.response_ids for g in policy for s in g] == zero["tokens"]
     tr.close()
@@ -175,7 +177,7 @@ def scenario_forced(out: dict, overrides: list[str]) -> None:
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer, SeqBatch
 
     recipe = load_recipe(RECIPE, ["rollout.max_tokens=40", *overrides]).recipe
-    tr = MegatronTrainer(recipe, model_path=model_path_for(recipe))
+    tr = MegatronTrainer.of_run(recipe, model_path=model_path_for(recipe))
     g = torch.Generator().manual_seed(0)
     rows = 6
     width = tr.exact_width(8)

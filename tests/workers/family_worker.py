@@ -172,7 +172,7 @@ def scenario_single(recipe_path: str, out: dict) -> None:
     ids, lengths = batch.input_ids, batch.lengths
     valid = (torch.arange(ids.shape[1])[None] < lengths[:, None]) & (torch.arange(ids.shape[1])[None] > 0)
 
-    tr = MegatronTrainer(r, model_path=ck)
+    tr = MegatronTrainer.of_run(r, model_path=ck)
     out.update(equivalence(tr, seed))
     out["num_moe_layers"] = tr.num_moe_layers()
     out["grads_vs_hf"], out["grads_compared"] = hf_gradient_error(hf, out["grads"], seed)
@@ -306,7 +306,7 @@ def other_kernels(
         if refused:
             res[name] = {"refused": refused}
             continue
-        tr = MegatronTrainer(recipe, model_path=ck)
+        tr = MegatronTrainer.of_run(recipe, model_path=ck)
         res[name] = {**equivalence(tr, seed), "built": tr.kernels}
         res[name]["vs_hf"] = float((res[name]["logprobs"] - hf_lp)[valid].abs().max())
         tr.close()
@@ -342,7 +342,7 @@ def fp8_load(r, ck: Path, seed: int, source_logprobs: torch.Tensor) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         q = Path(tmp) / "fp8"
         convert_checkpoint(ck, q, to="fp8", block=(128, 128))
-        tr = MegatronTrainer(r, model_path=q)
+        tr = MegatronTrainer.of_run(r, model_path=q)
         want = HFCheckpoint(q)
         exported = {k: v.clone() for k, v in tr.export_hf()}
         res = {
@@ -487,7 +487,7 @@ def scenario_parallel(recipe_path: str, out: dict, *, seed: int) -> None:
         ck = ensure_tiny_checkpoint(
             r.model.dims, seed=r.model.tiny_seed, warmup_steps=r.model.tiny_warmup_steps, task=r.data.task
         )
-        tr = MegatronTrainer(
+        tr = MegatronTrainer.of_run(
             r, model_path=ck
         )  # re-initializes megatron's groups inside the same two processes
         out[name] = equivalence(tr, seed)
@@ -510,7 +510,7 @@ def scenario_parallel(recipe_path: str, out: dict, *, seed: int) -> None:
             tr.close(keep_default_group=True)
             continue
         del tr
-        tr = MegatronTrainer(grouped, model_path=ck)
+        tr = MegatronTrainer.of_run(grouped, model_path=ck)
         out[name]["grouped"] = {**equivalence(tr, seed), "built": tr.kernels}
         tr.close(keep_default_group=True)  # its patches go with it: the next family's trainer applies its own
 

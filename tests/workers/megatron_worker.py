@@ -566,7 +566,7 @@ def run_scenario(name: str, out_path: Path, overrides: list[str], *, last: bool 
     launcher's default process group for the next scenario in the same processes."""
     recipe = load_recipe(RECIPE, [*BASE, *overrides]).recipe
     ckpt = model_path_for(recipe)
-    tr = MegatronTrainer(recipe, model_path=ckpt)
+    tr = MegatronTrainer.of_run(recipe, model_path=ckpt)
     out: dict = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     SCENARIOS[name](tr, out)
     if tr.is_rank0:

@@ -28,7 +28,7 @@ PROMPTS = ["3+4=", "1+1=", "2+0=", "4+4="]
 def build(overrides):
     recipe = load_recipe(RECIPE, ["trainer.micro_batch_size=8", *overrides]).recipe
     ck = model_path_for(recipe)
-    tr = MegatronTrainer(recipe, model_path=ck)
+    tr = MegatronTrainer.of_run(recipe, model_path=ck)
     eng = BACKENDS["vllm"].build(recipe, tr, model_path=ck, tokenizer=None)  # as a run builds it
     return recipe, ck, tr, eng
 

@@ -263,7 +263,7 @@ def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=Non
     seqs = check_inputs(r, options, out)
     path = model_path_for(r)
     prompts = PromptSource(r.data, seed=r.run.seed, tokenizer=AutoTokenizer.from_pretrained(path))
-    trainer = MegatronTrainer(r, model_path=path)
+    trainer = MegatronTrainer.of_run(r, model_path=path)
     engine = build_rollout(r, trainer, model_path=path, tokenizer=prompts.tokenizer)
     if seqs is None:
         seqs = sampled(engine, prompts, options.prompts)

@@ -207,8 +207,7 @@ def sampler_throughput(
                 f"diagnostics.exact_sampler={kind}",
             ],
         ).recipe
-        sampler = ExactSampler(tr, eos_id=-1)  # no end-of-text: every row runs to its budget
-        sampler.recipe = recipe
+        sampler = ExactSampler(tr, recipe=recipe, eos_id=-1)  # no end-of-text: every row runs to its budget
         t = time.perf_counter()
         groups, stats = sampler.generate(enc, step=step)
         seconds = time.perf_counter() - t
@@ -365,7 +364,7 @@ def _trainer(overrides: list[str]):
 
     recipe = load_recipe(VEXACT, overrides).recipe
     path = model_path_for(recipe)
-    return MegatronTrainer(recipe, model_path=path), AutoTokenizer.from_pretrained(path)
+    return MegatronTrainer.of_run(recipe, model_path=path), AutoTokenizer.from_pretrained(path)
 
 
 def _print_kernels() -> None:

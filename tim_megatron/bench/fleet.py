@@ -110,7 +110,7 @@ def _worker(out: str, rounds: int, measure_sync: bool, overrides: list[str]) -> 
         ROOT / "recipes/tiny-moe/grpo.yaml", [f"parallel.dp={world}", "data.prompts_per_step=32", *overrides]
     ).recipe
     path = model_path_for(recipe)
-    tr = MegatronTrainer(recipe, model_path=path)
+    tr = MegatronTrainer.of_run(recipe, model_path=path)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)

@@ -28,7 +28,7 @@ def run(*, rounds: int = 5, demo_step_s: float | None = None, overrides: list[st
 
     recipe = load_recipe("recipes/tiny-moe/grpo.yaml", overrides or []).recipe
     path = model_path_for(recipe)
-    tr = MegatronTrainer(recipe, model_path=path)
+    tr = MegatronTrainer.of_run(recipe, model_path=path)
     eng = BACKENDS["vllm"].build(recipe, tr, model_path=path, tokenizer=None)  # as a run builds it
     src = PromptSource(recipe.data, seed=0)
     prompts = [

@@ -37,7 +37,7 @@ def run(*, seqs: int = 32, length: int = 32, repeat: int = 10, overrides: list[s
     recipe = load_recipe(
         "recipes/tiny-moe/grpo.yaml", [f"trainer.micro_batch_size={seqs}", *(overrides or [])]
     ).recipe
-    tr = MegatronTrainer(recipe, model_path=model_path_for(recipe))
+    tr = MegatronTrainer.of_run(recipe, model_path=model_path_for(recipe))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, recipe.model.dims.vocab_size, (seqs, length), generator=g)
     lengths = torch.full((seqs,), length)

@@ -91,7 +91,7 @@ class Bench:
     def trainer(self, model: Model, **recipe_kw):
         from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
-        return MegatronTrainer(self.recipe(model, **recipe_kw), model_path=model.path)
+        return MegatronTrainer.of_run(self.recipe(model, **recipe_kw), model_path=model.path)
 
     def with_trainer(self, model: Model, use, **recipe_kw):
         """``use(trainer)`` on a fresh trainer for ``recipe_kw``; the trainer is closed, dropped and its memory
@@ -235,7 +235,7 @@ def train_step(
         base = torch.cuda.memory_allocated()
     from tim_megatron.trainer.megatron_trainer import MegatronTrainer
 
-    tr = MegatronTrainer(recipe, model_path=model.path)
+    tr = MegatronTrainer.of_run(recipe, model_path=model.path)
     k = tr.kernels
     out = [
         model_finding(model, section),

@@ -61,7 +61,7 @@ def _check_vllm(model_path: Path, *, on_gpu: bool, tensor_parallel: int) -> None
 def _build_trainer(recipe, trainer, *, model_path: Path, tokenizer):
     from tim_megatron.rollout.exact_sampler import ExactSampler
 
-    return ExactSampler(trainer, eos_id=tokenizer.eos_token_id)
+    return ExactSampler(trainer, recipe=recipe, eos_id=tokenizer.eos_token_id)
 
 
 def _check_trainer(model_path: Path, *, on_gpu: bool, tensor_parallel: int) -> None:

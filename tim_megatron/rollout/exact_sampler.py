@@ -53,7 +53,7 @@ from tim_megatron.rollout.base import (
 )
 
 if TYPE_CHECKING:
-    from tim_megatron.recipe.schema import SamplingInjection
+    from tim_megatron.recipe.schema import Recipe, SamplingInjection
 
 
 class ExactMismatchError(RuntimeError):
@@ -66,13 +66,14 @@ class ExactSampler:
     restartable = False
     shares_trainer_weights = True
 
-    def __init__(self, trainer, *, eos_id: int, injection: SamplingInjection | None = None):
-        """``injection``: the sampling injection (default: the recipe's ``diagnostics.sampling_injection``)."""
+    def __init__(self, trainer, *, recipe: Recipe, eos_id: int, injection: SamplingInjection | None = None):
+        """``recipe``: the run's (its rollout, data, seed and exact-sampler settings); ``injection``: the sampling
+        injection (default: the recipe's ``diagnostics.sampling_injection``)."""
         self.trainer = trainer
-        self.recipe = trainer.recipe
+        self.recipe = recipe
         self.eos_id = eos_id
-        self.injection = injection or trainer.recipe.diagnostics.sampling_injection
-        self.capture = trainer.recipe.capture_routed_experts and trainer.replay_enabled
+        self.injection = injection or recipe.diagnostics.sampling_injection
+        self.capture = recipe.capture_routed_experts and trainer.replay_enabled
         """Record the experts of every input position (needs the trainer's replay hooks: router_replay r2)."""
         self.layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=trainer.tp)
         self.engine_index = self.layout.engine_of(trainer.rank)

@@ -95,8 +95,8 @@ def agree_on_engines(
     import torch.distributed as dist
 
     flags = torch.zeros(rollout.layout.world, dtype=torch.float64)
-    if error is not None:
-        flags[rollout.rank] = 1.0
+    if error is not None:  # this process's global rank (the engine protocol does not name one)
+        flags[dist.get_rank() if dist.is_initialized() else 0] = 1.0
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     lost = [r for r in range(len(flags)) if flags[r] > 0]

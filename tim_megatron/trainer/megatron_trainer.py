@@ -104,9 +104,47 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+@dataclass(frozen=True)
+class TrainerInputs:
+    """What the trainer needs from recipe sections that are not its own, handed in by whoever builds it (the
+    trainer reads only its own sections of ``recipe``: model, parallel, trainer, optim, remedies, diagnostics)."""
+
+    response_budget: int
+    """``rollout.max_tokens``: the tokens a response may add to its prompt (exact mode's micro-batch width)."""
+    logprob_temperature: float
+    """The temperature the head divides the logits by: ``rollout.temperature`` when the rollout logs logprobs
+    after it (``rollout.logprobs_after_temperature``), else 1."""
+    save_optimizer: bool
+    """``checkpoint.save_optimizer``: checkpoints carry the optimizer's state."""
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> TrainerInputs:
+        ro = recipe.rollout
+        return cls(
+            response_budget=ro.max_tokens,
+            logprob_temperature=ro.temperature if ro.logprobs_after_temperature else 1.0,
+            save_optimizer=recipe.checkpoint.save_optimizer,
+        )
+
+
 class MegatronTrainer:
-    def __init__(self, recipe: Recipe, *, model_path: str | Path, environ: dict[str, str] | None = None):
+    @classmethod
+    def of_run(
+        cls, recipe: Recipe, *, model_path: str | Path, environ: dict[str, str] | None = None
+    ) -> MegatronTrainer:
+        """The trainer of a run of ``recipe``, with its :class:`TrainerInputs` taken from the same recipe."""
+        return cls(recipe, model_path=model_path, environ=environ, inputs=TrainerInputs.of(recipe))
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        model_path: str | Path,
+        inputs: TrainerInputs,
+        environ: dict[str, str] | None = None,
+    ):
         self.recipe = recipe
+        self.inputs = inputs
         self.modes: RunModes = modes_of(recipe)
         """The run's modes (:mod:`tim_megatron.modes`): the patches, kernels and routing below follow them."""
         self.model_path = Path(model_path)
@@ -208,7 +246,7 @@ class MegatronTrainer:
     def _head(self, gpt) -> HeadSpec:
         r = self.recipe
         return HeadSpec(
-            temperature=r.rollout.temperature if r.rollout.logprobs_after_temperature else 1.0,
+            temperature=self.inputs.logprob_temperature,
             chunk=r.trainer.logprob_chunk,
             fp32=r.remedies.fp32_lm_head,
             kernels=invariant_kernels.kernels_of(gpt),
@@ -303,7 +341,7 @@ class MegatronTrainer:
     def exact_width(self, longest_prompt: int) -> int:
         """Exact mode's micro-batch width: the longest prompt of the step on any rank plus the generation budget,
         rounded up for TP (every rank calls it: the maximum is all-reduced)."""
-        w = torch.tensor([longest_prompt + self.recipe.rollout.max_tokens], device=self._device())
+        w = torch.tensor([longest_prompt + self.inputs.response_budget], device=self._device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(w, op=dist.ReduceOp.MAX)
         return _round_up(max(int(w.item()), 2), self.tp)
@@ -675,7 +713,7 @@ class MegatronTrainer:
         self.require_resident(("params", "grads", "optimizer"), "a checkpoint")
         msd = unwrap(self.model).sharded_state_dict()
         out = {"model": msd}
-        if self.recipe.checkpoint.save_optimizer:
+        if self.inputs.save_optimizer:
             with cpu_shims.cuda_placement_to_cpu():
                 if loading:
                     distopt_checkpoint.prime(self.optimizer)
@@ -700,7 +738,7 @@ class MegatronTrainer:
         """What a checkpoint records of the trainer beside its tensors: the updates applied, the model's dims, and
         the expert weights' layout when megatron's distributed optimizer saves its state by gradient bucket
         (:func:`~tim_megatron.trainer.experts.bucket_resume_problem`)."""
-        buckets = self._use_distributed_optimizer() and self.recipe.checkpoint.save_optimizer
+        buckets = self._use_distributed_optimizer() and self.inputs.save_optimizer
         return {
             "updates": self.updates,
             "model_dims": self.recipe.model.dims.model_dump(mode="json"),
