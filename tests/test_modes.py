@@ -96,3 +96,89 @@ def test_modes_are_decided_in_one_place():
         if rx.search(line)
     ]
     assert found == []
+
+
+MODE_FIELDS = {
+    "vexact": "diagnostics.vexact (RunModes.exact)",
+    "router_replay": "remedies.router_replay (RunModes.routing)",
+    "capture_routed_experts": "rollout.capture_routed_experts (modes.captures_routes, Routing.capture)",
+}
+"""The recipe fields a run's modes decide; a read of one outside modes.py and recipe/ decides a mode again."""
+
+
+def mode_reads(source: str) -> list[str]:
+    """Every read of a mode field in ``source`` (line: what it decides): an attribute load of one of
+    :data:`MODE_FIELDS`, or of ``backend`` on a ``rollout`` section (``rollout.backend``: RunModes.backend)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not isinstance(node.ctx, ast.Load):
+            continue
+        if node.attr in MODE_FIELDS:
+            found.append(f"{node.lineno}: {MODE_FIELDS[node.attr]}")
+        elif (
+            node.attr == "backend" and isinstance(node.value, ast.Attribute) and node.value.attr == "rollout"
+        ):
+            found.append(f"{node.lineno}: rollout.backend (RunModes.backend)")
+    return found
+
+
+def test_the_mode_fields_are_read_only_where_the_modes_are_decided():
+    """Issue 60, item 1: the backend, exact mode, router replay and route capture are decided in modes.py (and
+    checked by the validators in recipe/, which run before modes exist); every other module asks the modes. The
+    scanner finds planted reads of each kind, and none in the package."""
+    planted = (
+        "if recipe.diagnostics.vexact == 'exact': pass\n"
+        "replay = r.remedies.router_replay\n"
+        "capture = recipe.rollout.capture_routed_experts and n > 0\n"
+        "name = recipe.rollout.backend or 'vllm'\n"
+        "r.rollout.backend = 'vllm'\n"  # a store is no read
+    )
+    assert sorted(f.split(":")[0] for f in mode_reads(planted)) == ["1", "2", "3", "4"]
+    assert mode_reads("modes.exact and modes.routing.capture and modes.backend == 'vllm'\n") == []
+    pkg = ROOT / "tim_megatron"
+    found = [
+        f"{p.relative_to(ROOT)}:{hit}"
+        for p in sorted(pkg.rglob("*.py"))
+        if p.parent != pkg / "recipe" and p.name != "modes.py"
+        for hit in mode_reads(p.read_text())
+    ]
+    assert found == []
+    import tim_megatron.recipe.schema as schema
+
+    assert not hasattr(schema.Recipe, "rollout_backend") and not hasattr(
+        schema.Recipe, "capture_routed_experts"
+    )
+
+
+def test_the_trainer_doctor_and_plan_share_one_kernel_rule():
+    """Issue 60, item 1: one resolver (trainer/kernel_choice.py) for the trainer, ``tim doctor`` and ``tim plan``:
+    exact mode keeps the materialized attention and the expert loop on a GPU too, biased experts (gpt-oss) take the
+    loop, ``auto`` takes SDPA, the grouped GEMM and fused Adam on a GPU in bfloat16, and the plan counts what the
+    resolver picks."""
+    from tim_megatron.slurm.plan import _kernels
+    from tim_megatron.trainer.kernel_choice import choose_kernels, planned_grouped_problem
+
+    def chosen(path, *overrides, on_gpu=True):
+        r = load_recipe(path, list(overrides)).recipe
+        return choose_kernels(r, modes_of(r), on_gpu=on_gpu, grouped_problem=planned_grouped_problem)
+
+    qwen = ROOT / "recipes/qwen3-30b-a3b/gspo.yaml"
+    assert dataclasses.astuple(chosen(qwen)) == ("sdpa", "grouped", "fused")
+    assert dataclasses.astuple(chosen(qwen, on_gpu=False)) == ("materialized", "loop", "foreach")
+    assert dataclasses.astuple(chosen(TINY, "diagnostics.vexact=exact")) == ("materialized", "loop", "fused")
+    assert chosen(ROOT / "recipes/gpt-oss-20b/grpo.yaml").experts == "loop"  # expert biases
+    assert (
+        chosen(qwen, "trainer.dtype=float32", "rollout.dtype=float32").experts == "loop"
+    )  # auto: the CUDA kernel takes bfloat16 only
+    r = load_recipe(qwen).recipe
+    assert _kernels(r, on_gpu=True) == chosen(qwen)
+    grouped_fp32 = load_recipe(
+        qwen, ["trainer.dtype=float32", "rollout.dtype=float32", "trainer.experts=grouped"]
+    ).recipe
+    with pytest.raises(ValueError, match="trainer.experts = grouped"):
+        choose_kernels(
+            grouped_fp32, modes_of(grouped_fp32), on_gpu=True, grouped_problem=planned_grouped_problem
+        )
+    assert _kernels(grouped_fp32, on_gpu=True).experts == "grouped"  # the plan counts what was asked

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tim_megatron.modes import captures_routes
 from tim_megatron.preflight import bandwidth as bw
 from tim_megatron.preflight.extrapolate import memory, step_time
 from tim_megatron.preflight.heartbeat import Heartbeat, Watchdog, phase_states, read_heartbeats
@@ -46,7 +47,7 @@ def test_the_shrink_keeps_the_layout_and_lists_every_override():
         assert a == b, section
     assert (full.cluster.nodes, full.rollout.tensor_parallel_size) == (shrunk.cluster.nodes, 4)
     assert (full.trainer_dtype, full.rollout_dtype) == (shrunk.trainer_dtype, shrunk.rollout_dtype)
-    assert shrunk.capture_routed_experts and shrunk.rollout.sleep_between_steps
+    assert captures_routes(shrunk) and shrunk.rollout.sleep_between_steps
     assert shrunk.model.path == "Qwen/Qwen3-30B-A3B"
     shrink = {s.key: s.value for s in pf.shrink}
     assert shrink == {

@@ -129,16 +129,21 @@ def test_the_backend_follows_the_recipe_and_a_contradiction_is_refused():
     value and what is allowed; the registry and the schema list the same backends."""
     import typing
 
+    from tim_megatron.modes import modes_of
     from tim_megatron.recipe import RecipeError, load_recipe
     from tim_megatron.recipe.schema import RolloutConfig
     from tim_megatron.rollout.backends import BACKENDS, backend_for
 
     grpo = ROOT / "recipes/tiny-moe/grpo.yaml"
-    assert backend_for(load_recipe(grpo).recipe).name == "vllm"
-    assert backend_for(load_recipe(grpo, ["diagnostics.vexact=exact"]).recipe).name == "trainer"
-    assert backend_for(
-        load_recipe(grpo, ["diagnostics.vexact=exact", "rollout.backend=trainer"]).recipe
-    ).name == ("trainer")
+
+    def backend(*overrides: str) -> str:
+        name = modes_of(load_recipe(grpo, list(overrides)).recipe).backend
+        assert backend_for(name).name == name
+        return name
+
+    assert backend() == "vllm"
+    assert backend("diagnostics.vexact=exact") == "trainer"
+    assert backend("diagnostics.vexact=exact", "rollout.backend=trainer") == "trainer"
     with pytest.raises(RecipeError, match=r"rollout.backend = trainer with diagnostics.vexact = off.*Allowed here: "
                        r"rollout.backend = vllm"):  # fmt: skip
         load_recipe(grpo, ["rollout.backend=trainer"])

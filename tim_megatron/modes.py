@@ -3,7 +3,8 @@
 Every part of a run that behaves differently by mode reads a field of :class:`RunModes` instead of decoding the
 recipe's strings itself:
 
-- ``backend``: what samples the responses (``vllm`` or ``trainer``, :mod:`tim_megatron.rollout.backends`);
+- ``backend``: what samples the responses (``vllm`` or ``trainer``, :mod:`tim_megatron.rollout.backends`;
+  :func:`rollout_backend`);
 - ``exact``: exact mode (``diagnostics.vexact = exact``): row-invariant kernels, pinned CPU reductions, the
   exact sampler, the all-gather dispatcher;
 - ``routing``: what router replay (R2, R3) means for the old-logprob pass and for the update
@@ -12,7 +13,9 @@ recipe's strings itself:
 - ``patches``: the megatron-core patches the trainer applies, in the order it applies them (each still checks
   its library version and whether the environment needs it).
 
-The recipe's validators (``recipe/``) keep their own checks on the raw fields: they run before modes exist.
+The recipe's validators (``recipe/``) keep their own checks on the raw fields: they run before modes exist, and
+ask :func:`rollout_backend` and :func:`captures_routes` the two decisions they need. ``tests/test_modes.py`` fails
+on a read of the mode fields anywhere else.
 """
 
 from __future__ import annotations
@@ -24,6 +27,22 @@ from tim_megatron.attention_kinds import AttentionKind, attention_kind
 
 if TYPE_CHECKING:
     from tim_megatron.recipe.schema import Recipe
+
+
+def rollout_backend(recipe: Recipe) -> str:
+    """What samples the responses: ``rollout.backend``, or what ``diagnostics.vexact`` implies when it is unset
+    (exact mode: the trainer's exact sampler; otherwise vLLM)."""
+    if recipe.rollout.backend is not None:
+        return recipe.rollout.backend
+    return "trainer" if recipe.diagnostics.vexact == "exact" else "vllm"
+
+
+def captures_routes(recipe: Recipe) -> bool:
+    """The rollout records the experts it routed each token to: asked for (``rollout.capture_routed_experts``, for the
+    agreement metric) or needed (R3 replays them in the trainer). The model must have experts as well
+    (:attr:`Routing.capture`)."""
+    return recipe.rollout.capture_routed_experts or recipe.remedies.router_replay == "r3"
+
 
 RoutingMode = Literal["off", "record", "replay"]
 """How a trainer forward routes tokens: its own router (``off``), its own router with the choices recorded
@@ -40,6 +59,12 @@ class Routing:
     """The trainer's replay hooks are attached: replay is on and the model has experts."""
     capture: bool
     """The rollout engine records its routing (for R3 or for the agreement metric) and the model has experts."""
+
+    @property
+    def exact_sampler_capture(self) -> bool:
+        """The exact sampler records its routing: with capture on and the replay hooks attached (it reads the routes
+        through them; without replay it has none to record)."""
+        return self.capture and self.hooks
 
     @property
     def old_pass(self) -> RoutingMode:
@@ -106,7 +131,7 @@ def modes_of(recipe: Recipe) -> RunModes:
     routing = Routing(
         replay=replay,
         hooks=replay != "off" and d.is_moe,
-        capture=recipe.capture_routed_experts and d.is_moe,
+        capture=captures_routes(recipe) and d.is_moe,
     )
     kind = attention_kind(d)
     patches = ["cpu_shims", "no_te_router_gemm", "sync_free_grad_norm", *kind.patches(tp=recipe.parallel.tp)]
@@ -117,7 +142,7 @@ def modes_of(recipe: Recipe) -> RunModes:
     if exact:
         patches.append("invariant_kernels")
     return RunModes(
-        backend=recipe.rollout_backend,
+        backend=rollout_backend(recipe),
         exact=exact,
         routing=routing,
         attention=kind,

@@ -55,7 +55,9 @@ def build_rollout(recipe, trainer, *, model_path: Path, tokenizer):
     """This rank's rollout engine, from the recipe's backend (:mod:`tim_megatron.rollout.backends`)."""
     from tim_megatron.rollout.backends import backend_for
 
-    return backend_for(recipe).build(recipe, trainer, model_path=model_path, tokenizer=tokenizer)
+    return backend_for(trainer.modes.backend).build(
+        recipe, trainer, model_path=model_path, tokenizer=tokenizer
+    )
 
 
 @dataclass
@@ -161,6 +163,7 @@ def setup(
     from patches.megatron import checkpoint_writer_signals
     from tim_megatron.data.sources import PromptSource
     from tim_megatron.logging.tracker import Tracker
+    from tim_megatron.modes import rollout_backend
     from tim_megatron.rl.colocation import Colocation
     from tim_megatron.rl.phases import probe_sequences
     from tim_megatron.rollout.backends import backend_for
@@ -175,7 +178,7 @@ def setup(
         stop = StopRequest()
         stop.install()
     path = model_path_for(r)
-    backend_for(r).check_model(  # weights present, servable
+    backend_for(rollout_backend(r)).check_model(  # weights present, servable
         path, on_gpu=torch.cuda.is_available(), tensor_parallel=r.rollout.tensor_parallel_size
     )
     # bad data (and a prompt too long in this tokenizer) fails here, before any engine starts

@@ -146,9 +146,9 @@ def check_inputs(recipe, options: AlignOptions, out: Path) -> list[list[int]] | 
 
 def refuse(recipe) -> None:
     """What ``tim align`` cannot compare, named by its key."""
-    if recipe.rollout_backend != "vllm":
+    if (backend := modes_of(recipe).backend) != "vllm":
         raise ValueError(
-            f"rollout.backend = {recipe.rollout_backend}: tim align compares the vLLM engine with the trainer; "
+            f"rollout.backend = {backend}: tim align compares the vLLM engine with the trainer; "
             "the trainer backend samples with the trainer's own forward (allowed: rollout.backend = vllm)"
         )
     if not recipe.rollout.enforce_eager:
@@ -294,7 +294,7 @@ def align(loaded: LoadedRecipe, options: AlignOptions, *, out: Path, console=Non
             "trainer_dtype": r.trainer_dtype,
             "rollout_dtype": r.rollout_dtype,
             "fp32_lm_head": r.remedies.fp32_lm_head,
-            "router_replay": r.remedies.router_replay,
+            "router_replay": trainer.modes.routing.replay,
             "rollout_tp": r.rollout.tensor_parallel_size,
             "trainer_layout": {"tp": r.parallel.tp, "ep": r.parallel.ep, "world": trainer.env.world_size},
         }

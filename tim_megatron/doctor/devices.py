@@ -199,33 +199,19 @@ def check_kernels(ctx: Context) -> list[Outcome]:
     ``trainer.experts``; ``auto`` resolved as the trainer resolves it)."""
     import torch
 
-    from tim_megatron.trainer.attention import resolve_attention
-    from tim_megatron.trainer.experts import resolve_experts
+    from tim_megatron.trainer.kernel_choice import choose_kernels
 
     r = recipe_of(ctx)
     if r is None:
         return not_checked(ctx, "trainer kernels")
     modes = modes_of(r)
-    exact = modes.exact
     on_gpu = torch.cuda.is_available()
-    attention = modes.attention.fixed_kernel or resolve_attention(r.trainer.attention, exact=exact)
-    if modes.attention.latent:
-        attention += " (latent attention)"
     try:
-        experts = (
-            resolve_experts(
-                r.trainer.experts,
-                exact=exact,
-                dtype=getattr(torch, r.trainer_dtype),
-                on_gpu=on_gpu,
-                widths=(r.model.dims.hidden_size, r.model.dims.moe_intermediate_size // r.parallel.etp),
-                biases=r.model.dims.linear_biases,
-            )
-            if r.model.dims.is_moe
-            else "none (dense model)"
-        )
+        choice = choose_kernels(r, modes, on_gpu=on_gpu)
     except ValueError as e:
         return [Outcome("trainer kernels", "fail", str(e), "set trainer.experts = auto or loop")]
+    attention = choice.attention + (" (latent attention)" if modes.attention.latent else "")
+    experts = choice.experts if r.model.dims.is_moe else "none (dense model)"
     return [
         Outcome(
             "trainer kernels",

@@ -156,10 +156,10 @@ BACKEND_CHECKS: dict[str, Callable[[Context], list[Outcome]]] = {
 
 def check_rollout_backend(ctx: Context) -> list[Outcome]:
     """The stack the recipe's rollout backend needs; every backend's when no recipe is given."""
-    from tim_megatron.rollout.backends import backend_for
+    from tim_megatron.modes import rollout_backend
 
     recipe = recipe_of(ctx)
-    names = [backend_for(recipe).name] if recipe is not None else list(BACKEND_CHECKS)
+    names = [rollout_backend(recipe)] if recipe is not None else list(BACKEND_CHECKS)
     seen: list[Outcome] = []
     for name in names:
         seen.extend(o for o in BACKEND_CHECKS[name](ctx) if o not in seen)

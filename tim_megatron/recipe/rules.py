@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+from tim_megatron.modes import rollout_backend
 from tim_megatron.recipe.base import RecipeValueError
 
 
@@ -389,10 +390,10 @@ def _check_offpolicy_schedule(r) -> None:
             "trains the batch it has just sampled, so there is nothing to sample beside the update; allowed: "
             "max_staleness >= 1, or schedule = sequential",
         )
-    if r.rollout_backend != "vllm":
+    if rollout_backend(r) != "vllm":
         raise RecipeValueError(
             ["rollout.schedule", "rollout.backend", "diagnostics.vexact"],
-            f"rollout.schedule = overlapped with the {r.rollout_backend!r} rollout backend: it samples from the "
+            f"rollout.schedule = overlapped with the {rollout_backend(r)!r} rollout backend: it samples from the "
             "trainer's own weights, which the update changes while it would sample; allowed: backend vllm, or "
             "schedule = sequential (exact mode runs off-policy in sequence)",
         )
@@ -416,10 +417,10 @@ def _check_offpolicy_schedule(r) -> None:
 def _check_engine_process(r) -> None:
     """An engine in its own process, and the fire drill that needs one."""
     ro, d = r.rollout, r.rollout.fault_drill
-    if ro.engine_process and r.rollout_backend != "vllm":
+    if ro.engine_process and rollout_backend(r) != "vllm":
         raise RecipeValueError(
             ["rollout.engine_process", "rollout.backend", "diagnostics.vexact"],
-            f"rollout.engine_process = true with the {r.rollout_backend!r} rollout backend: it samples with the "
+            f"rollout.engine_process = true with the {rollout_backend(r)!r} rollout backend: it samples with the "
             "trainer's own model, in the trainer's process; allowed: backend vllm, or engine_process = false",
         )
     if ro.engine_process and ro.tensor_parallel_size > 1:

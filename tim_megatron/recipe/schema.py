@@ -819,17 +819,6 @@ class Recipe(Section):
         return _dtype_default(self.rollout.dtype, self.remedies.fp16)
 
     @property
-    def rollout_backend(self) -> str:
-        """``rollout.backend``, or what ``diagnostics.vexact`` implies when it is unset."""
-        if self.rollout.backend is not None:
-            return self.rollout.backend
-        return "trainer" if self.diagnostics.vexact == "exact" else "vllm"
-
-    @property
-    def capture_routed_experts(self) -> bool:
-        return self.rollout.capture_routed_experts or self.remedies.router_replay == "r3"
-
-    @property
     def sync_tolerance(self) -> float:
         if self.rollout.sync_tolerance is not None:
             return self.rollout.sync_tolerance

@@ -77,9 +77,9 @@ BACKENDS: dict[str, Backend] = {
 """Every rollout backend, by ``rollout.backend`` name (the schema's ``Literal`` lists the same names)."""
 
 
-def backend_for(recipe) -> Backend:
-    """The recipe's backend: ``rollout.backend``, or what ``diagnostics.vexact`` implies when it is unset."""
-    name = recipe.rollout_backend
+def backend_for(name: str) -> Backend:
+    """The backend of that name: a run's is its modes' (:attr:`tim_megatron.modes.RunModes.backend`, decided by
+    :func:`tim_megatron.modes.rollout_backend`)."""
     if name not in BACKENDS:
         raise ValueError(f"rollout.backend = {name!r}: allowed {', '.join(BACKENDS)}")
     return BACKENDS[name]

@@ -73,7 +73,7 @@ class ExactSampler:
         self.recipe = recipe
         self.eos_id = eos_id
         self.injection = injection or recipe.diagnostics.sampling_injection
-        self.capture = recipe.capture_routed_experts and trainer.replay_enabled
+        self.capture = trainer.modes.routing.exact_sampler_capture
         """Record the experts of every input position (needs the trainer's replay hooks: router_replay r2)."""
         self.layout = FleetLayout(world=trainer.env.world_size, ranks_per_engine=trainer.tp)
         self.engine_index = self.layout.engine_of(trainer.rank)

@@ -42,6 +42,7 @@ import torch
 
 from tim_megatron import versions
 from tim_megatron.attention_kinds import attention_kind_of_config
+from tim_megatron.modes import captures_routes
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.rollout import cpu_kernels
 from tim_megatron.rollout.base import (
@@ -212,7 +213,7 @@ class VLLMEngine:
             )
         )
         self.num_moe_layers = num_moe_layers
-        self.capture = recipe.capture_routed_experts and num_moe_layers > 0
+        self.capture = captures_routes(recipe) and num_moe_layers > 0  # as the run's modes.routing.capture
         self._native_capture = False
         self.asleep = 0
         """0: awake; else the level of the last sleep (until both weights and KV cache are back)."""

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from tim_megatron.attention_kinds import attention_kind
-from tim_megatron.modes import modes_of
+from tim_megatron.modes import modes_of, rollout_backend
 from tim_megatron.recipe.schema import GPU_MEMORY_GIB, ModelDims, Recipe
 
 GIB = 2**30
@@ -255,6 +255,24 @@ class Plan:
         ]
 
 
+def _kernels(recipe: Recipe, *, on_gpu: bool):
+    """The trainer's kernels on the cluster's devices, by the trainer's own rule
+    (:func:`tim_megatron.trainer.kernel_choice.choose_kernels`; the grouped GEMM judged by its stated rules, with no
+    GPU here to ask). A grouped-experts setting the device would refuse is counted as asked: the run's doctor and
+    trainer name the refusal."""
+    from dataclasses import replace
+
+    from tim_megatron.trainer.kernel_choice import choose_kernels, planned_grouped_problem
+
+    modes = modes_of(recipe)
+    try:
+        return choose_kernels(recipe, modes, on_gpu=on_gpu, grouped_problem=planned_grouped_problem)
+    except ValueError:
+        trainer = recipe.trainer.model_copy(update={"experts": "loop"})
+        loop = choose_kernels(recipe.model_copy(update={"trainer": trainer}), modes, on_gpu=on_gpu)
+        return replace(loop, experts="grouped")
+
+
 def estimate(
     recipe: Recipe,
     *,
@@ -269,10 +287,11 @@ def estimate(
 ) -> Plan:
     """The recipe's plan, or the plan it would have with another layout (unset: the recipe's own).
     ``materialized_attention``: count the attention scores (megatron-core's local spec, without
-    transformer-engine's fused attention); unset: on CPU only. ``offload``: another
-    ``trainer.offload_during_rollout`` (unset: the recipe's). ``grouped_experts``: count the grouped experts'
-    transient stack of one layer's local fc1 weights (:mod:`tim_megatron.trainer.experts`); unset: on GPUs when
-    ``trainer.experts`` is ``grouped``, or ``auto`` in bfloat16 (the CUDA kernel's dtype), and not in exact mode."""
+    transformer-engine's fused attention); unset: where the trainer would build the materialized attention (CPU,
+    exact mode; :func:`_kernels`). ``offload``: another ``trainer.offload_during_rollout`` (unset: the recipe's).
+    ``grouped_experts``: count the grouped experts' transient stack of one layer's local fc1 weights
+    (:mod:`tim_megatron.trainer.experts`); unset: where the trainer would take the grouped path (:func:`_kernels`:
+    GPUs, ``grouped``, or ``auto`` in bfloat16 without expert biases, not in exact mode)."""
     from tim_megatron.rollout.backends import backend_for
     from tim_megatron.trainer.offload import LEVELS
 
@@ -293,8 +312,9 @@ def estimate(
     grads = (dense_local + expert_local) * 4
     optimizer = 12 * (dense_local / (dp if dist_opt else 1) + expert_local / (edp if dist_opt else 1))
     s, b, h = r.max_model_len, recipe.trainer.micro_batch_size, d.hidden_size
+    choice = _kernels(recipe, on_gpu=bool(c.gpus_per_node))
     if materialized_attention is None:
-        materialized_attention = not c.gpus_per_node
+        materialized_attention = choice.attention == "materialized"
     scores = 5 * d.num_attention_heads * s * s * b / tp if materialized_attention else 0
     layer = 34 * s * b * h / tp + scores
     if recipe.trainer.recompute == "full":
@@ -303,16 +323,10 @@ def estimate(
         act = d.num_layers * layer
     act += recipe.trainer.logprob_chunk * b * d.vocab_size / tp * 8 + d.vocab_size / tp * h * pbytes
     if grouped_experts is None:
-        exact = modes_of(recipe).exact
-        on_kernel = recipe.trainer_dtype == "bfloat16" or recipe.trainer.experts == "grouped"
-        grouped_experts = (
-            bool(c.gpus_per_node) and recipe.trainer.experts != "loop" and on_kernel and not exact
-        )
+        grouped_experts = choice.experts == "grouped"
     if grouped_experts and d.is_moe:  # the larger of its two stacks (fc1: gate and up), alive during one GEMM
         act += d.num_experts / ep * 2 * d.moe_intermediate_size / etp * h * pbytes
-    kernel = recipe.trainer.optimizer_kernel
-    if kernel == "auto":  # the trainer's rule (megatron_trainer._adam_kernel): fused on GPUs, foreach on CPU
-        kernel = "fused" if c.gpus_per_node else "foreach"
+    kernel = choice.optimizer
     stepped = dense_local / (dp if dist_opt else 1) + expert_local / (edp if dist_opt else 1)
     transient = 4 * stepped if kernel == "foreach" else 0.0
     placement = [] if relayout else layout_problems(recipe)
@@ -333,7 +347,9 @@ def estimate(
             step_transient=transient,
         )
     gpu = GPU_MEMORY_GIB[c.gpu_type]
-    if backend_for(recipe).own_copy:  # vLLM: its weights, then its KV cache, inside its share of the GPU
+    if backend_for(
+        rollout_backend(recipe)
+    ).own_copy:  # vLLM: its weights, then its KV cache, inside its share of the GPU
         rtp = rollout_tp or r.tensor_parallel_size
         util = gpu_memory_utilization or r.gpu_memory_utilization
         vllm_w = (dense + experts) * _BYTES[recipe.rollout_dtype] / rtp

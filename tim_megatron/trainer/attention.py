@@ -41,16 +41,16 @@ class LayerKernels:
     ``SequentialMLP``)."""
 
 
-def resolve_attention(setting: str, *, exact: bool) -> str:
+def resolve_attention(setting: str, *, exact: bool, on_gpu: bool) -> str:
     """The core attention a run builds: exact mode keeps the materialized one (its invariant kernels replace that
-    one's GEMMs); ``auto`` takes torch's fused kernel on CUDA and keeps the materialized one on CPU, where the
-    rollout mismatch figures of this project were measured."""
+    one's GEMMs); ``auto`` takes torch's fused kernel on CUDA (``on_gpu``) and keeps the materialized one on CPU,
+    where the rollout mismatch figures of this project were measured."""
     if setting not in ATTENTION_KERNELS:
         raise ValueError(f"trainer.attention = {setting!r}; allowed: {', '.join(ATTENTION_KERNELS)}")
     if exact:
         return "materialized"
     if setting == "auto":
-        return "sdpa" if torch.cuda.is_available() else "materialized"
+        return "sdpa" if on_gpu else "materialized"
     return setting
 
 

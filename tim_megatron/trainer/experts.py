@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -84,13 +84,15 @@ def resolve_experts(
     on_gpu: bool,
     widths: tuple[int, ...] = (),
     biases: bool = False,
+    problem: Callable[..., str] | None = None,
 ) -> str:
     """The expert path a run builds: exact mode keeps the loop; ``auto`` takes the grouped GEMMs on CUDA where the
     kernel runs in the run's dtype and at the model's ``widths`` (:func:`grouped_mm_problem`), and the loop
     elsewhere (on CPU torch's grouped GEMM runs one GEMM per expert itself, so the gain is small and
     shape-dependent, ``make bench experts``; the project's CPU figures were measured on the loop); ``grouped``
     where the kernel cannot run is refused, and so is it for experts with ``biases`` (gpt-oss), which the stacked
-    weights do not hold (``auto`` takes the loop)."""
+    weights do not hold (``auto`` takes the loop). ``problem``: the grouped GEMM's check (default
+    :func:`grouped_mm_problem`, the kernel's own probe)."""
     if setting not in EXPERT_KERNELS:
         raise ValueError(f"trainer.experts = {setting!r}; allowed: {', '.join(EXPERT_KERNELS)}")
     if biases and setting == "grouped":
@@ -102,7 +104,7 @@ def resolve_experts(
     if setting == "loop":
         return "loop"
     device = "cuda" if on_gpu else "cpu"
-    problem = grouped_mm_problem(device=device, dtype=dtype, widths=widths)
+    problem = (problem or grouped_mm_problem)(device=device, dtype=dtype, widths=widths)
     if setting == "auto":
         return "grouped" if on_gpu and not problem else "loop"
     if problem:

@@ -42,10 +42,11 @@ from tim_megatron.algo.stats import Stats
 from tim_megatron.modes import RunModes, modes_of
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer import patching
-from tim_megatron.trainer.attention import LayerKernels, resolve_attention
+from tim_megatron.trainer.attention import LayerKernels
 from tim_megatron.trainer.compile import apply as compile_layers
-from tim_megatron.trainer.experts import resolve_experts, weights_layout
+from tim_megatron.trainer.experts import weights_layout
 from tim_megatron.trainer.hf_config import check_dims_match, dims_from_hf, model_family, read_hf_config
+from tim_megatron.trainer.kernel_choice import choose_kernels
 from tim_megatron.trainer.logprobs import ChunkSampler, HeadSpec, TokenLogprobs, head_weight, token_logprobs
 from tim_megatron.trainer.model import DTYPES, BuildOptions, build_model, final_hidden_states, unwrap
 from tim_megatron.trainer.offload import PARTS, HostOffload, Transfer, trainer_tensors
@@ -170,12 +171,16 @@ class MegatronTrainer:
         self.dtype = recipe.trainer_dtype
         if recipe.trainer.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self.kernels = self._kernels()
+        self.kernel_choice = choose_kernels(recipe, self.modes, on_gpu=torch.cuda.is_available())
+        """The kernels, as the doctor and the plan state them (:mod:`tim_megatron.trainer.kernel_choice`)."""
+        self.kernels = LayerKernels(
+            attention=self.kernel_choice.attention, experts=self.kernel_choice.experts
+        )
         gpt = self._build()
         self.model = self._wrap(gpt)
         self.head = self._head(gpt)
         self.loaded_params, self.load_seconds = self._load_weights()
-        self.optimizer_kernel = _adam_kernel(recipe.trainer.optimizer_kernel)
+        self.optimizer_kernel = self.kernel_choice.optimizer
         """The Adam kernel this trainer steps with where megatron falls back to torch's AdamW
         (``trainer.optimizer_kernel``; ``auto``: fused on CUDA, foreach on CPU); a checkpoint load keeps it."""
         self.optimizer = self._optimizer()
@@ -195,24 +200,6 @@ class MegatronTrainer:
         return self.modes.routing.hooks
 
     # ------------------------------------------------------------------------------------------ build
-
-    def _kernels(self) -> LayerKernels:
-        """The core attention and expert kernels, as the attention kind and ``trainer.*`` resolve them."""
-        t, d = self.recipe.trainer, self.dims
-        experts = "loop"
-        if d.is_moe:
-            experts = resolve_experts(
-                t.experts,
-                exact=self.exact,
-                dtype=DTYPES[self.dtype],
-                on_gpu=torch.cuda.is_available(),
-                widths=(d.hidden_size, d.moe_intermediate_size // self.recipe.parallel.etp),
-                biases=d.linear_biases,
-            )
-        return LayerKernels(
-            attention=self.modes.attention.fixed_kernel or resolve_attention(t.attention, exact=self.exact),
-            experts=experts,
-        )
 
     def _build(self):
         """megatron-core's GPT model from the dims, with the modes' patches on it."""
@@ -774,14 +761,6 @@ class MegatronTrainer:
             h.revert()
         self._handles.clear()
         teardown_parallel(keep_default_group=keep_default_group)
-
-
-def _adam_kernel(setting: str) -> str:
-    """``trainer.optimizer_kernel`` resolved: ``auto`` is fused on CUDA and foreach on CPU (where every CPU figure
-    of this project was measured with it)."""
-    if setting == "auto":
-        return "fused" if torch.cuda.is_available() else "foreach"
-    return setting
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
