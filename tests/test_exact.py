@@ -77,11 +77,7 @@ def test_the_shape_invariant_moe_patch_refuses_an_unknown_megatron_version(monke
         (["remedies.router_replay=r3"], "remedies.router_replay = r3 replays vLLM's experts"),
         (["rollout.top_p=0.9"], "rollout.top_p"),
         (["trainer.moe_dispatcher=alltoall"], "trainer.moe_dispatcher"),
-        (
-            ["parallel.tp=4", "model.dims.num_key_value_heads=4"],
-            "parallel.tp = 4 and an expert group of parallel.ep x parallel.expert_tp = 4",
-        ),
-        (["parallel.ep=4", "parallel.dp=4"], "an expert group of parallel.ep x parallel.expert_tp = 4"),
+        (["parallel.tp=4", "model.dims.num_key_value_heads=4"], "got parallel.tp = 4; allowed tp <= 2"),
         (["rl.correction.bypass=true"], "rl.correction.bypass"),
         (
             [
@@ -138,6 +134,34 @@ def test_precision_injection_on_float32_logits_and_on_an_fp32_head_loads():
     assert bf16_head32.recipe.diagnostics.sampling_injection.type == "precision"
 
 
+def test_ordered_reductions_give_every_row_the_same_bits_over_four_gloo_ranks(tmp_path):
+    """Issue 62, item 0: over 4 gloo ranks megatron's all-reduce gives a row other bits alone than inside a larger
+    buffer (why exact mode refused expert groups over 2 ranks); patched (patches/megatron/ordered_reductions.py)
+    the all-reduce and the reduce-scatter equal the rank-order fold of the gathered parts, whatever the buffer."""
+    require(importable("megatron.core"), "megatron-core")
+    from tests.conftest import free_port
+
+    out = tmp_path / "reductions.json"
+    worker = ROOT / "tests" / "workers" / "reduction_worker.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    run_ok([*torchrun, f"--master-port={free_port()}", str(worker), str(out)], threads=1, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["world"] == 4
+    assert not all(m["reduce_row_alone_equal"] for m in res["native"].values()), res["native"]
+    for rows, m in res["patched"].items():
+        assert all(m.values()), (rows, m)
+
+
+def test_exact_mode_allows_any_expert_group_and_the_seed_papers_layout():
+    """The 30B recipe's layout (TP 2, EP 8) is accepted in exact mode; TP over 2 still is not (the vocab-parallel
+    cross-entropy's all-reduce is megatron's own)."""
+    r = load_recipe(ROOT / "recipes/qwen3-30b-a3b/gspo.yaml", ["diagnostics.vexact=exact"]).recipe
+    assert (r.parallel.tp, r.parallel.ep) == (2, 8)
+    from tim_megatron.modes import modes_of
+
+    assert "ordered_reductions" in modes_of(r).patches
+
+
 # --------------------------------------------------------------------------------- the loop, bit for bit
 
 
@@ -146,6 +170,10 @@ LAYOUTS = {
     "dp2": (2, ["parallel.dp=2"]),
     "tp2": (2, ["parallel.tp=2"]),
     "ep2": (2, ["parallel.dp=2", "parallel.ep=2"]),
+    "ep4": (
+        4,
+        ["parallel.dp=4", "parallel.ep=4"],
+    ),  # the expert group's sums in rank order (ordered_reductions)
 }
 # The lab's exact arm (countdown chains, responses up to 120 tokens, fp32 head over a bf16 model), smaller: 4 prompts
 # x 8 samples per step, a 20-step warm-up instead of 800 (the warm-up only shapes what the policy writes).

@@ -140,7 +140,7 @@ def modes_of(recipe: Recipe) -> RunModes:
     if routing.hooks:
         patches.append("router_replay")
     if exact:
-        patches.append("invariant_kernels")
+        patches += ["ordered_reductions", "invariant_kernels"]
     return RunModes(
         backend=rollout_backend(recipe),
         exact=exact,

@@ -275,14 +275,13 @@ def _check_diagnostics(r) -> None:
                 f"vexact = exact samples from the whole softmax and stops at the end-of-text token only; got "
                 f"rollout.top_p = {ro.top_p}, rollout.top_k = {ro.top_k}, rollout.stop = {ro.stop} (leave them unset)",
             )
-        etp = p.etp
-        if p.tp > 2 or p.ep * etp > 2:
+        if p.tp > 2:
             raise RecipeValueError(
-                ["diagnostics.vexact", "parallel.tp", "parallel.ep", "parallel.expert_tp"],
-                f"vexact = exact sums partial results over at most 2 ranks (a + b is exact in either order; gloo's "
-                f"sums over 3 or more depend on the buffer size): got parallel.tp = {p.tp} and an expert group of "
-                f"parallel.ep x parallel.expert_tp = {p.ep * etp}; allowed tp <= 2 and ep x expert_tp <= 2 (use more "
-                "data-parallel ranks instead)",
+                ["diagnostics.vexact", "parallel.tp"],
+                f"vexact = exact sums the LM head's vocabulary shards over at most 2 tensor-parallel ranks (a + b is "
+                f"exact in either order; the vocab-parallel cross-entropy's all-reduce over 3 or more depends on the "
+                f"buffer size): got parallel.tp = {p.tp}; allowed tp <= 2 (the expert group may be any size: its "
+                "sums are gathered and added in rank order)",
             )
         if r.trainer.moe_dispatcher in ("alltoall", "indexed"):
             raise RecipeValueError(

@@ -16,6 +16,7 @@ from patches.megatron import (
     mla_tp_rope_grad,
     mla_without_te,
     no_te_router_gemm,
+    ordered_reductions,
     router_replay,
     sliding_window_mask,
     sync_free_grad_norm,
@@ -29,6 +30,7 @@ BEFORE_INIT = {
     "mla_without_te": mla_without_te,
     "sliding_window_mask": sliding_window_mask,
     "expert_bias_grad": expert_bias_grad,
+    "ordered_reductions": ordered_reductions,
 }
 """Process-wide replacements, applied before the parallel groups exist, when the environment needs them."""
 AFTER_INIT = {"mla_tp_rope_grad": mla_tp_rope_grad}
