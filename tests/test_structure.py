@@ -98,3 +98,87 @@ def test_the_checker_finds_a_cycle_and_reads_from_imports_right():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+}
+TENSOR_MAKERS = {"tensor", "zeros", "ones", "empty", "full", "arange"}
+
+
+def tensors_reduced_without_a_device(source: str) -> list[str]:
+    """``function:line`` of each tensor built by ``torch.<maker>(...)`` without ``device=`` that a function passes to
+    a ``dist`` collective (NCCL refuses CPU tensors: issue 62, item 3). A name assigned anything else (``.to(...)``,
+    another tensor) counts as placed."""
+    out = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        unplaced: dict[str, int] = {}
+        for node in ast.walk(fn):
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+            ):
+                v, name = node.value, node.targets[0].id
+                bare = (
+                    isinstance(v, ast.Call)
+                    and isinstance(v.func, ast.Attribute)
+                    and v.func.attr in TENSOR_MAKERS
+                    and isinstance(v.func.value, ast.Name)
+                    and v.func.value.id == "torch"
+                    and not any(k.arg == "device" for k in v.keywords)
+                )
+                if bare:
+                    unplaced.setdefault(name, node.lineno)
+                else:
+                    unplaced.pop(name, None)
+        for node in ast.walk(fn):
+            call = node if isinstance(node, ast.Call) else None
+            if (
+                call is not None
+                and isinstance(call.func, ast.Attribute)
+                and call.func.attr in COLLECTIVES
+                and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == "dist"
+                and call.args
+                and isinstance(call.args[0], ast.Name)
+                and call.args[0].id in unplaced
+            ):
+                out.append(f"{fn.name}:{unplaced[call.args[0].id]}")
+    return out
+
+
+def test_every_tensor_sent_to_a_collective_is_made_on_the_collectives_device():
+    """Issue 62, item 3: NCCL takes CUDA tensors only, so a CPU tensor built for an all-reduce works under gloo (every
+    CPU test) and fails on the first multi-GPU step. Every tensor the package builds for a collective names its
+    device (tim_megatron/comm.py's comm_device); the scanner finds planted ones."""
+    planted = (
+        "def counts(group):\n"
+        "    c = torch.tensor([1.0, 2.0], dtype=torch.float64)\n"
+        "    dist.all_reduce(c, group=group)\n"
+        "def placed(group):\n"
+        "    c = torch.tensor([1.0], device=comm_device(group))\n"
+        "    dist.all_reduce(c, group=group)\n"
+        "def moved(group):\n"
+        "    ok = torch.ones(1)\n"
+        "    ok = ok.to(device)\n"
+        "    dist.all_reduce(ok)\n"
+        "def flags():\n"
+        "    f = torch.zeros(4)\n"
+        "    f[0] = 1.0\n"
+        "    dist.all_reduce(f, op=dist.ReduceOp.MAX)\n"
+    )
+    assert tensors_reduced_without_a_device(planted) == ["counts:2", "flags:12"]
+    found = [
+        f"{p.relative_to(ROOT)}:{hit}"
+        for p in sorted((ROOT / "tim_megatron").rglob("*.py"))
+        for hit in tensors_reduced_without_a_device(p.read_text())
+    ]
+    assert found == []

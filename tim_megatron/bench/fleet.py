@@ -100,6 +100,7 @@ def _worker(out: str, rounds: int, measure_sync: bool, overrides: list[str]) -> 
     import torch
     import torch.distributed as dist
 
+    from tim_megatron.comm import comm_device
     from tim_megatron.data.sources import PromptSource, encode_prompt
     from tim_megatron.recipe import load_recipe
     from tim_megatron.run_setup import build_rollout, model_path_for
@@ -134,7 +135,9 @@ def _worker(out: str, rounds: int, measure_sync: bool, overrides: list[str]) -> 
 
     mbytes = sum(t.numel() * t.element_size() for _, t in tr.export_hf()) / 2**20
     raw = _raw_gemm(mbytes)
-    one = torch.tensor([0.25 / raw(1)])  # passes for about a quarter second alone, the same on both ranks
+    one = torch.tensor(
+        [0.25 / raw(1)], device=comm_device()
+    )  # passes for about a quarter second alone, the same on both ranks
     dist.all_reduce(one, op=dist.ReduceOp.MAX)
     passes = max(1, int(one.item()))
     if lead:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from tim_megatron.comm import comm_device
 from tim_megatron.rollout.base import Sample
 
 FINISH = {"stop": 0, "length": 1, "abort": 2}
@@ -190,7 +191,7 @@ def rank_rows(block: StepBatch, *, layout, rank: int, dp_rank: int, dp_size: int
     per = n // dp_size
     need = range(dp_rank * per, (dp_rank + 1) * per)
     have = set(block.row.tolist())
-    local = torch.tensor([1.0 if set(need) <= have else 0.0])
+    local = torch.tensor([1.0 if set(need) <= have else 0.0], device=comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MIN)
     if local.item() > 0:
@@ -206,7 +207,7 @@ def rank_rows(block: StepBatch, *, layout, rank: int, dp_rank: int, dp_size: int
 
 def global_width(batch: StepBatch) -> int:
     """The step's widest row over all ranks (what a single engine's batch would be padded to)."""
-    w = torch.tensor([batch.width], dtype=torch.float64)
+    w = torch.tensor([batch.width], dtype=torch.float64, device=comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(w, op=dist.ReduceOp.MAX)
     return int(w.item())

@@ -31,6 +31,7 @@ from tim_megatron.algo.aggregation import local_denominator
 from tim_megatron.algo.injection import step_seed
 from tim_megatron.algo.mismatch import ratio_split_metrics, ratio_split_stats
 from tim_megatron.algo.stats import Stats, safe_div, std_from_sums
+from tim_megatron.comm import comm_device
 from tim_megatron.data.rewards import reward as score
 from tim_megatron.data.sources import PromptSource
 from tim_megatron.modes import Routing
@@ -638,7 +639,7 @@ class UpdateTally:
                 rho_thresholds=dg.rho_thresholds,
             )
         )
-        total_loss = torch.tensor([sum(self.losses)], dtype=torch.float64)
+        total_loss = torch.tensor([sum(self.losses)], dtype=torch.float64, device=comm_device(dp_group()))
         if dist.is_initialized() and dp_size > 1:
             dist.all_reduce(total_loss, group=dp_group())
         norms = self.norms

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.algo.stats import Stats
+from tim_megatron.comm import comm_device
 from tim_megatron.rollout.base import RolloutEngine
 from tim_megatron.trainer.parallel import dp_group
 
@@ -60,8 +61,8 @@ def reduce_dp(s: Stats) -> Stats:
 
 def sum_over_dp(values: list[float]) -> list[float]:
     """``values`` summed over the data-parallel group (float64)."""
-    t = torch.tensor(values, dtype=torch.float64)
     g = dp_group()
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device(g))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, group=g)
     return t.tolist()
@@ -69,7 +70,7 @@ def sum_over_dp(values: list[float]) -> list[float]:
 
 def sum_over_engines(rollout: RolloutEngine, values: list[float]) -> list[float]:
     """Each engine's numbers counted once: only its first rank contributes."""
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     if not rollout.layout.is_leader(global_rank()):
         t.zero_()
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -79,7 +80,7 @@ def sum_over_engines(rollout: RolloutEngine, values: list[float]) -> list[float]
 
 def max_over_world(values: list[float]) -> list[float]:
     """The element-wise maximum of ``values`` over every rank."""
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()

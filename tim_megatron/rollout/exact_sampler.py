@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tim_megatron.algo.injection import perturbed_logprobs, sampling_noise
+from tim_megatron.comm import comm_device
 from tim_megatron.exact.draws import gumbel_argmax
 from tim_megatron.exact.kv_cache import KVCache
 from tim_megatron.rollout.base import (
@@ -474,7 +475,7 @@ def check_exact(
         f"{float(sampled[i, t]).hex()} vs old {float(old[i, t]).hex()}"
         for i, t in bad.nonzero().tolist()[:show]
     ]
-    counts = torch.tensor([float(bad.sum()), float(m.sum())], dtype=torch.float64)
+    counts = torch.tensor([float(bad.sum()), float(m.sum())], dtype=torch.float64, device=comm_device(group))
     everyone = [found]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)

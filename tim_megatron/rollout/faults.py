@@ -8,6 +8,8 @@ from typing import TypeVar
 
 import torch
 
+from tim_megatron.comm import comm_device
+
 T = TypeVar("T")
 
 
@@ -94,7 +96,7 @@ def agree_on_engines(
         return
     import torch.distributed as dist
 
-    flags = torch.zeros(rollout.layout.world, dtype=torch.float64)
+    flags = torch.zeros(rollout.layout.world, dtype=torch.float64, device=comm_device())
     if error is not None:  # this process's global rank (the engine protocol does not name one)
         flags[dist.get_rank() if dist.is_initialized() else 0] = 1.0
     if dist.is_initialized() and dist.get_world_size() > 1:

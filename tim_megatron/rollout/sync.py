@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tim_megatron.comm import comm_device
 from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.rollout.faults import agree_on_engines, agreed
 from tim_megatron.trainer.parallel import dp_group
@@ -148,16 +149,21 @@ def engine_agreements(
     dp_all = (a_logprobs.double().exp() - b_logprobs.double().exp()).abs()
     dl_all = (a_logprobs.double() - b_logprobs.double()).abs()
     bins = len(_EDGES) + 1
-    sums = torch.zeros(engines, 3, dtype=torch.float64)
-    hist = torch.zeros(engines, bins, dtype=torch.float64)
-    mx = torch.zeros(engines, 2, dtype=torch.float64)
+    on = comm_device(group)
+    sums = torch.zeros(engines, 3, dtype=torch.float64, device=on)
+    hist = torch.zeros(engines, bins, dtype=torch.float64, device=on)
+    mx = torch.zeros(engines, 2, dtype=torch.float64, device=on)
     for k in range(engines):
         sel = m & (engine.view(-1, 1) == k)
         dp, dl = dp_all[sel], dl_all[sel]
         if dp.numel():
-            sums[k] = torch.tensor([float(dp.sum()), float(dp.numel()), float((dp > tolerance).sum())])
-            hist[k] = torch.bincount(torch.bucketize(dp, _EDGES), minlength=bins).double()
-            mx[k] = torch.tensor([float(dp.max()), float(dl.max())])
+            sums[k] = torch.tensor(
+                [float(dp.sum()), float(dp.numel()), float((dp > tolerance).sum())], device=on
+            )
+            hist[k] = (
+                torch.bincount(torch.bucketize(dp, _EDGES.to(dp.device)), minlength=bins).double().to(on)
+            )
+            mx[k] = torch.tensor([float(dp.max()), float(dl.max())], device=on)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums, group=group)
         dist.all_reduce(hist, group=group)
@@ -340,7 +346,7 @@ class WeightSync:
             agreed(rollout, lambda: rollout.update_weights(stream), phase="sync")
         problems = checked.problems()
         layout = rollout.layout
-        flags = torch.zeros(layout.engines, dtype=torch.float64)
+        flags = torch.zeros(layout.engines, dtype=torch.float64, device=comm_device())
         if problems:
             flags[rollout.engine_index] = 1.0
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -356,9 +362,11 @@ class WeightSync:
 
     def _report_metrics(self, rollout, rep: SyncReport) -> dict[str, float]:
         layout = rollout.layout
-        per = torch.zeros(layout.engines, 2, dtype=torch.float64)
+        per = torch.zeros(layout.engines, 2, dtype=torch.float64, device=comm_device())
         if layout.is_leader(self.rank):
-            per[rollout.engine_index] = torch.tensor([rep.seconds, rep.bytes / 2**20], dtype=torch.float64)
+            per[rollout.engine_index] = torch.tensor(
+                [rep.seconds, rep.bytes / 2**20], dtype=torch.float64, device=per.device
+            )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(per)
         out = {"sync/tensors": float(rep.tensors)}

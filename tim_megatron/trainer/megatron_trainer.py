@@ -39,6 +39,7 @@ from patches.megatron import (
     torch_adam_kernel,
 )
 from tim_megatron.algo.stats import Stats
+from tim_megatron.comm import comm_device
 from tim_megatron.modes import RunModes, modes_of
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.trainer import patching
@@ -645,9 +646,9 @@ class MegatronTrainer:
 
     def _all_finite(self, loss: float, *, grads: bool) -> bool:
         """Loss (and gradients) finite on every rank: the ranks agree, so they skip and abort together."""
-        ok = torch.ones(1) if math.isfinite(loss) and (not grads or self._grads_finite()) else torch.zeros(1)
+        good = math.isfinite(loss) and (not grads or self._grads_finite())
+        ok = torch.tensor([1.0 if good else 0.0], device=comm_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
-            ok = ok.to(self._device())
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item() > 0)
 
