@@ -88,9 +88,70 @@ def test_tiles_below_four_rows_devices_without_verified_kernels_and_failed_check
         with pytest.raises(RuntimeError, match=r"exact mode on cuda: torch sees no CUDA device"):
             kernels_for("cuda")
     # What a process without exact mode's MKL setting meets on a multi-threaded MKL (this pytest process may be one).
-    monkeypatch.setattr(kmod, "invariance_problems", lambda kernels: ["float32 linear, K = 2048, N = 64"])
+    monkeypatch.setattr(
+        kmod, "invariance_problems", lambda kernels, **kw: ["float32 linear, K = 2048, N = 64"]
+    )
     with pytest.raises(RuntimeError, match=r"not row-invariant .*K = 2048.* Set MKL_CBWR=AUTO,STRICT"):
         kernels_for("cpu")
+
+
+ADMISSION_SCENARIO = """
+import json
+from dataclasses import dataclass
+
+from tim_megatron.exact.kernels import PlainKernels, TiledCPUKernels, admit_kernels
+
+
+@dataclass(frozen=True)
+class Planted(TiledCPUKernels):
+    name: str = "planted-fast"
+
+    def elementwise(self, fn, x):  # an activation that rounds an odd-sized input through float64
+        return fn(x.double()).to(x.dtype) if x.numel() % 2 else fn(x)
+
+
+planted, tiles = Planted(), TiledCPUKernels()
+out = {}
+kernels, adm = admit_kernels("cpu", (planted, PlainKernels(), tiles))
+out["fallback"] = [kernels is tiles, adm.chosen, [[n, len(c)] for n, c in adm.refused], adm.text()]
+kernels, adm = admit_kernels("cpu", (tiles, planted))
+out["first_passes"] = [kernels is tiles, adm.chosen, len(adm.refused)]
+out["default"] = admit_kernels("cpu")[1].chosen
+try:
+    admit_kernels("cpu", (planted, PlainKernels()))
+    out["none"] = "admitted"
+except RuntimeError as e:
+    out["none"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_a_planted_non_invariant_candidate_is_refused_and_the_run_falls_back_naming_it():
+    """Issue 62, item 2: candidates are tried fastest first and admitted only when the device's own check passes (in
+    a fresh process with exact mode's MKL setting, as tim train runs it); a refused one is named with its failing
+    cases and the next is used. Measured, not assumed: torch's own CPU products (PlainKernels) fail the check here
+    and the tiles pass it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tim_megatron.exact.kernels import CPU_ENV
+
+    env = {**os.environ, **CPU_ENV, "OMP_NUM_THREADS": "2"}
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run(
+        [sys.executable, "-c", ADMISSION_SCENARIO], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    used_tiles, chosen, refused, text = out["fallback"]
+    assert used_tiles and chosen == "cpu-tiled"
+    assert [n for n, _ in refused] == ["planted-fast", "plain"] and all(k > 0 for _, k in refused)
+    assert text.startswith("cpu-tiled on cpu (refused: planted-fast: ") and "; plain: " in text
+    assert out["first_passes"] == [True, "cpu-tiled", 0] and out["default"] == "cpu-tiled"
+    assert "not row-invariant" in out["none"]
 
 
 def test_the_kv_cache_writes_where_told_reads_in_place_and_refuses_positions_past_its_width():

@@ -436,6 +436,8 @@ def test_cpu_run_of_every_section_that_can_run_on_cpu(tmp_path):
             "exact kernels", f"{kernels} kernels: cases where a row's bits depend on the batch (of {cases})"
         )
         assert 0 <= f["value"] <= cases and f["rule"]
+    admitted = [n for s, n in got if s == "exact kernels" and n.startswith("admitted for exact runs: ")]
+    assert admitted and admitted[0].endswith("(candidates, fastest first: cpu-tiled)"), admitted
     # a 5-step exact run on this device, every sampled token checked against the old pass
     run = finding("exact kernels", "exact run on cpu, top-8: steps with every token exact (of 5)")
     assert run["value"] == 5 and run["verdict"] == "pass" and "tokens checked" in run["rule"], run

@@ -252,6 +252,8 @@ def _announce(
         f"  trainer kernels: attention {recorded(k.attention)}, experts {recorded(k.experts)}",
         highlight=False,
     )
+    if trainer.exact_admission is not None:
+        console.print(f"  exact kernels: {recorded(trainer.exact_admission.text(), 1000)}", highlight=False)
     for line in layout:
         console.print(recorded(line, 1000), highlight=False)
     from tim_megatron.recipe.notices import notices

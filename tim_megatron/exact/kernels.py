@@ -346,6 +346,16 @@ class PlainKernels:
         return dtype
 
 
+@dataclass(frozen=True)
+class CUDANativeKernels(PlainKernels):
+    """torch's own products on CUDA in the model's dtype (cuBLAS, no tiles): the fast candidate, used only where
+    the device's check admits it (:func:`admit_kernels`)."""
+
+    name: str = "cuda-native"
+    min_rows: int = 1
+    wide: WideWeights = field(default_factory=WideWeights, compare=False, repr=False)
+
+
 PRODUCT_CHECKS = 8
 """How many (dtype, product, shape) cases :func:`invariance_problems` tries."""
 
@@ -522,36 +532,79 @@ def tiled_kernels(device: torch.device | str) -> TiledCPUKernels:
     return TiledCUDAKernels() if torch.device(device).type == "cuda" else TiledCPUKernels()
 
 
-def kernels_for(device: torch.device | str) -> ExactKernels:
-    """The verified row-invariant kernels for ``device``, checked there before a run (products at wide shapes,
-    one-token decode queries against the training rows, activations and the head's reduction); raises, naming
-    every failing case, where they do not hold."""
+@dataclass(frozen=True)
+class Admission:
+    """Which row-invariant kernels a run uses on a device, and why the candidates tried before them were refused."""
+
+    device: str
+    chosen: str
+    """The admitted kernels' name."""
+    refused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """``(candidate name, the cases it failed)`` for each candidate tried before the admitted one."""
+
+    def text(self) -> str:
+        if not self.refused:
+            return f"{self.chosen} on {self.device}"
+        why = "; ".join(
+            f"{name}: {len(cases)} case(s) not row-invariant ({cases[0]})" for name, cases in self.refused
+        )
+        return f"{self.chosen} on {self.device} (refused: {why})"
+
+
+def candidates_for(device: torch.device | str) -> tuple[ExactKernels, ...]:
+    """The kernels :func:`admit_kernels` tries on ``device``, fastest first; the tiles last. On a CPU, the tiles
+    alone (torch's own products are known to fail there: module docstring); on CUDA, torch's own products in the
+    model's dtype (cuBLAS, untiled) before the full-float32 tiles: admitted only where the device's own check
+    passes."""
+    if torch.device(device).type == "cuda":
+        return (CUDANativeKernels(), TiledCUDAKernels())
+    return (TiledCPUKernels(),)
+
+
+def admit_kernels(
+    device: torch.device | str,
+    candidates: tuple[ExactKernels, ...] | None = None,
+    *,
+    check: Callable[..., list[str]] | None = None,
+) -> tuple[ExactKernels, Admission]:
+    """The first of ``candidates`` (default :func:`candidates_for`) that passes the row-invariance check on
+    ``device`` (:func:`invariance_problems`: products, decode attention against the training rows, elementwise ops
+    and the head's reduction at every thread count it checks), and the :class:`Admission` that names it and the
+    refused ones; raises, naming every failing case of the last candidate, when none passes."""
     kind = torch.device(device).type
-    if kind == "cpu":
-        kernels = TiledCPUKernels()
-        problems = invariance_problems(kernels)
-        if problems:
-            raise RuntimeError(
-                f"exact mode: the row-invariant CPU kernels are not row-invariant in this process "
-                f"({'; '.join(problems)}; MKL_CBWR = {os.environ.get('MKL_CBWR', 'unset')}, "
-                f"{torch.get_num_threads()} threads). Set MKL_CBWR=AUTO,STRICT in the environment before the "
-                "process's first matrix product (tim train does in exact mode), or run with OMP_NUM_THREADS=1"
-            )
-        return kernels
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(
+            f"exact mode on {kind}: no row-invariant kernels for this device (allowed: cpu, cuda). "
+            "See docs/exact-mode.md"
+        )
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("exact mode on cuda: torch sees no CUDA device in this process")
         pin_cuda_reductions()
-        kernels = TiledCUDAKernels()
-        problems = invariance_problems(kernels, device=device)
-        if problems:
-            name = torch.cuda.get_device_name(torch.device(device))
-            raise RuntimeError(
-                f"exact mode on {name}: the tiled kernels are not row-invariant on this device "
-                f"({'; '.join(problems)}). See docs/exact-mode.md for what a CUDA path needs"
-            )
-        return kernels
-    raise ValueError(
-        f"exact mode on {kind}: no row-invariant kernels for this device (allowed: cpu, cuda). "
-        "See docs/exact-mode.md"
+    check = check or invariance_problems
+    tried = candidates if candidates is not None else candidates_for(device)
+    refused: list[tuple[str, tuple[str, ...]]] = []
+    for kernels in tried:
+        problems = check(kernels, device=device)
+        if not problems:
+            return kernels, Admission(str(device), kernels.name, tuple(refused))
+        refused.append((kernels.name, tuple(problems)))
+    last, problems = refused[-1]
+    if kind == "cpu":
+        raise RuntimeError(
+            f"exact mode: the row-invariant CPU kernels are not row-invariant in this process "
+            f"({'; '.join(problems)}; MKL_CBWR = {os.environ.get('MKL_CBWR', 'unset')}, "
+            f"{torch.get_num_threads()} threads). Set MKL_CBWR=AUTO,STRICT in the environment before the "
+            "process's first matrix product (tim train does in exact mode), or run with OMP_NUM_THREADS=1"
+        )
+    name = torch.cuda.get_device_name(torch.device(device))
+    raise RuntimeError(
+        f"exact mode on {name}: no candidate kernels are row-invariant on this device "
+        f"({'; '.join(f'{n}: {len(c)} case(s)' for n, c in refused)}; the last, {last}: {'; '.join(problems)}). "
+        "See docs/exact-mode.md for what a CUDA path needs"
     )
+
+
+def kernels_for(device: torch.device | str) -> ExactKernels:
+    """The admitted row-invariant kernels for ``device`` (:func:`admit_kernels`)."""
+    return admit_kernels(device)[0]

@@ -422,12 +422,22 @@ def exact_kernels(bench: Bench, *, section: str) -> list[Outcome]:
 
 
 def _exact_cases(bench: Bench, *, section: str) -> list[Outcome]:
-    from tim_megatron.exact.kernels import PlainKernels, invariance_checks, invariance_problems, tiled_kernels
+    from tim_megatron.exact.kernels import (
+        PlainKernels,
+        candidates_for,
+        invariance_checks,
+        invariance_problems,
+    )
 
     out = []
-    for kernels in (tiled_kernels(bench.device), PlainKernels()):
+    candidates = candidates_for(bench.device)
+    admitted = None
+    contrast = () if any(k.name in ("plain", "cuda-native") for k in candidates) else (PlainKernels(),)
+    for kernels in (*candidates, *contrast):
         t = time.perf_counter()
         problems = invariance_problems(kernels, device=bench.device)
+        if admitted is None and not problems and kernels in candidates:
+            admitted = kernels.name
         bench.sync()
         out.append(
             finding(
@@ -443,6 +453,17 @@ def _exact_cases(bench: Bench, *, section: str) -> list[Outcome]:
         out.append(
             finding(section, f"{kernels.name} kernels: check time", time.perf_counter() - t, "s", "info")
         )
+    order = ", ".join(k.name for k in candidates)
+    out.append(
+        finding(
+            section,
+            f"admitted for exact runs: {admitted or 'none'} (candidates, fastest first: {order})",
+            None,
+            "",
+            "info",
+            "the first candidate with no failing case (tim_megatron/exact/kernels.py admit_kernels)",
+        )
+    )
     return out
 
 

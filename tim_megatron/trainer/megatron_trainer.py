@@ -217,7 +217,8 @@ class MegatronTrainer:
                 kernels=self.kernels,
             ),
         )
-        patching.on_model(self.modes, gpt, device=self._device())
+        self.exact_admission = patching.on_model(self.modes, gpt, device=self._device())
+        """Exact mode: which row-invariant kernels the device's check admitted, and which it refused (else None)."""
         self.compiled = compile_layers(
             gpt, setting=r.trainer.compile, exact=self.exact, on_gpu=torch.cuda.is_available()
         )

@@ -72,14 +72,18 @@ def after_init(modes: RunModes) -> list:
     return [AFTER_INIT[name].apply() for name in modes.patches if name in AFTER_INIT]
 
 
-def on_model(modes: RunModes, gpt, *, device: str) -> None:
+def on_model(modes: RunModes, gpt, *, device: str):
     """Router replay's hooks, the expert biases' gradient reduction and exact mode's row-invariant kernels (for
-    ``device``) on the built model."""
+    ``device``, admitted there: :func:`tim_megatron.exact.kernels.admit_kernels`) on the built model; returns the
+    kernels' :class:`~tim_megatron.exact.kernels.Admission` in exact mode, else None."""
     if "router_replay" in modes.patches:
         router_replay.attach(gpt)
     if "expert_bias_grad" in modes.patches:
         expert_bias_grad.unmark_sequence_parallel(gpt)
     if "invariant_kernels" in modes.patches:
-        from tim_megatron.exact.kernels import kernels_for
+        from tim_megatron.exact.kernels import admit_kernels
 
-        invariant_kernels.apply(gpt, kernels_for(device))
+        kernels, admission = admit_kernels(device)
+        invariant_kernels.apply(gpt, kernels)
+        return admission
+    return None
