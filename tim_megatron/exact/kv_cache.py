@@ -10,9 +10,9 @@ slots ``0 .. live - 1``: when one finishes (:meth:`KVCache.release`), the sequen
 its slot (one row's buffers copied, once per finished sequence). The slots ``lo .. hi`` of a step's sequences are
 then one contiguous block of about as many slots as sequences, and viewed as ``[(hi - lo + 1) x groups, width,
 head_dim]`` they are the batch of attention's products without a copy (:meth:`KVCache.span`). A row's bits do not
-depend on its slot: each batch element of the products is computed on its own. The buffers hold the row-invariant kernels' compute dtype (float32 for a bfloat16 model:
-the tiles widen their operands to it anyway, and a key converted once on its write is the same value as one
-converted on every read). Padding entries (the ones that keep decode shapes equal across ranks) carry the row
+depend on its slot: each batch element of the products is computed on its own. The buffers hold the keys and values in the model's dtype, as the training forward
+holds them (bfloat16 for a bfloat16 model): the tiles widen their operands to float32 on every read, which gives
+the value a float32 cache would have held, so the bits are the same at half the bytes. Padding entries (the ones that keep decode shapes equal across ranks) carry the row
 index :attr:`KVCache.scratch`: they are never written and never attend, so they cost neither memory nor depth.
 """
 
@@ -30,7 +30,7 @@ class KVCache:
     width: int
     """Positions per row: the training forward's width."""
     dtype: torch.dtype | None = None
-    """Storage dtype (the kernels' compute dtype); None: the dtype of the first keys written."""
+    """Storage dtype (the model's); None: the dtype of the first keys written."""
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per attention layer: ``[rows, groups, width, head_dim]``, allocated on the layer's first write."""
     values: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -111,7 +111,7 @@ def exact_cache(recipe: Recipe) -> ExactCache | None:
         layers=d.num_layers,
         groups=max(math.ceil(d.num_key_value_heads / p.tp), 1),
         head_dim=d.head_dim,
-        dtype_bytes=4,  # the tiles compute (and the cache stores) 16-bit models' keys and values in float32
+        dtype_bytes=_BYTES[recipe.trainer_dtype],  # the model's dtype, as the training forward holds them
     )
     return ExactCache(rows, width, total)
 
@@ -356,10 +356,13 @@ def estimate(
         share = util * gpu * GIB
         kv = max(share - vllm_w, 0.0)
         kv_needed = kv_cache_bytes_per_token(d, rollout_tp=rtp, dtype=recipe.rollout_dtype) * s * r.n
-    else:  # the exact sampler: the trainer's weights, and a KV cache for one group in the trainer's dtype and TP
+    else:  # the exact sampler: the trainer's weights, and its cache (every row of the rank at the training width)
         rtp, util, vllm_w = tp, 0.0, 0.0
+        ex = exact_cache(recipe)
         kv = share = kv_needed = (
-            kv_cache_bytes_per_token(d, rollout_tp=tp, dtype=recipe.trainer_dtype) * s * r.n
+            ex.cache
+            if ex is not None
+            else kv_cache_bytes_per_token(d, rollout_tp=tp, dtype=recipe.trainer_dtype) * s * r.n
         )
     return Plan(
         params,
@@ -574,7 +577,7 @@ def format_plan(recipe: Recipe, plan: Plan, name: str) -> str:
     if ex is not None:
         lines.append(
             f"  {'exact sampler (vexact = exact)':<32} KV cache {ex.cache / GIB:.2f} GiB per GPU ({ex.rows} rows x "
-            f"{ex.width} positions, float32); a decode step reads {ex.cache / GIB:.2f} GiB in place "
+            f"{ex.width} positions, {recipe.trainer_dtype}); a decode step reads {ex.cache / GIB:.2f} GiB in place "
             f"(a per-step gather would copy {2 * ex.cache / GIB:.2f} GiB)"
             + (
                 f"; more than the GPU's {plan.gpu_gib} GiB: fewer rows per rank (more data-parallel ranks) or "
