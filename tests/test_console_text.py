@@ -5,7 +5,7 @@
   ``MarkupError``; run.json then recorded that MarkupError as the new reason, and every later resume failed the same
   way with the checkpoint intact. A bracket that opens a tag made text vanish (``[enforce fail at ...]``, ``[b, s, h]
   vs [bold]``). Now: everything recorded reaches the console through
-  :func:`tim_megatron.logging.untrusted.recorded` (markup and control characters escaped, clipped); the reason prints
+  :func:`tim_megatron.untrusted.recorded` (markup and control characters escaped, clipped); the reason prints
   as itself.
 * Item 2. Every rich console call in the package is walked (below): an interpolated value that is not passed
   through ``recorded`` (or formatted as a number) fails the test, naming the file and line.
@@ -20,7 +20,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tim_megatron.logging.untrusted import printable, recorded, terminal
+from tim_megatron.untrusted import printable, recorded, terminal
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tim_megatron"
 CONSOLES = {"console", "err", "say"}

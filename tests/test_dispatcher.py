@@ -51,6 +51,7 @@ def moe_layers(*, experts: str = "loop", dtype=torch.float32):
     from megatron.core.transformer.spec_utils import build_module
 
     from patches.megatron import indexed_dispatcher, router_replay
+    from tim_megatron.trainer.dispatch import indexed_dispatcher_class
     from tim_megatron.trainer.experts import use_grouped_experts
 
     cfg = TransformerConfig(
@@ -87,7 +88,7 @@ def moe_layers(*, experts: str = "loop", dtype=torch.float32):
         ours.router.weight.copy_(theirs.router.weight)
     for layer in (theirs, ours):
         router_replay.attach(layer)
-    assert indexed_dispatcher.install(ours) == 1
+    assert indexed_dispatcher.install(ours, indexed_dispatcher_class()) == 1
     return theirs, ours
 
 

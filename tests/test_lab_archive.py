@@ -140,6 +140,28 @@ def test_ds_tables_in_the_docs_regenerate_byte_for_byte_from_its_committed_runs(
     assert doc.read_bytes() == committed
 
 
+def test_es_tables_in_the_docs_regenerate_byte_for_byte_from_its_committed_runs(tmp_path):
+    """docs/lab-results.md's generated block for experiment E is the tables.md of a report rebuilt from
+    lab/data/E.tar.xz alone (32 runs: 4 arms x seeds 16-23, all from one clean commit), byte for byte."""
+    from tim_megatron.lab.docs import include_tables
+
+    res = run_lab(
+        str(REPO / "lab" / "E.yaml"),
+        aggregate_only=True,
+        from_archive=REPO / "lab" / "data" / "E.tar.xz",
+        out=tmp_path / "report",
+        log=lambda m: None,
+    )
+    assert {a: sorted(s) for a, s in res["lab"].runs.items()} == {
+        a: list(range(16, 24)) for a in ("exact", "noise-2", "bias", "engine")
+    }
+    committed = (REPO / "docs" / "lab-results.md").read_bytes()
+    doc = tmp_path / "lab-results.md"
+    doc.write_bytes(committed)
+    include_tables(doc, "E", (tmp_path / "report" / "tables.md").read_text())
+    assert doc.read_bytes() == committed
+
+
 # ------------------------------------------------------------------------- hostile archives and targets (issue 56)
 
 

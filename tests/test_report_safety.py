@@ -12,7 +12,7 @@ Item 8, an integer no float can hold (``tim_megatron/logging/tracker.py`` ``read
     out of its row (the bad step and the deep row are skipped), each with a notice naming the file and line;
     the report and the lab statistics are computed from the rest.
 
-Item 9, a link to ``/dev/zero`` and a FIFO (``tim_megatron/logging/untrusted.py``)
+Item 9, a link to ``/dev/zero`` and a FIFO (``tim_megatron/untrusted.py``)
   * ``metrics.jsonl`` and ``run.json`` as links to ``/dev/zero``; ``metrics.jsonl``, ``run.json`` and a token
     dump as FIFOs. Before: ``/dev/zero`` was read without limit (the 1 MiB check read ``st_size``, which is 0)
     until memory ran out, and a FIFO hung ``tim report`` forever. Now: only regular files are opened (checked
@@ -195,7 +195,7 @@ def test_the_lab_aggregate_passes_over_fifos_and_device_links(tmp_path):
 
 
 def test_reads_are_bounded_by_bytes_read_not_by_st_size(tmp_path):
-    from tim_megatron.logging.untrusted import UnreadableFile, open_regular, read_bounded
+    from tim_megatron.untrusted import UnreadableFile, open_regular, read_bounded
 
     f = tmp_path / "big.json"
     f.write_bytes(b"x" * 1000)

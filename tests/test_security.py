@@ -81,7 +81,7 @@ Item 2, a checkpoint that runs code when loaded (``trainer/checkpoint.py``, ``tr
     (``test_rng_state_is_tensors_and_json_and_an_older_pt_file_still_loads``). What stays trusted: the
     installed libraries, and a folder that does not change mid-load.
 
-Item 9, files that are not files (``logging/untrusted.py``; tests in ``test_report_safety.py``)
+Item 9, files that are not files (``untrusted.py``; tests in ``test_report_safety.py``)
   * ``metrics.jsonl`` / ``run.json`` / a dump as a link to ``/dev/zero`` or a FIFO. Before: read without limit
     (the 1 MiB cap checked ``st_size``, 0) or a hang. Now: only regular files are opened (O_NONBLOCK, fstat
     after open) and reads are bounded by bytes read (``test_links_to_dev_zero_and_fifos_are_not_read``,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
-from tim_megatron.logging.untrusted import recorded, terminal
 from tim_megatron.report.settings import WarningSettings
+from tim_megatron.untrusted import recorded, terminal
 
 app = typer.Typer(
     add_completion=False,

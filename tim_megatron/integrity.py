@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from tim_megatron.logging.untrusted import open_regular
+from tim_megatron.untrusted import open_regular
 
 
 class IntegrityWarning(UserWarning):
@@ -15,7 +15,7 @@ class IntegrityWarning(UserWarning):
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     """sha256 of the regular file ``path``; anything else (a FIFO would block, a device never end) is refused with
-    :class:`tim_megatron.logging.untrusted.UnreadableFile` before it is read. Checkpoints refuse links first
+    :class:`tim_megatron.untrusted.UnreadableFile` before it is read. Checkpoints refuse links first
     (:func:`tim_megatron.trainer.checkpoint.refuse_special`)."""
     h = hashlib.sha256()
     with open_regular(path) as f:

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tim_megatron.logging.untrusted import recorded
 from tim_megatron.observer import NO_OBSERVER, StepObserver
 from tim_megatron.recipe import LoadedRecipe, Recipe
 from tim_megatron.rl import phases, plumbing
@@ -28,6 +27,7 @@ from tim_megatron.rollout.faults import EngineLost
 from tim_megatron.run_dir import RunDirNotWritable, record_step
 from tim_megatron.safe_files import write_atomic
 from tim_megatron.stop import EXIT_PREEMPTED, StopRequest
+from tim_megatron.untrusted import recorded
 
 if TYPE_CHECKING:
     from tim_megatron.run_setup import Prepared

@@ -14,7 +14,8 @@ recipe's strings itself:
   its library version and whether the environment needs it).
 
 The recipe's validators (``recipe/``) keep their own checks on the raw fields: they run before modes exist, and
-ask :func:`rollout_backend` and :func:`captures_routes` the two decisions they need. ``tests/test_modes.py`` fails
+ask ``recipe/decisions.py`` the two decisions they need (:func:`rollout_backend`, :func:`captures_routes`, which
+this module re-exports). ``tests/test_modes.py`` fails
 on a read of the mode fields anywhere else.
 """
 
@@ -24,24 +25,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from tim_megatron.attention_kinds import AttentionKind, attention_kind
+from tim_megatron.recipe.decisions import captures_routes, rollout_backend
 
 if TYPE_CHECKING:
     from tim_megatron.recipe.schema import Recipe
 
-
-def rollout_backend(recipe: Recipe) -> str:
-    """What samples the responses: ``rollout.backend``, or what ``diagnostics.vexact`` implies when it is unset
-    (exact mode: the trainer's exact sampler; otherwise vLLM)."""
-    if recipe.rollout.backend is not None:
-        return recipe.rollout.backend
-    return "trainer" if recipe.diagnostics.vexact == "exact" else "vllm"
-
-
-def captures_routes(recipe: Recipe) -> bool:
-    """The rollout records the experts it routed each token to: asked for (``rollout.capture_routed_experts``, for the
-    agreement metric) or needed (R3 replays them in the trainer). The model must have experts as well
-    (:attr:`Routing.capture`)."""
-    return recipe.rollout.capture_routed_experts or recipe.remedies.router_replay == "r3"
+__all__ = ["Routing", "RunModes", "captures_routes", "modes_of", "rollout_backend"]
 
 
 RoutingMode = Literal["off", "record", "replay"]

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tim_megatron.logging.untrusted import recorded
 from tim_megatron.recipe import LoadedRecipe
+from tim_megatron.untrusted import recorded
 
 if TYPE_CHECKING:  # the parts' types; importing them starts megatron-core and vLLM
     from tim_megatron.data.sources import PromptSource

@@ -34,15 +34,13 @@ def moe_layers(model) -> list:
     return [m for m in unwrap(model).modules() if isinstance(m, MoELayer)]
 
 
-def install(model) -> int:
-    """Replace the token dispatcher of every MoE layer of ``model`` (built, not yet wrapped in DDP); returns how many
-    layers (0 for a dense model)."""
+def install(model, cls) -> int:
+    """Replace the token dispatcher of every MoE layer of ``model`` (built, not yet wrapped in DDP) with one of
+    ``cls`` (the trainer's ``IndexedTokenDispatcher``: :func:`tim_megatron.trainer.dispatch.indexed_dispatcher_class`,
+    handed in so that this patch imports nothing of the trainer); returns how many layers (0 for a dense model)."""
     check_version(SPEC)
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from tim_megatron.trainer.dispatch import indexed_dispatcher_class
-
-    cls = indexed_dispatcher_class()
     layers = moe_layers(model)
     for layer in layers:
         old = layer.token_dispatcher

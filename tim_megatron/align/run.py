@@ -12,9 +12,9 @@ import torch
 from tim_megatron.align.capture import Capture, decoder_layers, engine_capture, hf_capture, trainer_capture
 from tim_megatron.align.compare import Alignment, compare
 from tim_megatron.align.floor import measure_floor, tolerance_of
-from tim_megatron.logging.untrusted import recorded
 from tim_megatron.modes import modes_of
 from tim_megatron.recipe import LoadedRecipe
+from tim_megatron.untrusted import recorded
 
 
 @dataclass(frozen=True)

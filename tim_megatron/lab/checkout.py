@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tim_megatron.lab.grid import Grid, GridError
-from tim_megatron.logging.untrusted import printable, shown
 from tim_megatron.safe_files import regular_file
+from tim_megatron.untrusted import printable, shown
 
 GIT_TIMEOUT_S = 30.0
 COMMIT = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from tim_megatron import clock
 from tim_megatron.lab.checkout import GitAnswer, RunCode, git
-from tim_megatron.logging.untrusted import shown
 from tim_megatron.safe_files import UnsafePathError, read_bytes
+from tim_megatron.untrusted import shown
 
 ROOT = Path(__file__).resolve().parents[2]
 RULE_FILES = (

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from tim_megatron import metric_names as names
 from tim_megatron.lab import runstats
-from tim_megatron.logging.untrusted import shown
 from tim_megatron.run_dir import RECIPE_FILE
 from tim_megatron.safe_files import copy_regular, regular_file, write_atomic
+from tim_megatron.untrusted import shown
 
 NOTICES_PER_RUN = 5
 """Wrong-typed values named per run (the rest are counted)."""

@@ -38,8 +38,8 @@ import warnings
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 
-from tim_megatron.logging.untrusted import open_regular, recorded
 from tim_megatron.safe_files import check_inside, open_append
+from tim_megatron.untrusted import open_regular, recorded
 
 ENGINE_LOGGER = "vllm"
 """The logger vLLM logs through (its modules log to children of it)."""

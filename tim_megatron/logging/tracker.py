@@ -17,9 +17,9 @@ from typing import BinaryIO
 
 from tim_megatron import metric_names as names
 from tim_megatron import safe_files
-from tim_megatron.logging.untrusted import UnreadableFile, open_regular, printable, shown
 from tim_megatron.recipe.schema import Recipe
 from tim_megatron.safe_files import open_append, write_atomic
+from tim_megatron.untrusted import UnreadableFile, open_regular, printable, shown
 
 SUMMARY_KEYS = (
     ("reward", names.REWARD, "{:.3f}"),

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from tim_megatron.integrity import IntegrityWarning, sha256_file
-from tim_megatron.logging.untrusted import printable
 from tim_megatron.recipe.schema import ModelDims, TaskConfig
+from tim_megatron.untrusted import printable
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"

@@ -27,8 +27,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tim_megatron.logging.untrusted import clip
 from tim_megatron.recipe.schema import NAME_PATTERN, Recipe, RecipeValueError
+from tim_megatron.untrusted import clip
 
 OVERRIDE_SOURCE = "command line"
 MAX_YAML_BYTES = 1 << 20

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import itertools
 
-from tim_megatron.modes import rollout_backend
 from tim_megatron.recipe.base import RecipeValueError
+from tim_megatron.recipe.decisions import rollout_backend
 
 
 def check_recipe(r) -> None:

@@ -16,8 +16,8 @@ import math
 import os
 from pathlib import Path
 
-from tim_megatron.logging.untrusted import shown
 from tim_megatron.safe_files import UnsafePathError, copy_regular, read_text
+from tim_megatron.untrusted import shown
 
 MAX_JSON_BYTES = 16 << 20
 """An ``align.json`` larger than this is not read (a 94-layer model's is a few hundred KiB)."""

@@ -7,7 +7,7 @@ different sweeps mixed on purpose, runs still in progress (reported as far as th
 A run folder is data, not code, and may have been written by anyone: every identifier read back from it
 (``name``, ``sweep_id``, ``status`` in ``run.json``) must match a strict pattern before the report uses it in a
 path, a file name, a page or generated code. One that does not is dropped with a notice. Only regular files
-are read, each within a size limit (:mod:`tim_megatron.logging.untrusted`); ``recipe.yaml`` is read as it
+are read, each within a size limit (:mod:`tim_megatron.untrusted`); ``recipe.yaml`` is read as it
 stands (a run folder holds its recipe resolved), so a ``base:`` in it is never followed. Notices are the one
 channel for problems (the command line prints them once); each is made :func:`printable` before it is shown.
 
@@ -29,9 +29,9 @@ import numpy as np
 from tim_megatron import metric_names as names
 from tim_megatron.logging.summary import series
 from tim_megatron.logging.tracker import MetricsError, read_metrics
-from tim_megatron.logging.untrusted import UnreadableFile, open_regular, shown
-from tim_megatron.logging.untrusted import printable as printable  # the command line's notices use it
 from tim_megatron.recipe.schema import NAME_PATTERN
+from tim_megatron.untrusted import UnreadableFile, open_regular, shown
+from tim_megatron.untrusted import printable as printable  # the command line's notices use it
 
 MISMATCH = names.RHO_STD
 STATUS_PATTERN = r"^[a-z][a-z_-]{0,31}$"

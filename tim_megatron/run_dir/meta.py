@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tim_megatron.logging.untrusted import UnreadableFile, printable, read_bounded
+from tim_megatron.untrusted import UnreadableFile, printable, read_bounded
 
 META_FILE = "run.json"
 MAX_META_BYTES = 16 * 2**20

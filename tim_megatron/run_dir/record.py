@@ -17,11 +17,11 @@ import socket
 from pathlib import Path
 
 from tim_megatron import clock
-from tim_megatron.logging.untrusted import clip, shown
 from tim_megatron.run_dir.errors import StatusTransitionError
 from tim_megatron.run_dir.meta import META_FILE, RecordError, read_record
 from tim_megatron.safe_files import UnsafePathError, open_append, regular_file, write_atomic
 from tim_megatron.stop import EXIT_PREEMPTED
+from tim_megatron.untrusted import clip, shown
 
 RESERVE_FILE = ".run.json.reserve"
 """Space set aside at the start of an attempt, given back when ``run.json`` cannot be written (full disk)."""
@@ -125,7 +125,7 @@ def resume_note(meta: dict, *, start_step: int) -> str | None:
 def _field(value: object, limit: int = 80) -> str:
     """A short field of ``run.json`` in the resume note: a string clipped, anything else as ``repr`` shows it (a
     megabyte-long id or step costs a line, not a screen). The console escapes what it prints
-    (:func:`tim_megatron.logging.untrusted.recorded`)."""
+    (:func:`tim_megatron.untrusted.recorded`)."""
     if isinstance(value, str):
         return clip(value, limit)
     if value is None or (type(value) is int and abs(value) < 10**12):

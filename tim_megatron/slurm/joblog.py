@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tim_megatron.logging.untrusted import printable, shown
+from tim_megatron.untrusted import printable, shown
 
 MAX_TAIL_BYTES = 4 * 2**20
 """Most bytes ``tim logs`` reads from the end of a log, whatever ``--lines`` asks."""

@@ -21,8 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tim_megatron.logging.untrusted import shown
 from tim_megatron.run_dir.meta import MAX_META_BYTES, META_FILE, RecordError, read_record
+from tim_megatron.untrusted import shown
 
 RECORD_FILE = META_FILE
 MAX_RECORD_BYTES = MAX_META_BYTES
@@ -54,7 +54,7 @@ def is_completed(run_dir: str | Path) -> bool:
 
 def status_summary(record: dict) -> str:
     """One printable line naming the record's :data:`STATUS_KEYS` that it has (``status = 'failed'; reason =
-    '...'``): each value quoted and escaped (:func:`~tim_megatron.logging.untrusted.shown`) and clipped, the
+    '...'``): each value quoted and escaped (:func:`~tim_megatron.untrusted.shown`) and clipped, the
     line at most :data:`MAX_STATUS_CHARS`."""
     parts = [f"{key} = {shown(record[key], limit)}" for key, limit in STATUS_KEYS.items() if key in record]
     line = "; ".join(parts) if parts else f"{RECORD_FILE} names no {', '.join(STATUS_KEYS)}"

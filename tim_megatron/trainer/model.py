@@ -21,7 +21,7 @@ from patches.megatron.modules import unwrap
 from tim_megatron.attention_kinds import attention_kind
 from tim_megatron.recipe.schema import ModelConfig, ModelDims, ParallelismConfig
 from tim_megatron.trainer.attention import LayerKernels, uses_explicit_mask
-from tim_megatron.trainer.dispatch import resolve_dispatcher
+from tim_megatron.trainer.dispatch import indexed_dispatcher_class, resolve_dispatcher
 from tim_megatron.trainer.norm import SequenceParallelRMSNorm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -217,7 +217,7 @@ def build_model(dims: ModelDims, model_cfg: ModelConfig, parallel: ParallelismCo
         parallel_output=True,
     )
     if dims.is_moe and resolve_dispatcher(opts.dispatcher, on_gpu=torch.cuda.is_available()) == "indexed":
-        indexed_dispatcher.install(model)
+        indexed_dispatcher.install(model, indexed_dispatcher_class())
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if model_cfg.freeze_router:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tim_megatron.attention_kinds import attention_kind
-from tim_megatron.logging.untrusted import shown
 from tim_megatron.recipe.schema import ModelDims
 from tim_megatron.trainer.weights.mapping import Rule
+from tim_megatron.untrusted import shown
 
 
 class UnsupportedModelError(ValueError):
