@@ -201,8 +201,9 @@ def test_which_kernels_a_run_gets():
     assert resolve_experts("auto", exact=False, dtype=torch.bfloat16, on_gpu=on_gpu) == want_auto
     assert resolve_experts("grouped", exact=False, dtype=torch.float32, on_gpu=False) == "grouped"
     assert resolve_experts("grouped", exact=True, dtype=torch.float32, on_gpu=False) == "loop"
-    assert resolve_attention("auto", exact=False) == ("sdpa" if on_gpu else "materialized")
-    assert resolve_attention("sdpa", exact=True) == "materialized"
+    assert resolve_attention("auto", exact=False, on_gpu=on_gpu) == ("sdpa" if on_gpu else "materialized")
+    assert resolve_attention("auto", exact=False, on_gpu=True) == "sdpa"  # the device the run will train on
+    assert resolve_attention("sdpa", exact=True, on_gpu=True) == "materialized"
     # the kernel's strides must be multiples of 16 bytes: an expert width of 36 in bfloat16 is refused by name
     with pytest.raises(
         ValueError, match=r"trainer.experts = grouped: rows of 36 torch.bfloat16 values .* 8 here"
@@ -214,7 +215,7 @@ def test_which_kernels_a_run_gets():
     with pytest.raises(ValueError, match=r"trainer.experts = 'fast'; allowed: auto, loop, grouped"):
         resolve_experts("fast", exact=False, dtype=torch.float32, on_gpu=False)
     with pytest.raises(ValueError, match=r"trainer.attention = 'flash'; allowed: auto, sdpa, materialized"):
-        resolve_attention("flash", exact=False)
+        resolve_attention("flash", exact=False, on_gpu=False)
 
 
 @pytest.mark.parametrize(

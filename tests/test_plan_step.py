@@ -164,8 +164,9 @@ def test_a_bad_planning_value_is_a_named_error(override, wanted):
 
 def test_the_plan_counts_the_rollout_backend_it_has():
     """The vLLM backend holds its own weights and KV cache in its GPU share; the exact sampler (the trainer
-    backend) holds no copy and only a KV cache for one group, in the trainer's dtype and TP."""
-    from tim_megatron.slurm.plan import kv_cache_bytes_per_token
+    backend) holds no copy, and its cache: every row of its data-parallel rank at the training width, in the
+    trainer's dtype and TP (exact_cache)."""
+    from tim_megatron.slurm.plan import exact_cache, kv_cache_bytes_per_token
 
     vllm = estimate(load_recipe("recipes/qwen3-30b-a3b/gspo.yaml", ["parallel.ep=2"]).recipe)
     exact = load_recipe(
@@ -177,8 +178,11 @@ def test_the_plan_counts_the_rollout_backend_it_has():
     )
     assert vllm.vllm_weights > 0 and vllm.vllm_share > vllm.vllm_weights
     assert plan.vllm_weights == 0 and plan.gpu_memory_utilization == 0
-    assert plan.vllm_kv_cache == plan.kv_needed == per_token * exact.rollout.max_model_len * exact.rollout.n
-    assert plan.trainer_state == vllm.trainer_state and plan.rollout_phase < vllm.rollout_phase
+    rows = exact.data.prompts_per_step * exact.rollout.n // exact.parallel.dp
+    width = exact.data.max_prompt_tokens + exact.rollout.max_tokens
+    assert plan.vllm_kv_cache == plan.kv_needed == exact_cache(exact).cache == per_token * rows * width
+    assert plan.trainer_state == vllm.trainer_state
+    assert plan.rollout_phase == plan.sync_state + exact_cache(exact).cache  # the whole cache beside the trainer
 
 
 def test_the_off_policy_steps_are_printed_only_where_the_recipe_can_run_them():

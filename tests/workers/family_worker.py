@@ -322,7 +322,9 @@ def kernel_refusal(recipe) -> str:
     dims = recipe.model.dims
     if not (dims.attention_sinks or dims.sliding_window):
         return ""
-    kernels = LayerKernels(attention=resolve_attention(recipe.trainer.attention, exact=False))
+    kernels = LayerKernels(
+        attention=resolve_attention(recipe.trainer.attention, exact=False, on_gpu=torch.cuda.is_available())
+    )
     try:
         get_family(dims.resolved_family).layer_specs(dims, False, kernels=kernels)
     except ValueError as e:

@@ -481,8 +481,7 @@ def decode_attention_problems(
         v = torch.randn(1, width, hn, generator=g).to(device, dtype)
         full_mask = causal.repeat(per, 1).view(1, per * width, width).to(device)
         full = attend(kernels, q, k, v, full_mask, hn**-0.5, dtype).view(per, width, hn)
-        wide = kernels.compute_dtype(dtype)  # the cache's storage
-        kc, vc = k.to(wide), v.to(wide)
+        kc, vc = k, v  # the cache stores them in the model's dtype, as the training forward holds them
         bad = []
         for stack in [(p,) for p in DECODE_POSITIONS] + [(5, 6)]:
             rows = torch.tensor(stack)

@@ -42,10 +42,13 @@ RULE_FILES = (
     "tim_megatron/lab/grid.py",
     "tim_megatron/lab/detectors.py",
     "tim_megatron/algo/early_warning.py",
+    "tim_megatron/warning_defaults.py",
+    "tim_megatron/logging/summary.py",
 )
 """The code that decides the verdicts: the claims' rules, the per-run numbers they read (collapse, growth, the
-policy outcome), the per-arm deficits, the statistics, the grid's rule keys, and the early-warning detectors
-(C8's surge, C8/C9's onset, the detectors table) with their evaluation."""
+policy outcome), the per-arm deficits, the statistics, the grid's rule keys, the early-warning detectors
+(C8's surge, C8/C9's onset, the detectors table) with their evaluation, the detectors' default settings and the
+series every per-run number is read from."""
 MAX_RULE_FILE_BYTES = 4 << 20
 EARLIEST_START = 946684800.0
 """2000-01-01 00:00 UTC: a recorded start before it (year 1, the epoch) is not taken for a run's start."""

@@ -211,6 +211,7 @@ class ExactSampler:
                 positions=[results[row].position for row in active],
                 greedy=greedy,
                 injection=inject,
+                temperature=self.recipe.rollout.temperature,
             )
             rows_t, pos_t, ids = (torch.tensor(col, dtype=torch.long) for col in zip(*entries, strict=True))
             lp, routed = tr.decode_forward(
@@ -251,6 +252,7 @@ class ExactSampler:
                 positions=[results[row].position for row in active],
                 greedy=greedy,
                 injection=inject,
+                temperature=self.recipe.rollout.temperature,
             )
             lp, routed = self.trainer.sample_forward(ids, chooser, record=self.capture)
             forwards += 1
@@ -371,8 +373,11 @@ class _Chooser:
         positions: list[int],
         greedy: bool,
         injection: SamplingInjection | None,
+        temperature: float,
     ):
         self.trainer = trainer
+        self.temperature = temperature
+        """``rollout.temperature``: the sampling distribution's."""
         self.rows = rows
         self.pred = [length - 1 for length in lengths]  # the position whose logits predict the next token
         self.seeds = seeds
@@ -392,8 +397,7 @@ class _Chooser:
         # [k, V] on the head's device: a copy (the cross-entropy consumes ``logits``)
         z = _full_vocab(logits[pos, rows].float())
         tr = self.trainer
-        temperature = tr.recipe.rollout.temperature
-        z = z * (tr.head.temperature / temperature)  # the head divided by its own temperature already
+        z = z * (tr.head.temperature / self.temperature)  # the head divided by its own temperature already
         seeds = torch.tensor([self.seeds[k] for k in here], dtype=torch.long)
         positions = torch.tensor([self.positions[k] for k in here], dtype=torch.long)
         scores = z if self.greedy or self.injection is None else self._mu(z, here)

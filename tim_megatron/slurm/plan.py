@@ -91,25 +91,27 @@ class ExactCache:
     width: int
     """Positions per row: the longest prompt plus the budget (the old-logprob pass's width)."""
     cache: int
-    """Bytes of keys and values per GPU, in the row-invariant kernels' compute dtype (float32 for 16-bit models);
+    """Bytes of keys and values per GPU, in the model's dtype (as the training forward holds them);
     also what one decode step reads in place with every row live (a per-step gather of the rows would copy twice
     that: the gather, then the heads' reshape)."""
 
 
-def exact_cache(recipe: Recipe) -> ExactCache | None:
-    """:class:`ExactCache` for ``recipe`` (None for latent attention, which exact mode does not cache)."""
+def exact_cache(recipe: Recipe, *, tp: int | None = None, dp: int | None = None) -> ExactCache | None:
+    """:class:`ExactCache` for ``recipe`` at its layout, or at another tensor- and data-parallel size (the layout
+    :func:`estimate` tries); None for latent attention, which exact mode does not cache."""
     from tim_megatron.exact.kv_cache import cache_bytes
 
     d, r, p = recipe.model.dims, recipe.rollout, recipe.parallel
     if not attention_kind(d).exact_cache:
         return None
-    rows = math.ceil(recipe.data.prompts_per_step * r.n / max(p.dp, 1))
+    tp, dp = tp or p.tp, dp or p.dp
+    rows = math.ceil(recipe.data.prompts_per_step * r.n / max(dp, 1))
     width = recipe.data.max_prompt_tokens + r.max_tokens
     total = cache_bytes(
         rows=rows,
         width=width,
         layers=d.num_layers,
-        groups=max(math.ceil(d.num_key_value_heads / p.tp), 1),
+        groups=max(math.ceil(d.num_key_value_heads / tp), 1),
         head_dim=d.head_dim,
         dtype_bytes=_BYTES[recipe.trainer_dtype],  # the model's dtype, as the training forward holds them
     )
@@ -287,8 +289,8 @@ def estimate(
 ) -> Plan:
     """The recipe's plan, or the plan it would have with another layout (unset: the recipe's own).
     ``materialized_attention``: count the attention scores (megatron-core's local spec, without
-    transformer-engine's fused attention); unset: where the trainer would build the materialized attention (CPU,
-    exact mode; :func:`_kernels`). ``offload``: another ``trainer.offload_during_rollout`` (unset: the recipe's).
+    transformer-engine's fused attention); unset: on CPU, and where the trainer would build the materialized
+    attention on GPUs (exact mode; :func:`_kernels`). ``offload``: another ``trainer.offload_during_rollout`` (unset: the recipe's).
     ``grouped_experts``: count the grouped experts' transient stack of one layer's local fc1 weights
     (:mod:`tim_megatron.trainer.experts`); unset: where the trainer would take the grouped path (:func:`_kernels`:
     GPUs, ``grouped``, or ``auto`` in bfloat16 without expert biases, not in exact mode)."""
@@ -313,8 +315,8 @@ def estimate(
     optimizer = 12 * (dense_local / (dp if dist_opt else 1) + expert_local / (edp if dist_opt else 1))
     s, b, h = r.max_model_len, recipe.trainer.micro_batch_size, d.hidden_size
     choice = _kernels(recipe, on_gpu=bool(c.gpus_per_node))
-    if materialized_attention is None:
-        materialized_attention = choice.attention == "materialized"
+    if materialized_attention is None:  # on CPU megatron's local attentions (latent too) hold the scores
+        materialized_attention = not c.gpus_per_node or choice.attention == "materialized"
     scores = 5 * d.num_attention_heads * s * s * b / tp if materialized_attention else 0
     layer = 34 * s * b * h / tp + scores
     if recipe.trainer.recompute == "full":
@@ -358,7 +360,7 @@ def estimate(
         kv_needed = kv_cache_bytes_per_token(d, rollout_tp=rtp, dtype=recipe.rollout_dtype) * s * r.n
     else:  # the exact sampler: the trainer's weights, and its cache (every row of the rank at the training width)
         rtp, util, vllm_w = tp, 0.0, 0.0
-        ex = exact_cache(recipe)
+        ex = exact_cache(recipe, tp=tp, dp=dp)
         kv = share = kv_needed = (
             ex.cache
             if ex is not None
