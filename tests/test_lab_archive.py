@@ -118,47 +118,33 @@ def test_from_archive_runs_nothing_and_says_what_it_needs(tmp_path):
         )
 
 
-def test_ds_tables_in_the_docs_regenerate_byte_for_byte_from_its_committed_runs(tmp_path):
-    """docs/lab-results.md's generated block for experiment D is the tables.md of a report rebuilt from
-    lab/data/D.tar.xz alone (39 runs: 3 arms x seeds 3-15), byte for byte."""
+GENERATED_BLOCKS = {
+    "D": (range(3, 16), ("exact", "inject-noise-1", "inject-noise-3")),
+    "E": (range(16, 24), ("exact", "noise-2", "bias", "engine")),
+}
+"""The experiments whose docs block regenerates from a committed archive: their seeds and arms."""
+
+
+@pytest.mark.parametrize("name", sorted(GENERATED_BLOCKS))
+def test_the_docs_tables_regenerate_byte_for_byte_from_the_committed_runs(tmp_path, name):
+    """docs/lab-results.md's generated block for experiment ``name`` is the tables.md of a report rebuilt from
+    lab/data/<name>.tar.xz alone (D: 39 runs, 3 arms x seeds 3-15; E: 32 runs, 4 arms x seeds 16-23), byte for
+    byte."""
     from tim_megatron.lab.docs import include_tables
 
+    seeds, arms = GENERATED_BLOCKS[name]
     res = run_lab(
-        str(REPO / "lab" / "D.yaml"),
+        str(REPO / "lab" / f"{name}.yaml"),
         aggregate_only=True,
-        from_archive=REPO / "lab" / "data" / "D.tar.xz",
+        from_archive=REPO / "lab" / "data" / f"{name}.tar.xz",
         out=tmp_path / "report",
         log=lambda m: None,
     )
-    assert {a: sorted(s) for a, s in res["lab"].runs.items()} == {
-        a: list(range(3, 16)) for a in ("exact", "inject-noise-1", "inject-noise-3")
-    }
+    assert {a: sorted(s) for a, s in res["lab"].runs.items()} == {a: list(seeds) for a in arms}
     committed = (REPO / "docs" / "lab-results.md").read_bytes()
     doc = tmp_path / "lab-results.md"
     doc.write_bytes(committed)
-    include_tables(doc, "D", (tmp_path / "report" / "tables.md").read_text())
-    assert doc.read_bytes() == committed
-
-
-def test_es_tables_in_the_docs_regenerate_byte_for_byte_from_its_committed_runs(tmp_path):
-    """docs/lab-results.md's generated block for experiment E is the tables.md of a report rebuilt from
-    lab/data/E.tar.xz alone (32 runs: 4 arms x seeds 16-23, all from one clean commit), byte for byte."""
-    from tim_megatron.lab.docs import include_tables
-
-    res = run_lab(
-        str(REPO / "lab" / "E.yaml"),
-        aggregate_only=True,
-        from_archive=REPO / "lab" / "data" / "E.tar.xz",
-        out=tmp_path / "report",
-        log=lambda m: None,
-    )
-    assert {a: sorted(s) for a, s in res["lab"].runs.items()} == {
-        a: list(range(16, 24)) for a in ("exact", "noise-2", "bias", "engine")
-    }
-    committed = (REPO / "docs" / "lab-results.md").read_bytes()
-    doc = tmp_path / "lab-results.md"
-    doc.write_bytes(committed)
-    include_tables(doc, "E", (tmp_path / "report" / "tables.md").read_text())
+    include_tables(doc, name, (tmp_path / "report" / "tables.md").read_text())
     assert doc.read_bytes() == committed
 
 

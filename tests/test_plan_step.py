@@ -182,7 +182,9 @@ def test_the_plan_counts_the_rollout_backend_it_has():
     width = exact.data.max_prompt_tokens + exact.rollout.max_tokens
     assert plan.vllm_kv_cache == plan.kv_needed == exact_cache(exact).cache == per_token * rows * width
     assert plan.trainer_state == vllm.trainer_state
-    assert plan.rollout_phase == plan.sync_state + exact_cache(exact).cache  # the whole cache beside the trainer
+    assert (
+        plan.rollout_phase == plan.sync_state + exact_cache(exact).cache
+    )  # the whole cache beside the trainer
 
 
 def test_the_off_policy_steps_are_printed_only_where_the_recipe_can_run_them():
