@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 import torch
 
-
 _DTYPE = torch.float64
 
 
