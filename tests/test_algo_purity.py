@@ -21,9 +21,9 @@ def test_algo_has_no_engine_imports():
                 assert not n.startswith(("megatron", "vllm", "transformer_engine", "apex")), (
                     f"{f.name} imports {n}"
                 )
-                assert not n.startswith("tim_megatron.") or n.startswith("tim_megatron.algo"), (
-                    f"{f.name} imports {n}"
-                )
+                # the algo package's own modules, and the detectors' default settings (constants, nothing else)
+                leaf = n.startswith(("tim_megatron.algo", "tim_megatron.warning_defaults"))
+                assert not n.startswith("tim_megatron.") or leaf, f"{f.name} imports {n}"
 
 
 def test_algo_runs_on_the_inputs_device():
