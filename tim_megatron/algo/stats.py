@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
+from tim_megatron.comm import comm_device
+
 _DTYPE = torch.float64
 
 
@@ -89,7 +91,7 @@ class Stats:
                 continue
             names = sorted(table)
             flat = torch.cat([table[n].reshape(-1) for n in names])
-            device = _collective_device(group)
+            device = comm_device(group)
             flat = flat.to(device)
             dist.all_reduce(flat, op=op, group=group)
             offset = 0
@@ -98,15 +100,6 @@ class Stats:
                 table[n] = flat[offset : offset + numel].reshape(table[n].shape).cpu()
                 offset += numel
         return self
-
-
-def _collective_device(group) -> torch.device:
-    """As tim_megatron.comm.comm_device (algo/ imports nothing of the engines or the trainer)."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def safe_div(num: torch.Tensor | float, den: torch.Tensor | float) -> float:
